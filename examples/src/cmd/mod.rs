@@ -1,0 +1,4 @@
+//! The subcommands, one module each. Each has an `Args` struct and a `run(Args) -> Result<(), String>`;
+//! an `Err` is printed as a one-line error and the process exits with status 1.
+
+pub mod inspect;
