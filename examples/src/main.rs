@@ -17,12 +17,24 @@ struct Cli {
 enum Command {
     /// List a GGUF or PowerInfer file's header, metadata and tensors.
     Inspect(cmd::inspect::Args),
+    /// Benchmarks (`bench kernels`: CPU kernel throughput against memory bandwidth).
+    Bench(cmd::bench::Args),
+    /// Print the token ids of a text under a GGUF file's tokenizer.
+    Tokenize(cmd::tokenize::Args),
+    /// Write a seeded synthetic ReLU-sparse model (PowerInfer file, dense twin, activation stats).
+    Synth(Box<cmd::synth::Args>),
+    /// Convert a GGUF or PowerInfer file's weights to another type (keeps the PWRI magic).
+    Quantize(cmd::quantize::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => cmd::inspect::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+        Command::Tokenize(args) => cmd::tokenize::run(args),
+        Command::Synth(args) => cmd::synth::run(*args),
+        Command::Quantize(args) => cmd::quantize::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

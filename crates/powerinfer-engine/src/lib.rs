@@ -1,8 +1,13 @@
 //! # powerinfer-engine
 //!
-//! This crate will own the product: loading PowerInfer (`PWRI`) and llama.cpp (`GGUF`) model
-//! files, the tokenizers built from GGUF metadata, sampling, the KV cache, the CPU and GPU
-//! backends, the hybrid scheduler that splits each sparse FFN between them, and the generation
-//! API (`Engine`, sessions, streamed tokens, logits).
+//! The inference engine of powerinfer-rs. So far it holds:
 //!
-//! Nothing is implemented yet; see `ARCHITECTURE.md`.
+//! - [`tokenizer`]: the tokenizers built from GGUF metadata (SentencePiece and byte-level BPE,
+//!   matching llama.cpp token for token);
+//! - [`synth`]: model-file tools (synthetic ReLU-sparse models, quantization).
+//!
+//! Model loading, sampling, the KV cache, the CPU/GPU backends, the hybrid scheduler and the
+//! generation API are not written yet (see `ARCHITECTURE.md`).
+
+pub mod synth;
+pub mod tokenizer;

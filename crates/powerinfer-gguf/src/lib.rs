@@ -7,8 +7,28 @@
 //!
 //! Data flows one way: bytes (usually a memory map) -> [`GgmlType`]-typed tensor views ->
 //! kernels. Nothing in this crate knows about models or inference.
+//!
+//! - [`GgufFile::open`] maps a file and parses its header, metadata ([`Metadata`]) and tensor
+//!   directory ([`TensorInfo`]); tensor bytes are borrowed from the map on demand.
+//!   [`GgufFile::from_bytes`] does the same for bytes in memory.
+//! - [`GgufWriter`] writes files with tensor data streamed one tensor at a time.
+//! - [`gpuidx::GpuIndex`] reads and writes the GPU-index file.
+//! - [`split::SplitModel`] opens `NAME-0000i-of-0000n.gguf` parts as one tensor directory.
+//!
+//! Malformed input never panics: every problem is a [`GgufError`] that names the byte offset.
 
+pub mod error;
+pub mod gpuidx;
+pub mod metadata;
 pub mod quants;
+pub mod reader;
+pub mod split;
 pub mod types;
+pub mod writer;
 
+pub use error::{GgufError, Result};
+pub use gpuidx::{GpuIndex, LayerGpuIndex};
+pub use metadata::{Array, Metadata, Value, ValueType};
+pub use reader::{FileKind, GgmlBlock, GgufFile, GgufHeader, TensorInfo};
 pub use types::GgmlType;
+pub use writer::{AtomicFile, GgufWriter};

@@ -1,6 +1,25 @@
 //! # powerinfer-kernels-cpu
 //!
-//! This crate will own the CPU kernels: dense GEMV/GEMM over the ggml weight types, PowerInfer's
-//! row-sparse product and sparse axpy over neuron rows, and the rest of a transformer layer
-//! (norms, RoPE, softmax, activations, attention over an F16 KV cache), on plain slices and the
-//! block types of `powerinfer-gguf`, with SIMD chosen at run time and a caller-sized thread pool.
+//! CPU kernels for LLM inference on plain slices and the block types of `powerinfer-gguf`:
+//! dense GEMV/GEMM over the ggml weight types, PowerInfer's row-sparse product and sparse axpy
+//! over neuron rows, and the rest of a transformer layer (norms, RoPE, softmax, activations,
+//! attention over an F16 KV cache), with SIMD chosen at run time and a caller-sized thread pool.
+//!
+//! [`reference`](mod@reference) holds plain f64 implementations that define what every operator
+//! computes; the tests of this crate and of `powerinfer-kernels-cuda` check the fast kernels
+//! against them.
+//!
+//! Matrix kernels: [`MatMul`] over a [`Weights`] view ([`matmul`] lists the operators), on a
+//! caller-sized [`ThreadPool`], with the instruction set chosen at run time ([`Backend`]).
+
+pub mod backend;
+pub mod error;
+pub mod matmul;
+pub mod ops;
+pub mod pool;
+pub mod reference;
+
+pub use backend::Backend;
+pub use error::KernelError;
+pub use matmul::{MatMul, RowSelect, Weights};
+pub use pool::{PoolKind, ThreadPool};

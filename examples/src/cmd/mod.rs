@@ -1,4 +1,9 @@
 //! The subcommands, one module each. Each has an `Args` struct and a `run(Args) -> Result<(), String>`;
 //! an `Err` is printed as a one-line error and the process exits with status 1.
 
+pub mod bench;
 pub mod inspect;
+pub mod progress;
+pub mod quantize;
+pub mod synth;
+pub mod tokenize;

@@ -1,0 +1,928 @@
+//! The generator: plans (activation probabilities, residual spread), tensor row functions and
+//! the streaming writer.
+
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use powerinfer_gguf::quants::{bytes_for_values, quantize as quantize_row};
+use powerinfer_gguf::{FileKind, GgmlType, GgufFile, GgufWriter, Metadata, Value};
+use powerinfer_predictor::pt::{self, PtTensor};
+use powerinfer_predictor::stats::{ActivationStats, SAFETENSORS_FILE_NAME};
+use rayon::prelude::*;
+
+use super::math::{
+    mix64, normal_cdf, normal_ppf, power_law_probabilities, relu_second_moment, stream_key,
+    uniform, unit, P_MAX, P_MIN,
+};
+use super::{
+    predictor_type, vocab, Arch, SynthConfig, SynthError, SynthOutputs, VocabSource, ATTN_STEP,
+    ATTN_VARIANCE_SHARE, BAMBOO_UP_BIAS, BIAS_CHANNEL, BIAS_VALUE, EMBD_STD, FFN_STEP, RMS_EPS,
+};
+
+/// A folder whose files are written under a temporary sibling folder and moved into place by
+/// [`commit`](Staging::commit); dropped uncommitted, the temporary folder is removed.
+struct Staging {
+    temp: PathBuf,
+    dest: PathBuf,
+    committed: bool,
+}
+
+impl Staging {
+    fn new(dest: &Path) -> Result<Staging, SynthError> {
+        let name = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "out".into());
+        let temp = dest.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&temp);
+        std::fs::create_dir_all(&temp).map_err(|source| SynthError::Io {
+            path: temp.clone(),
+            source,
+        })?;
+        Ok(Staging {
+            temp,
+            dest: dest.to_path_buf(),
+            committed: false,
+        })
+    }
+
+    fn commit(mut self) -> Result<(), SynthError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| SynthError::Io { path, source }
+        };
+        std::fs::create_dir_all(&self.dest).map_err(io(&self.dest))?;
+        let entries = std::fs::read_dir(&self.temp).map_err(io(&self.temp))?;
+        for e in entries {
+            let e = e.map_err(io(&self.temp))?;
+            let to = self.dest.join(e.file_name());
+            std::fs::rename(e.path(), &to).map_err(io(&to))?;
+        }
+        self.committed = true;
+        std::fs::remove_dir(&self.temp).map_err(io(&self.temp))
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_dir_all(&self.temp);
+        }
+    }
+}
+
+/// What the generator decided for one layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerPlan {
+    /// Activation probability of each neuron (of the gate; for `bamboo` the neuron's output is
+    /// non-zero with probability `p · Φ(4)`).
+    pub probabilities: Vec<f32>,
+    /// Expected standard deviation of a residual channel (other than the bias channel) at the
+    /// FFN input of this layer; the probabilities hold for residuals with this spread.
+    pub residual_std: f64,
+}
+
+/// What [`synthesize`] produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthReport {
+    /// Vocabulary size.
+    pub n_vocab: usize,
+    /// Predictor rank (hidden width is twice this).
+    pub rank: usize,
+    /// Type of the predictor tensors.
+    pub predictor_type: GgmlType,
+    /// Per-layer plans.
+    pub layers: Vec<LayerPlan>,
+    /// Bytes of the PowerInfer file.
+    pub model_bytes: u64,
+}
+
+/// Types the generator writes 2-D weights in.
+const SYNTH_TYPES: [GgmlType; 7] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+];
+
+fn validate(cfg: &SynthConfig) -> Result<(), SynthError> {
+    let s = &cfg.shape;
+    let bad = |m: String| Err(SynthError::Config(m));
+    if !SYNTH_TYPES.contains(&cfg.ty) {
+        return bad(format!(
+            "type {} is not supported by synth (use F32, F16, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1; \
+             `powerinfer quantize` converts to others)",
+            cfg.ty
+        ));
+    }
+    if s.n_layer == 0 || s.n_embd == 0 || s.n_ff == 0 || s.n_head == 0 || s.n_head_kv == 0 {
+        return bad("every dimension must be positive".into());
+    }
+    if s.n_embd % 32 != 0 || s.n_embd < 64 {
+        return bad(format!(
+            "--embd {} must be a multiple of 32 and at least 64",
+            s.n_embd
+        ));
+    }
+    if s.n_ff % 256 != 0 {
+        return bad(format!(
+            "--ff {} must be a multiple of 256 (PowerInfer's placement solver groups neurons by 256)",
+            s.n_ff
+        ));
+    }
+    if s.n_embd % s.n_head != 0 || s.head_dim() % 2 != 0 {
+        return bad(format!(
+            "--heads {} must divide --embd {} into heads of even size",
+            s.n_head, s.n_embd
+        ));
+    }
+    if s.n_head % s.n_head_kv != 0 {
+        return bad(format!(
+            "--kv-heads {} must divide --heads {}",
+            s.n_head_kv, s.n_head
+        ));
+    }
+    if !(P_MIN * 10.0..=P_MAX / 1.1).contains(&cfg.density) {
+        return bad(format!(
+            "--density {} must lie in [{}, {}]",
+            cfg.density,
+            P_MIN * 10.0,
+            P_MAX / 1.1
+        ));
+    }
+    if !(0.2..1.0).contains(&cfg.skew) {
+        return bad(format!("--skew {} must lie in [0.2, 1)", cfg.skew));
+    }
+    if !(0.0..1.0).contains(&cfg.predictor_noise) {
+        return bad(format!(
+            "--predictor-noise {} must lie in [0, 1)",
+            cfg.predictor_noise
+        ));
+    }
+    let r = cfg.rank();
+    if r % 16 != 0 || r < 16 || r > s.n_embd {
+        return bad(format!(
+            "--predictor-rank {r} must be a multiple of 16 between 16 and --embd {}",
+            s.n_embd
+        ));
+    }
+    if let Some(t) = cfg.sparse_threshold {
+        if !t.is_finite() {
+            return bad("the sparse threshold must be finite".into());
+        }
+    }
+    Ok(())
+}
+
+/// Expected residual standard deviation at the FFN input of layer `l`.
+fn residual_std(l: usize) -> f64 {
+    let attn = ATTN_STEP * ATTN_STEP * ATTN_VARIANCE_SHARE;
+    let ffn = FFN_STEP * FFN_STEP;
+    (EMBD_STD * EMBD_STD + l as f64 * (attn + ffn) + attn).sqrt()
+}
+
+fn plan_layers(cfg: &SynthConfig) -> Result<Vec<LayerPlan>, SynthError> {
+    let n_ff = cfg.shape.n_ff;
+    let sorted = power_law_probabilities(n_ff, cfg.density, cfg.skew).ok_or_else(|| {
+        SynthError::Config(format!(
+            "no power law has mean {} with the top 20% carrying {} of the activations \
+             (probabilities are capped at {P_MAX}); lower --skew or --density",
+            cfg.density, cfg.skew
+        ))
+    })?;
+    Ok((0..cfg.shape.n_layer)
+        .map(|l| {
+            // Seeded Fisher-Yates shuffle: hot neurons are scattered, as in real models.
+            let key = stream_key(cfg.seed, &format!("perm.{l}"));
+            let mut order: Vec<usize> = (0..n_ff).collect();
+            for i in (1..n_ff).rev() {
+                let j = (mix64(key ^ i as u64) % (i as u64 + 1)) as usize;
+                order.swap(i, j);
+            }
+            let mut probabilities = vec![0.0f32; n_ff];
+            for (rank, &neuron) in order.iter().enumerate() {
+                probabilities[neuron] = sorted[rank] as f32;
+            }
+            LayerPlan {
+                probabilities,
+                residual_std: residual_std(l),
+            }
+        })
+        .collect())
+}
+
+/// Per-layer matrices the gate and predictor rows are built from.
+struct LayerState {
+    layer: usize,
+    /// `ffn_norm` weight.
+    w: Vec<f32>,
+    /// `r-1` orthonormal rows of length n_embd, zero at the bias channel.
+    m: Vec<f32>,
+    /// `n_ff` rows of `r-1` mixing weights.
+    u: Vec<f32>,
+    /// Gate bias numerator per neuron, `s_l Φ⁻¹(p_i)`.
+    bias: Vec<f32>,
+    /// Row scale α_i of each gate row, set when the gate is written (f32 bits).
+    alpha: Vec<AtomicU32>,
+    /// Residual std `s_l`.
+    s: f64,
+    /// Standard deviation of the `ffn_down` weights.
+    down_std: f32,
+    /// Standard deviation of a noise element relative to a unit-norm signal row.
+    noise_std: f32,
+}
+
+struct Gen<'a> {
+    cfg: &'a SynthConfig,
+    n: usize,
+    n_ff: usize,
+    rank: usize,
+    plans: &'a [LayerPlan],
+}
+
+impl Gen<'_> {
+    fn key(&self, name: &str) -> u64 {
+        stream_key(self.cfg.seed, name)
+    }
+
+    fn norm_weight(&self, name: &str, lo: f32, hi: f32, j: usize) -> f32 {
+        lo + (hi - lo) * uniform(self.key(name), j as u64)
+    }
+
+    fn layer_state(&self, l: usize) -> LayerState {
+        let n = self.n;
+        let rs = self.rank - 1;
+        let ffn_norm = format!("blk.{l}.ffn_norm.weight");
+        let w: Vec<f32> = (0..n)
+            .map(|j| {
+                if j == BIAS_CHANNEL {
+                    1.0
+                } else {
+                    self.norm_weight(&ffn_norm, 0.8, 1.2, j)
+                }
+            })
+            .collect();
+        // M: Gram-Schmidt (modified, f64) of random rows, zero at the bias channel.
+        let mkey = self.key(&format!("blk.{l}.pred.m"));
+        let mut m64: Vec<f64> = Vec::with_capacity(rs * n);
+        for k in 0..rs {
+            let mut row: Vec<f64> = (0..n)
+                .map(|j| {
+                    if j == BIAS_CHANNEL {
+                        0.0
+                    } else {
+                        f64::from(unit(mkey, (k * n + j) as u64))
+                    }
+                })
+                .collect();
+            for _pass in 0..2 {
+                for prev in m64.chunks_exact(n) {
+                    let d: f64 = prev.iter().zip(&row).map(|(a, b)| a * b).sum();
+                    row.iter_mut().zip(prev).for_each(|(r, p)| *r -= d * p);
+                }
+            }
+            let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
+            m64.extend(row.iter().map(|x| x / norm));
+        }
+        let m: Vec<f32> = m64.iter().map(|&x| x as f32).collect();
+        let ukey = self.key(&format!("blk.{l}.pred.u"));
+        let uscale = 1.0 / (rs as f32).sqrt();
+        let u: Vec<f32> = (0..self.n_ff * rs)
+            .map(|i| unit(ukey, i as u64) * uscale)
+            .collect();
+        let plan = &self.plans[l];
+        let s = plan.residual_std;
+        let bias: Vec<f32> = plan
+            .probabilities
+            .iter()
+            .map(|&p| (s * normal_ppf(f64::from(p))) as f32)
+            .collect();
+        // Down scale: each FFN adds variance FFN_STEP^2 to a residual channel.
+        let rms = ((f64::from(BIAS_VALUE).powi(2) + (n - 1) as f64 * s * s) / n as f64).sqrt();
+        let t2 = (s / rms).powi(2);
+        let up_moment = match self.cfg.arch {
+            Arch::Llama => t2,
+            Arch::Bamboo => t2 * relu_second_moment(BAMBOO_UP_BIAS),
+        };
+        let sum_a2: f64 = plan
+            .probabilities
+            .iter()
+            .map(|&p| t2 * relu_second_moment(normal_ppf(f64::from(p))) * up_moment)
+            .sum();
+        let down_std = (FFN_STEP / sum_a2.max(1e-30).sqrt()) as f32;
+        let rho = self.cfg.predictor_noise;
+        let noise_std = ((rho / (1.0 - rho)) / (n - 1) as f64).sqrt() as f32;
+        LayerState {
+            layer: l,
+            w,
+            m,
+            u,
+            bias,
+            alpha: (0..self.n_ff).map(|_| AtomicU32::new(0)).collect(),
+            s,
+            down_std,
+            noise_std,
+        }
+    }
+
+    fn gate_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
+        let n = self.n;
+        let rs = self.rank - 1;
+        out.fill(0.0);
+        let ui = &st.u[i * rs..(i + 1) * rs];
+        for (k, &c) in ui.iter().enumerate() {
+            let mk = &st.m[k * n..(k + 1) * n];
+            out.iter_mut().zip(mk).for_each(|(o, &x)| *o += c * x);
+        }
+        if st.noise_std > 0.0 {
+            let ekey = self.key(&format!("blk.{}.gate.noise", st.layer));
+            for (j, o) in out.iter_mut().enumerate() {
+                if j != BIAS_CHANNEL {
+                    *o += st.noise_std * unit(ekey, (i * n + j) as u64);
+                }
+            }
+        }
+        out[BIAS_CHANNEL] = 0.0;
+        let norm = out
+            .iter()
+            .map(|&x| f64::from(x).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let alpha = (1.0 / norm.max(1e-30)) as f32;
+        st.alpha[i].store(alpha.to_bits(), Ordering::Relaxed);
+        for (o, &w) in out.iter_mut().zip(&st.w) {
+            *o = *o * alpha / w;
+        }
+        out[BIAS_CHANNEL] = st.bias[i] / (st.w[BIAS_CHANNEL] * BIAS_VALUE);
+    }
+
+    fn up_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
+        let n = self.n;
+        let key = self.key(&format!("blk.{}.ffn_up.weight", st.layer));
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = if j == BIAS_CHANNEL {
+                0.0
+            } else {
+                unit(key, (i * n + j) as u64)
+            };
+        }
+        let norm = out
+            .iter()
+            .map(|&x| f64::from(x).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let scale = (1.0 / norm) as f32;
+        for (o, &w) in out.iter_mut().zip(&st.w) {
+            *o = *o * scale / w;
+        }
+        out[BIAS_CHANNEL] = match self.cfg.arch {
+            Arch::Llama => 0.0,
+            Arch::Bamboo => (st.s * BAMBOO_UP_BIAS) as f32 / (st.w[BIAS_CHANNEL] * BIAS_VALUE),
+        };
+    }
+
+    fn down_value(&self, st: &LayerState, key: u64, neuron: usize, j: usize) -> f32 {
+        if j == BIAS_CHANNEL {
+            0.0
+        } else {
+            st.down_std * unit(key, (neuron * self.n + j) as u64)
+        }
+    }
+
+    fn fc1_row(&self, st: &LayerState, k: usize, out: &mut [f32]) {
+        let n = self.n;
+        let r = self.rank;
+        let rs = r - 1;
+        out.fill(0.0);
+        let (idx, sign) = if k < r { (k, 1.0) } else { (k - r, -1.0) };
+        if idx < rs {
+            out.iter_mut()
+                .zip(&st.m[idx * n..(idx + 1) * n])
+                .for_each(|(o, &m)| *o = sign * m);
+        } else {
+            out[BIAS_CHANNEL] = sign / BIAS_VALUE;
+        }
+    }
+
+    /// Writes layer `st`'s predictor as `dir/model_N.pt` (f32 state dict, torch shapes).
+    fn write_predictor_pt(&self, st: &LayerState, dir: &Path) -> Result<(), SynthError> {
+        let (n, h) = (self.n, 2 * self.rank);
+        let mut fc1 = vec![0.0f32; h * n];
+        for (k, row) in fc1.chunks_exact_mut(n).enumerate() {
+            self.fc1_row(st, k, row);
+        }
+        let mut fc2 = vec![0.0f32; self.n_ff * h];
+        for (i, row) in fc2.chunks_exact_mut(h).enumerate() {
+            self.fc2_row(st, i, row);
+        }
+        let path = dir.join(format!("model_{}.pt", st.layer));
+        let pt_err = |source| {
+            SynthError::Stats(powerinfer_predictor::stats::StatsError::Pt {
+                path: path.clone(),
+                source,
+            })
+        };
+        let entries = vec![
+            (
+                "fc1.weight".to_string(),
+                PtTensor::from_f32(vec![h, n], &fc1).map_err(pt_err)?,
+            ),
+            (
+                "fc2.weight".to_string(),
+                PtTensor::from_f32(vec![self.n_ff, h], &fc2).map_err(pt_err)?,
+            ),
+        ];
+        pt::write_state_dict(&path, &entries).map_err(pt_err)
+    }
+
+    fn fc2_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
+        let r = self.rank;
+        let rs = r - 1;
+        let alpha = f32::from_bits(st.alpha[i].load(Ordering::Relaxed));
+        let ui = &st.u[i * rs..(i + 1) * rs];
+        for k in 0..rs {
+            out[k] = alpha * ui[k];
+            out[r + k] = -alpha * ui[k];
+        }
+        out[rs] = st.bias[i];
+        out[r + rs] = 0.0;
+    }
+}
+
+/// One tensor to write: name, ggml shape `[ne0, ne1]` (or `[ne0]`), type and what its rows are.
+struct Spec {
+    name: String,
+    ne0: usize,
+    ne1: Option<usize>,
+    ty: GgmlType,
+    rows: Rows,
+}
+
+#[derive(Clone, Copy)]
+enum Rows {
+    Norm { lo: f32, hi: f32, bias_one: bool },
+    Embd,
+    Output,
+    Attn { scale: f32, zero_bias_row: bool },
+    Gate(usize),
+    Up(usize),
+    DownT(usize),
+    Down(usize),
+    Fc1(usize),
+    Fc2(usize),
+}
+
+impl Rows {
+    fn layer(self) -> Option<usize> {
+        match self {
+            Rows::Gate(l)
+            | Rows::Up(l)
+            | Rows::DownT(l)
+            | Rows::Down(l)
+            | Rows::Fc1(l)
+            | Rows::Fc2(l) => Some(l),
+            _ => None,
+        }
+    }
+}
+
+fn specs(
+    cfg: &SynthConfig,
+    n_vocab: usize,
+    rank: usize,
+    dense: bool,
+    pred_ty: GgmlType,
+) -> Vec<Spec> {
+    let s = &cfg.shape;
+    let (n, f, kv) = (s.n_embd, s.n_ff, s.n_embd_kv());
+    let ty = cfg.ty;
+    let mut v = Vec::new();
+    let mut push = |name: String, ne0: usize, ne1: Option<usize>, ty: GgmlType, rows: Rows| {
+        v.push(Spec {
+            name,
+            ne0,
+            ne1,
+            ty,
+            rows,
+        })
+    };
+    let inv_sqrt_n = 1.0 / (n as f32).sqrt();
+    push("token_embd.weight".into(), n, Some(n_vocab), ty, Rows::Embd);
+    push(
+        "output_norm.weight".into(),
+        n,
+        None,
+        GgmlType::F32,
+        Rows::Norm {
+            lo: 0.9,
+            hi: 1.1,
+            bias_one: false,
+        },
+    );
+    push("output.weight".into(), n, Some(n_vocab), ty, Rows::Output);
+    for l in 0..s.n_layer {
+        let b = |t: &str| format!("blk.{l}.{t}.weight");
+        push(
+            b("attn_norm"),
+            n,
+            None,
+            GgmlType::F32,
+            Rows::Norm {
+                lo: 0.8,
+                hi: 1.2,
+                bias_one: false,
+            },
+        );
+        let attn = Rows::Attn {
+            scale: inv_sqrt_n,
+            zero_bias_row: false,
+        };
+        push(b("attn_q"), n, Some(n), ty, attn);
+        push(b("attn_k"), n, Some(kv), ty, attn);
+        push(b("attn_v"), n, Some(kv), ty, attn);
+        push(
+            b("attn_output"),
+            n,
+            Some(n),
+            ty,
+            Rows::Attn {
+                scale: ATTN_STEP as f32 * inv_sqrt_n,
+                zero_bias_row: true,
+            },
+        );
+        push(
+            b("ffn_norm"),
+            n,
+            None,
+            GgmlType::F32,
+            Rows::Norm {
+                lo: 0.8,
+                hi: 1.2,
+                bias_one: true,
+            },
+        );
+        push(b("ffn_gate"), n, Some(f), ty, Rows::Gate(l));
+        push(b("ffn_up"), n, Some(f), ty, Rows::Up(l));
+        if dense {
+            push(b("ffn_down"), f, Some(n), ty, Rows::Down(l));
+        } else {
+            push(b("ffn_down_t"), n, Some(f), ty, Rows::DownT(l));
+            push(b("fc1"), n, Some(2 * rank), pred_ty, Rows::Fc1(l));
+            push(b("fc2"), 2 * rank, Some(f), pred_ty, Rows::Fc2(l));
+        }
+    }
+    v
+}
+
+/// Fills one row (its index, its values).
+pub(super) type RowFn<'a> = dyn Fn(usize, &mut [f32]) + Sync + 'a;
+
+/// Streams a tensor's rows, generated and converted in parallel blocks, as bytes.
+pub(super) struct RowReader<'a> {
+    pub(super) ty: GgmlType,
+    pub(super) ne0: usize,
+    pub(super) n_rows: usize,
+    pub(super) next_row: usize,
+    pub(super) gen: &'a RowFn<'a>,
+    pub(super) buf: Vec<u8>,
+    pub(super) pos: usize,
+    pub(super) progress: &'a mut dyn FnMut(u64),
+}
+
+impl Read for RowReader<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.pos == self.buf.len() {
+            if self.next_row == self.n_rows {
+                return Ok(0);
+            }
+            let row_bytes = bytes_for_values(self.ty, self.ne0).map_err(io::Error::other)?;
+            let block = ((4usize << 20) / (self.ne0 * 4)).clamp(1, 4096);
+            let end = (self.next_row + block).min(self.n_rows);
+            let first = self.next_row;
+            self.buf.resize((end - first) * row_bytes, 0);
+            let (ty, ne0, gen) = (self.ty, self.ne0, self.gen);
+            self.buf
+                .par_chunks_mut(row_bytes)
+                .enumerate()
+                .try_for_each_init(
+                    || vec![0.0f32; ne0],
+                    |row, (k, dst)| {
+                        gen(first + k, row);
+                        quantize_row(ty, row, dst)
+                    },
+                )
+                .map_err(io::Error::other)?;
+            self.next_row = end;
+            self.pos = 0;
+            (self.progress)(self.buf.len() as u64);
+        }
+        let k = out.len().min(self.buf.len() - self.pos);
+        out[..k].copy_from_slice(&self.buf[self.pos..self.pos + k]);
+        self.pos += k;
+        Ok(k)
+    }
+}
+
+fn base_metadata(cfg: &SynthConfig, n_vocab: usize, tokenizer: &Metadata) -> Metadata {
+    let s = &cfg.shape;
+    let a = cfg.arch.name();
+    let mut md = Metadata::new();
+    md.insert("general.architecture", Value::String(a.into()));
+    md.insert(
+        "general.name",
+        Value::String(format!("powerinfer-rs synth {}", cfg.seed)),
+    );
+    let u = |x: usize| Value::U32(x as u32);
+    md.insert(format!("{a}.context_length"), u(s.n_ctx));
+    md.insert(format!("{a}.embedding_length"), u(s.n_embd));
+    md.insert(format!("{a}.block_count"), u(s.n_layer));
+    md.insert(format!("{a}.feed_forward_length"), u(s.n_ff));
+    md.insert(format!("{a}.rope.dimension_count"), u(s.head_dim()));
+    md.insert(format!("{a}.attention.head_count"), u(s.n_head));
+    md.insert(format!("{a}.attention.head_count_kv"), u(s.n_head_kv));
+    md.insert(
+        format!("{a}.attention.layer_norm_rms_epsilon"),
+        Value::F32(RMS_EPS),
+    );
+    md.insert(format!("{a}.rope.freq_base"), Value::F32(10000.0));
+    md.insert(
+        "general.file_type",
+        Value::U32(super::ftype_of(cfg.ty).unwrap_or(1)),
+    );
+    debug_assert_eq!(
+        tokenizer
+            .get("tokenizer.ggml.tokens")
+            .and_then(|v| v.as_array())
+            .map(|a| a.len()),
+        Some(n_vocab)
+    );
+    for (k, v) in tokenizer.iter() {
+        md.insert(k, v.clone());
+    }
+    // Provenance (llama.cpp ignores unknown keys).
+    md.insert("powerinfer_rs.synth.seed", Value::U64(cfg.seed));
+    md.insert(
+        "powerinfer_rs.synth.density",
+        Value::F32(cfg.density as f32),
+    );
+    md.insert("powerinfer_rs.synth.skew", Value::F32(cfg.skew as f32));
+    md.insert(
+        "powerinfer_rs.synth.predictor_noise",
+        Value::F32(cfg.predictor_noise as f32),
+    );
+    md.insert(
+        "powerinfer_rs.synth.bias_channel",
+        Value::U32(BIAS_CHANNEL as u32),
+    );
+    md.insert("powerinfer_rs.synth.bias_value", Value::F32(BIAS_VALUE));
+    md
+}
+
+/// Writes the synthetic model described by `cfg` to `out`. `progress` is called with the
+/// number of tensor bytes just written and the total of all files.
+///
+/// Nothing is left behind on error: files are written under temporary names and renamed when
+/// everything is complete.
+pub fn synthesize(
+    cfg: &SynthConfig,
+    out: &SynthOutputs,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<SynthReport, SynthError> {
+    validate(cfg)?;
+    if out.dense.as_ref() == Some(&out.model) {
+        return Err(SynthError::Config(
+            "the dense twin and the PowerInfer file must be different files".into(),
+        ));
+    }
+    let (tokenizer, n_vocab_src) = match &cfg.vocab {
+        VocabSource::BuiltIn => {
+            let n = cfg.shape.n_vocab.unwrap_or(512);
+            (vocab::builtin(n)?, n)
+        }
+        VocabSource::FromGguf(path) => {
+            let f = GgufFile::open(path)
+                .map_err(|e| SynthError::Config(format!("--vocab-from {}: {e}", path.display())))?;
+            vocab::copy_from(&f)?
+        }
+    };
+    if let (VocabSource::FromGguf(_), Some(n)) = (&cfg.vocab, cfg.shape.n_vocab) {
+        if n != n_vocab_src {
+            return Err(SynthError::Config(format!(
+                "--vocab {n} but the vocabulary file has {n_vocab_src} tokens"
+            )));
+        }
+    }
+    let n_vocab = n_vocab_src;
+    let rank = cfg.rank();
+    let pred_ty = predictor_type(cfg.ty, cfg.predictor_rule);
+    let plans = plan_layers(cfg)?;
+    let gen = Gen {
+        cfg,
+        n: cfg.shape.n_embd,
+        n_ff: cfg.shape.n_ff,
+        rank,
+        plans: &plans,
+    };
+    let md = base_metadata(cfg, n_vocab, &tokenizer);
+
+    let mut jobs: Vec<(FileKind, &std::path::Path, Vec<Spec>)> = Vec::new();
+    let mut sparse_md = md.clone();
+    if let Some(t) = cfg.sparse_threshold {
+        sparse_md.insert("powerinfer.sparse_threshold", Value::F32(t));
+    }
+    jobs.push((
+        FileKind::PowerInfer,
+        out.model.as_path(),
+        specs(cfg, n_vocab, rank, false, pred_ty),
+    ));
+    if let Some(d) = &out.dense {
+        jobs.push((
+            FileKind::Gguf,
+            d.as_path(),
+            specs(cfg, n_vocab, rank, true, pred_ty),
+        ));
+    }
+    let total: u64 = jobs
+        .iter()
+        .flat_map(|(_, _, s)| s.iter())
+        .map(|s| {
+            s.ty.bytes_for((s.ne0 * s.ne1.unwrap_or(1)) as u64)
+                .unwrap_or(0)
+        })
+        .sum();
+    let activation_stage = out
+        .activation_dir
+        .as_deref()
+        .map(Staging::new)
+        .transpose()?;
+    let predictor_stage = out.predictor_dir.as_deref().map(Staging::new).transpose()?;
+    let mut files = Vec::new();
+    let mut model_bytes = 0;
+    for (kind, path, specs) in &jobs {
+        let mut w = GgufWriter::create(path, *kind)?;
+        let file_md = if *kind == FileKind::PowerInfer {
+            &sparse_md
+        } else {
+            &md
+        };
+        w.add_metadata(file_md)?;
+        for s in specs {
+            let shape: Vec<u64> = std::iter::once(s.ne0 as u64)
+                .chain(s.ne1.map(|x| x as u64))
+                .collect();
+            w.add_tensor(&s.name, &shape, s.ty)?;
+        }
+        let mut state: Option<LayerState> = None;
+        let mut bytes = 0u64;
+        for s in specs {
+            if let Some(l) = s.rows.layer() {
+                if state.as_ref().map(|st| st.layer) != Some(l) {
+                    if let (Some(stage), Some(prev), FileKind::PowerInfer) =
+                        (&predictor_stage, &state, kind)
+                    {
+                        gen.write_predictor_pt(prev, &stage.temp)?;
+                    }
+                    state = Some(gen.layer_state(l));
+                }
+            }
+            let st = state.as_ref();
+            let key = gen.key(&s.name);
+            let n = gen.n;
+            let rows = s.rows;
+            let g = &gen;
+            let f: Box<RowFn> = match rows {
+                Rows::Norm { lo, hi, bias_one } => Box::new(move |_, out: &mut [f32]| {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = if bias_one && j == BIAS_CHANNEL {
+                            1.0
+                        } else {
+                            lo + (hi - lo) * uniform(key, j as u64)
+                        };
+                    }
+                }),
+                Rows::Embd => Box::new(move |t, out: &mut [f32]| {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = EMBD_STD as f32 * unit(key, (t * n + j) as u64);
+                    }
+                    out[BIAS_CHANNEL] = BIAS_VALUE;
+                }),
+                Rows::Output => Box::new(move |t, out: &mut [f32]| {
+                    let sc = 1.0 / (n as f32).sqrt();
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = sc * unit(key, (t * n + j) as u64);
+                    }
+                }),
+                Rows::Attn {
+                    scale,
+                    zero_bias_row,
+                } => Box::new(move |r, out: &mut [f32]| {
+                    if zero_bias_row && r == BIAS_CHANNEL {
+                        out.fill(0.0);
+                        return;
+                    }
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = scale * unit(key, (r * n + j) as u64);
+                    }
+                }),
+                Rows::Gate(_) => {
+                    let st = st.expect("layer state");
+                    Box::new(move |i, out: &mut [f32]| g.gate_row(st, i, out))
+                }
+                Rows::Up(_) => {
+                    let st = st.expect("layer state");
+                    Box::new(move |i, out: &mut [f32]| g.up_row(st, i, out))
+                }
+                Rows::DownT(l) | Rows::Down(l) => {
+                    let st = st.expect("layer state");
+                    // Same stream for both layouts: the dense twin is the exact transpose.
+                    let dkey = g.key(&format!("blk.{l}.ffn_down"));
+                    if matches!(rows, Rows::DownT(_)) {
+                        Box::new(move |i, out: &mut [f32]| {
+                            for (j, o) in out.iter_mut().enumerate() {
+                                *o = g.down_value(st, dkey, i, j);
+                            }
+                        })
+                    } else {
+                        Box::new(move |j, out: &mut [f32]| {
+                            for (i, o) in out.iter_mut().enumerate() {
+                                *o = g.down_value(st, dkey, i, j);
+                            }
+                        })
+                    }
+                }
+                Rows::Fc1(_) => {
+                    let st = st.expect("layer state");
+                    Box::new(move |k, out: &mut [f32]| g.fc1_row(st, k, out))
+                }
+                Rows::Fc2(_) => {
+                    let st = st.expect("layer state");
+                    Box::new(move |i, out: &mut [f32]| g.fc2_row(st, i, out))
+                }
+            };
+            let mut report = |b: u64| progress(b, total);
+            let mut reader = RowReader {
+                ty: s.ty,
+                ne0: s.ne0,
+                n_rows: s.ne1.unwrap_or(1),
+                next_row: 0,
+                gen: &*f,
+                buf: Vec::new(),
+                pos: 0,
+                progress: &mut report,
+            };
+            w.write_tensor_from(&s.name, &mut reader)?;
+            bytes +=
+                s.ty.bytes_for((s.ne0 * s.ne1.unwrap_or(1)) as u64)
+                    .unwrap_or(0);
+        }
+        if *kind == FileKind::PowerInfer {
+            model_bytes = bytes;
+            if let (Some(stage), Some(last)) = (&predictor_stage, &state) {
+                gen.write_predictor_pt(last, &stage.temp)?;
+            }
+        }
+        files.push(w.finish()?);
+    }
+
+    if let (Some(stage), Some(t)) = (&predictor_stage, cfg.sparse_threshold) {
+        let path = stage.temp.join("config.json");
+        let json = format!("{{\"sparse_threshold\": {t:?}}}\n");
+        std::fs::write(&path, json).map_err(|source| SynthError::Io { path, source })?;
+    }
+    if let Some(stage) = &activation_stage {
+        let dir = &stage.temp;
+        let bamboo_factor = match cfg.arch {
+            Arch::Llama => 1.0,
+            Arch::Bamboo => normal_cdf(BAMBOO_UP_BIAS) as f32,
+        };
+        let stats = ActivationStats::new(
+            plans
+                .iter()
+                .map(|p| p.probabilities.iter().map(|&x| x * bamboo_factor).collect())
+                .collect(),
+            "probability",
+        );
+        stats.write_pt_dir(dir)?;
+        stats.write_safetensors(dir.join(SAFETENSORS_FILE_NAME))?;
+    }
+    for f in files {
+        f.commit()?;
+    }
+    if let Some(stage) = activation_stage {
+        stage.commit()?;
+    }
+    if let Some(stage) = predictor_stage {
+        stage.commit()?;
+    }
+    Ok(SynthReport {
+        n_vocab,
+        rank,
+        predictor_type: pred_ty,
+        layers: plans,
+        model_bytes,
+    })
+}

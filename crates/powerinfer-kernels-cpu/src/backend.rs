@@ -1,0 +1,133 @@
+//! Run-time choice of the instruction set used by the matrix kernels.
+
+use std::sync::OnceLock;
+
+/// An instruction set the matrix kernels ([`crate::matmul`]) can use.
+///
+/// [`Backend::Scalar`] is portable Rust, always compiled and available. The others are used only
+/// when [`Backend::is_available`] says this CPU has them; the kernel entry points refuse an
+/// unavailable backend with [`KernelError::BackendUnavailable`](crate::KernelError).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Portable scalar code (the compiler may still auto-vectorise it for the baseline target).
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL/VNNI on top of [`Backend::Avx2`]: the quantized dot products use
+    /// VNNI's `vpdpbusd` on 256-bit vectors; everything else runs the AVX2 code.
+    Avx512,
+    /// aarch64 NEON. At present the matrix kernels run the scalar code for this backend.
+    Neon,
+}
+
+impl Backend {
+    /// Every backend, in order of preference (best last).
+    pub const ALL: [Backend; 4] = [
+        Backend::Scalar,
+        Backend::Neon,
+        Backend::Avx2,
+        Backend::Avx512,
+    ];
+
+    /// Whether this CPU can run the backend (detected once per process, then cached).
+    pub fn is_available(self) -> bool {
+        let f = features();
+        match self {
+            Backend::Scalar => true,
+            Backend::Avx2 => f.avx2,
+            Backend::Avx512 => f.avx512,
+            Backend::Neon => f.neon,
+        }
+    }
+
+    /// The best available backend of this CPU (cached).
+    ///
+    /// Setting the environment variable `POWERINFER_CPU_ISA=scalar` before the first call forces
+    /// [`Backend::Scalar`].
+    pub fn detect() -> Backend {
+        static BEST: OnceLock<Backend> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let forced = std::env::var("POWERINFER_CPU_ISA")
+                .map(|v| v.eq_ignore_ascii_case("scalar"))
+                .unwrap_or(false);
+            if forced {
+                return Backend::Scalar;
+            }
+            if Backend::Avx512.is_available() {
+                Backend::Avx512
+            } else if Backend::Avx2.is_available() {
+                Backend::Avx2
+            } else if Backend::Neon.is_available() {
+                Backend::Neon
+            } else {
+                Backend::Scalar
+            }
+        })
+    }
+
+    /// Every backend this CPU can run, scalar first (what the tests iterate over).
+    pub fn available() -> Vec<Backend> {
+        Backend::ALL
+            .into_iter()
+            .filter(|b| b.is_available())
+            .collect()
+    }
+
+    /// A short name for logs and benchmark labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Scalar => "scalar",
+            Backend::Avx2 => "avx2",
+            Backend::Avx512 => "avx512",
+            Backend::Neon => "neon",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+struct Features {
+    avx2: bool,
+    avx512: bool,
+    neon: bool,
+}
+
+fn features() -> Features {
+    static F: OnceLock<Features> = OnceLock::new();
+    *F.get_or_init(|| {
+        #[allow(unused_mut)]
+        let mut f = Features::default();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            f.avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            f.avx512 = f.avx2
+                && has!("avx512f")
+                && has!("avx512bw")
+                && has!("avx512vl")
+                && has!("avx512vnni");
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            f.neon = std::arch::is_aarch64_feature_detected!("neon");
+        }
+        f
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalar_is_always_available_and_detect_is_available() {
+        assert!(Backend::Scalar.is_available());
+        assert!(Backend::detect().is_available());
+        assert_eq!(Backend::available()[0], Backend::Scalar);
+    }
+}

@@ -1,0 +1,725 @@
+//! Dense and neuron-sparse matrix products over ggml weight matrices.
+//!
+//! A weight matrix ([`Weights`]) is ggml's layout: `rows` rows of `cols` elements, row-major,
+//! each row a whole number of blocks of its [`GgmlType`]. Activations are f32, one token per
+//! `cols`-long row (`x[t * cols + c]`); outputs are f32, one token per row (`y[t * rows + r]`
+//! for products, `y[t * cols + c]` for the axpy kernels, which read the matrix transposed).
+//!
+//! | method of [`MatMul`] | computes |
+//! |---|---|
+//! | [`gemv`](MatMul::gemv), [`gemm`](MatMul::gemm) | `y_t = W x_t` for one or `T` tokens |
+//! | [`sparse_gemv`](MatMul::sparse_gemv), [`sparse_gemm`](MatMul::sparse_gemm) | rows of `W x_t` where the row is selected ([`RowSelect`]), 0 elsewhere |
+//! | [`sparse_gemv_indexed`](MatMul::sparse_gemv_indexed) | rows listed in `active`, 0 elsewhere |
+//! | [`sparse_axpy`](MatMul::sparse_axpy), [`sparse_axpy_batch`](MatMul::sparse_axpy_batch) | `y_t += Σ a_t[i] · row_i` over selected `i` with `a_t[i] != 0` |
+//! | [`sparse_axpy_indexed`](MatMul::sparse_axpy_indexed) | the same over the rows listed in `active` |
+//!
+//! Weight types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, for every kernel.
+//! Float weights take f32 activations; quantized weights take activations quantized on the fly
+//! (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants) and use integer dot
+//! products. The axpy kernels use the f32 activation `a_i` directly for every type.
+//!
+//! Work split (all results are bit-identical for every thread count): products split the rows
+//! (or the list of active rows) into contiguous near-equal parts, one per thread; axpy splits
+//! the *output* columns (block-aligned), each thread walking every active row over its columns,
+//! so no reduction between threads is needed and the summation order never changes. GEMM walks
+//! tokens in cache-sized blocks and computes four tokens per pass over a weight row.
+//!
+//! The f64 definitions of every kernel are in [`crate::reference::matmul`].
+
+pub(crate) mod act;
+pub(crate) mod scalar;
+pub(crate) mod table;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_int;
+
+use crate::backend::Backend;
+use crate::error::KernelError;
+use crate::pool::{split_range, ThreadPool};
+use act::{Act, ActBuf};
+use powerinfer_gguf::GgmlType;
+use std::ops::Range;
+use table::RowOps;
+
+/// A borrowed weight matrix in ggml layout. See the [module docs](self).
+#[derive(Clone, Copy, Debug)]
+pub struct Weights<'a> {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: &'a [u8],
+}
+
+impl<'a> Weights<'a> {
+    /// Views `data` as `rows` rows of `cols` elements of type `ty`. Checks that `cols` is a whole
+    /// number of blocks, that `data` has exactly `rows` rows, and that the kernels support `ty`.
+    /// No alignment is required.
+    pub fn new(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        if !table::SUPPORTED.contains(&ty) {
+            return Err(KernelError::UnsupportedType(ty));
+        }
+        let bs = ty.block_size();
+        if cols % bs != 0 {
+            return Err(KernelError::Shape(format!(
+                "row length {cols} is not a multiple of the {} block size {bs}",
+                ty.name()
+            )));
+        }
+        let row_bytes = cols / bs * ty.type_size();
+        let expected = rows.checked_mul(row_bytes).ok_or_else(|| {
+            KernelError::Shape(format!("{rows} rows of {row_bytes} bytes overflow usize"))
+        })?;
+        if data.len() != expected {
+            return Err(KernelError::Length {
+                what: "weight data",
+                expected,
+                got: data.len(),
+            });
+        }
+        Ok(Weights {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        })
+    }
+
+    /// The element type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Elements per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+    /// The raw data.
+    pub fn data(&self) -> &'a [u8] {
+        self.data
+    }
+    #[inline]
+    fn row(&self, i: usize) -> &'a [u8] {
+        &self.data[i * self.row_bytes..(i + 1) * self.row_bytes]
+    }
+}
+
+/// Which rows (neurons) a sparse product computes for a token: row `i` is selected when
+/// `scores[t * rows + i] >= threshold` and `skip` is `None` or `skip[i]` is false. A NaN score
+/// never selects.
+///
+/// `skip` is the other side's neurons: on the CPU side, the GPU index (`true` = the neuron lives
+/// on the GPU, so the CPU skips it).
+#[derive(Clone, Copy, Debug)]
+pub struct RowSelect<'a> {
+    /// Predictor scores, `[T][rows]`.
+    pub scores: &'a [f32],
+    /// Threshold θ; a row is active when its score is ≥ θ.
+    pub threshold: f32,
+    /// Rows to skip for every token (`[rows]`), or `None`.
+    pub skip: Option<&'a [bool]>,
+}
+
+impl RowSelect<'_> {
+    #[inline]
+    fn selected(&self, rows: usize, t: usize, i: usize) -> bool {
+        self.scores[t * rows + i] >= self.threshold && !self.skip.is_some_and(|s| s[i])
+    }
+
+    fn check(&self, rows: usize, n_tokens: usize) -> Result<(), KernelError> {
+        check_len("scores", mul(rows, n_tokens)?, self.scores.len())?;
+        if let Some(s) = self.skip {
+            check_len("skip mask", rows, s.len())?;
+        }
+        Ok(())
+    }
+}
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(KernelError::Length {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// `a · b`, or a shape error if that overflows.
+fn mul(a: usize, b: usize) -> Result<usize, KernelError> {
+    a.checked_mul(b)
+        .ok_or_else(|| KernelError::Shape(format!("{a} × {b} overflows usize")))
+}
+
+/// Checks that `active` is strictly increasing and below `rows`.
+fn check_active(active: &[u32], rows: usize) -> Result<(), KernelError> {
+    let mut prev: Option<u32> = None;
+    for (pos, &i) in active.iter().enumerate() {
+        if i as usize >= rows {
+            return Err(KernelError::IndexOutOfRange {
+                what: "active",
+                index: i as usize,
+                len: rows,
+            });
+        }
+        if prev.is_some_and(|p| p >= i) {
+            return Err(KernelError::IndicesNotIncreasing {
+                what: "active",
+                position: pos,
+            });
+        }
+        prev = Some(i);
+    }
+    Ok(())
+}
+
+/// Asks the CPU to start loading `bytes` into cache (a hint: no effect on results). Used for the
+/// rows a sparse kernel will visit next, which the hardware prefetchers cannot guess: without
+/// it, short quantized rows at random places are read at DRAM latency, several times slower.
+#[inline(always)]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let mut off = 0;
+        while off < bytes.len() {
+            // SAFETY: a prefetch never faults and changes no state the program can observe; the
+            // address is inside `bytes`; SSE is part of the x86-64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off) as *const i8) };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// How many rows ahead the sparse kernels prefetch: enough rows to cover ~4 KiB, at most 8.
+fn prefetch_ahead(row_bytes: usize) -> usize {
+    4096usize.div_ceil(row_bytes.max(1)).clamp(1, 8)
+}
+
+/// A raw view of an output buffer that threads write in disjoint places.
+#[derive(Clone, Copy)]
+struct OutPtr {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: an `OutPtr` is only used inside one kernel call whose threads write disjoint indices
+// (each call site says why) while the `&mut [f32]` it came from is borrowed by that call.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn new(y: &mut [f32]) -> Self {
+        OutPtr {
+            ptr: y.as_mut_ptr(),
+            len: y.len(),
+        }
+    }
+    /// # Safety
+    /// `i < len`, and no other thread reads or writes index `i` during the kernel call.
+    #[inline(always)]
+    unsafe fn write(self, i: usize, v: f32) {
+        debug_assert!(i < self.len);
+        // SAFETY: guaranteed by the caller.
+        unsafe { *self.ptr.add(i) = v }
+    }
+    /// # Safety
+    /// `r` lies within `0..len`, and no other thread touches `r` while the slice lives.
+    #[inline(always)]
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, r: Range<usize>) -> &mut [f32] {
+        debug_assert!(r.start <= r.end && r.end <= self.len);
+        // SAFETY: guaranteed by the caller.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.end - r.start) }
+    }
+}
+
+/// Runs the matrix kernels on a thread pool with one backend. Cheap to make; make one per pool.
+#[derive(Clone, Copy, Debug)]
+pub struct MatMul<'p> {
+    pool: &'p ThreadPool,
+    backend: Backend,
+}
+
+impl<'p> MatMul<'p> {
+    /// Kernels on `pool` with the best backend of this CPU ([`Backend::detect`]).
+    pub fn new(pool: &'p ThreadPool) -> Self {
+        MatMul {
+            pool,
+            backend: Backend::detect(),
+        }
+    }
+
+    /// Kernels on `pool` with a chosen backend; [`KernelError::BackendUnavailable`] if this CPU
+    /// cannot run it.
+    pub fn with_backend(pool: &'p ThreadPool, backend: Backend) -> Result<Self, KernelError> {
+        if !backend.is_available() {
+            return Err(KernelError::BackendUnavailable(backend.name()));
+        }
+        Ok(MatMul { pool, backend })
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The pool in use.
+    pub fn pool(&self) -> &'p ThreadPool {
+        self.pool
+    }
+
+    fn ops(&self, w: &Weights<'_>) -> Result<RowOps, KernelError> {
+        table::row_ops(w.ty, self.backend).ok_or(KernelError::UnsupportedType(w.ty))
+    }
+
+    /// `y = W x` for one token: `x` has `cols` values, `y` has `rows`.
+    pub fn gemv(&self, w: &Weights<'_>, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+        check_len("x", w.cols, x.len())?;
+        check_len("y", w.rows, y.len())?;
+        let ops = self.ops(w)?;
+        let acts = ActBuf::new(ops.act, x, w.cols);
+        let act = acts.get(0);
+        let out = OutPtr::new(y);
+        self.pool.for_chunks(w.rows, |r| {
+            // SAFETY: `for_chunks` hands out disjoint row ranges within `0..rows == y.len()`.
+            let y = unsafe { out.slice(r.clone()) };
+            let mut done = 0;
+            if let Some(rows4) = ops.rows4 {
+                for (k, yq) in y.chunks_exact_mut(4).enumerate() {
+                    let i = r.start + 4 * k;
+                    let v = rows4([w.row(i), w.row(i + 1), w.row(i + 2), w.row(i + 3)], &act);
+                    yq.copy_from_slice(&v);
+                }
+                done = y.len() / 4 * 4;
+            }
+            for (yi, i) in y[done..].iter_mut().zip(r.start + done..r.end) {
+                *yi = (ops.dot)(w.row(i), &act);
+            }
+        });
+        Ok(())
+    }
+
+    /// `y_t = W x_t` for `n_tokens` tokens: `x` is `[n_tokens][cols]`, `y` is `[n_tokens][rows]`.
+    pub fn gemm(
+        &self,
+        w: &Weights<'_>,
+        x: &[f32],
+        n_tokens: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("x", mul(w.cols, n_tokens)?, x.len())?;
+        check_len("y", mul(w.rows, n_tokens)?, y.len())?;
+        if n_tokens == 1 {
+            return self.gemv(w, x, y);
+        }
+        let ops = self.ops(w)?;
+        let acts = ActBuf::new(ops.act, x, w.cols);
+        let rows: Vec<u32> = Vec::new();
+        self.gemm_core(
+            w,
+            ops,
+            &acts,
+            n_tokens,
+            RowList::All(w.rows),
+            &rows,
+            None,
+            y,
+        );
+        Ok(())
+    }
+
+    /// Row-sparse product for one token: `y[i] = row_i · x` where row `i` is selected
+    /// ([`RowSelect`], `scores` has `rows` values), `y[i] = 0` elsewhere.
+    pub fn sparse_gemv(
+        &self,
+        w: &Weights<'_>,
+        x: &[f32],
+        select: &RowSelect<'_>,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("x", w.cols, x.len())?;
+        check_len("y", w.rows, y.len())?;
+        select.check(w.rows, 1)?;
+        let active: Vec<u32> = (0..w.rows)
+            .filter(|&i| select.selected(w.rows, 0, i))
+            .map(|i| i as u32)
+            .collect();
+        self.gemv_indexed_unchecked(w, x, &active, y)
+    }
+
+    /// Row-sparse product for one token over an explicit list of active rows: `y[i] = row_i · x`
+    /// for `i` in `active`, 0 elsewhere. `active` must be strictly increasing and below `rows`
+    /// ([`KernelError::IndexOutOfRange`], [`KernelError::IndicesNotIncreasing`]).
+    pub fn sparse_gemv_indexed(
+        &self,
+        w: &Weights<'_>,
+        x: &[f32],
+        active: &[u32],
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("x", w.cols, x.len())?;
+        check_len("y", w.rows, y.len())?;
+        check_active(active, w.rows)?;
+        self.gemv_indexed_unchecked(w, x, active, y)
+    }
+
+    fn gemv_indexed_unchecked(
+        &self,
+        w: &Weights<'_>,
+        x: &[f32],
+        active: &[u32],
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let ops = self.ops(w)?;
+        y.fill(0.0);
+        if active.is_empty() {
+            return Ok(());
+        }
+        let acts = ActBuf::new(ops.act, x, w.cols);
+        let act = acts.get(0);
+        let out = OutPtr::new(y);
+        let ahead = prefetch_ahead(w.row_bytes);
+        self.pool.for_chunks(active.len(), |r| {
+            let part = &active[r];
+            for &i in part.iter().take(ahead) {
+                prefetch(w.row(i as usize));
+            }
+            let mut done = 0;
+            if let Some(rows4) = ops.rows4 {
+                for (q, quad) in part.chunks_exact(4).enumerate() {
+                    for k in 4 * q..4 * q + 4 {
+                        if let Some(&next) = part.get(k + ahead) {
+                            prefetch(w.row(next as usize));
+                        }
+                    }
+                    let i = [quad[0], quad[1], quad[2], quad[3]].map(|i| i as usize);
+                    let v = rows4(i.map(|i| w.row(i)), &act);
+                    for (&i, v) in i.iter().zip(v) {
+                        // SAFETY: `active` is strictly increasing and below `rows == y.len()`
+                        // and each thread has a disjoint part of it: one writer per index.
+                        unsafe { out.write(i, v) };
+                    }
+                }
+                done = part.len() / 4 * 4;
+            }
+            for (k, &i) in part.iter().enumerate().skip(done) {
+                if let Some(&next) = part.get(k + ahead) {
+                    prefetch(w.row(next as usize));
+                }
+                let i = i as usize;
+                // SAFETY: `active` is strictly increasing (checked, or built so) and below
+                // `rows == y.len()`, and `for_chunks` gives each thread a disjoint part of it,
+                // so every index is written by one thread only.
+                unsafe { out.write(i, (ops.dot)(w.row(i), &act)) };
+            }
+        });
+        Ok(())
+    }
+
+    /// Row-sparse product for `n_tokens` tokens with a per-token predicate: `y[t][i] =
+    /// row_i · x_t` where row `i` is selected for token `t` (`scores` is `[n_tokens][rows]`),
+    /// 0 elsewhere.
+    pub fn sparse_gemm(
+        &self,
+        w: &Weights<'_>,
+        x: &[f32],
+        n_tokens: usize,
+        select: &RowSelect<'_>,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("x", mul(w.cols, n_tokens)?, x.len())?;
+        check_len("y", mul(w.rows, n_tokens)?, y.len())?;
+        select.check(w.rows, n_tokens)?;
+        if n_tokens == 1 {
+            return self.sparse_gemv(w, x, select, y);
+        }
+        let ops = self.ops(w)?;
+        y.fill(0.0);
+        let rows: Vec<u32> = (0..w.rows)
+            .filter(|&i| (0..n_tokens).any(|t| select.selected(w.rows, t, i)))
+            .map(|i| i as u32)
+            .collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let acts = ActBuf::new(ops.act, x, w.cols);
+        self.gemm_core(
+            w,
+            ops,
+            &acts,
+            n_tokens,
+            RowList::Listed,
+            &rows,
+            Some(select),
+            y,
+        );
+        Ok(())
+    }
+
+    /// The GEMM frame: each thread takes a contiguous part of the row list; tokens go in blocks
+    /// that keep their activations in L2, four tokens per pass over a row.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_core(
+        &self,
+        w: &Weights<'_>,
+        ops: RowOps,
+        acts: &ActBuf<'_>,
+        n_tokens: usize,
+        list: RowList,
+        rows: &[u32],
+        select: Option<&RowSelect<'_>>,
+        y: &mut [f32],
+    ) {
+        let n_rows = match list {
+            RowList::All(n) => n,
+            RowList::Listed => rows.len(),
+        };
+        let block = (256 * 1024 / acts.bytes_per_token().max(1)).clamp(4, 64) / 4 * 4;
+        let out = OutPtr::new(y);
+        let wr = w.rows;
+        self.pool.for_chunks(n_rows, |part| {
+            let mut t0 = 0;
+            while t0 < n_tokens {
+                let t1 = (t0 + block).min(n_tokens);
+                for k in part.clone() {
+                    let i = match list {
+                        RowList::All(_) => k,
+                        RowList::Listed => rows[k] as usize,
+                    };
+                    let row = w.row(i);
+                    let mut pending = [0usize; 4];
+                    let mut np = 0;
+                    for t in t0..t1 {
+                        if select.is_some_and(|s| !s.selected(wr, t, i)) {
+                            continue;
+                        }
+                        pending[np] = t;
+                        np += 1;
+                        if np == 4 {
+                            let a = [
+                                acts.get(pending[0]),
+                                acts.get(pending[1]),
+                                acts.get(pending[2]),
+                                acts.get(pending[3]),
+                            ];
+                            let mut r = [0f32; 4];
+                            (ops.dot4)(row, &a, &mut r);
+                            for (&t, &v) in pending.iter().zip(&r) {
+                                // SAFETY: row `i` belongs to this thread only (disjoint parts
+                                // of a strictly increasing row list), so `t * wr + i` is
+                                // written by this thread only; it is < n_tokens * rows.
+                                unsafe { out.write(t * wr + i, v) };
+                            }
+                            np = 0;
+                        }
+                    }
+                    for &t in &pending[..np] {
+                        let v = (ops.dot)(row, &acts.get(t));
+                        // SAFETY: as above.
+                        unsafe { out.write(t * wr + i, v) };
+                    }
+                }
+                t0 = t1;
+            }
+        });
+    }
+
+    /// Sparse axpy for one token over the transposed matrix `w_t` (`rows` = neurons, `cols` =
+    /// output length): `y += Σ a[i] · row_i` over rows `i` selected by `select` (`scores` has
+    /// `rows` values) with `a[i] != 0`. `a` has `rows` values, `y` has `cols`; `y` is added to,
+    /// not overwritten.
+    pub fn sparse_axpy(
+        &self,
+        w_t: &Weights<'_>,
+        a: &[f32],
+        select: &RowSelect<'_>,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("a", w_t.rows, a.len())?;
+        check_len("y", w_t.cols, y.len())?;
+        select.check(w_t.rows, 1)?;
+        let active: Vec<u32> = (0..w_t.rows)
+            .filter(|&i| a[i] != 0.0 && select.selected(w_t.rows, 0, i))
+            .map(|i| i as u32)
+            .collect();
+        self.axpy_core(w_t, a, 1, &active, None, y)
+    }
+
+    /// Sparse axpy over an explicit list of active rows: `y += Σ_{i in active, a[i] != 0}
+    /// a[i] · row_i`. `active` must be strictly increasing and below `rows`.
+    pub fn sparse_axpy_indexed(
+        &self,
+        w_t: &Weights<'_>,
+        a: &[f32],
+        active: &[u32],
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("a", w_t.rows, a.len())?;
+        check_len("y", w_t.cols, y.len())?;
+        check_active(active, w_t.rows)?;
+        let nonzero: Vec<u32> = active
+            .iter()
+            .copied()
+            .filter(|&i| a[i as usize] != 0.0)
+            .collect();
+        self.axpy_core(w_t, a, 1, &nonzero, None, y)
+    }
+
+    /// Sparse axpy for `n_tokens` tokens: `y_t += Σ a_t[i] · row_i` over rows selected for
+    /// token `t` with `a_t[i] != 0`. `a` and `scores` are `[n_tokens][rows]`, `y` is
+    /// `[n_tokens][cols]`.
+    pub fn sparse_axpy_batch(
+        &self,
+        w_t: &Weights<'_>,
+        a: &[f32],
+        n_tokens: usize,
+        select: &RowSelect<'_>,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("a", mul(w_t.rows, n_tokens)?, a.len())?;
+        check_len("y", mul(w_t.cols, n_tokens)?, y.len())?;
+        select.check(w_t.rows, n_tokens)?;
+        let rows = w_t.rows;
+        let active: Vec<u32> = (0..rows)
+            .filter(|&i| {
+                (0..n_tokens).any(|t| a[t * rows + i] != 0.0 && select.selected(rows, t, i))
+            })
+            .map(|i| i as u32)
+            .collect();
+        self.axpy_core(w_t, a, n_tokens, &active, Some(select), y)
+    }
+
+    /// The axpy frame: threads own disjoint block-aligned column ranges of the output and walk
+    /// every active row over them, in list order.
+    fn axpy_core(
+        &self,
+        w: &Weights<'_>,
+        a: &[f32],
+        n_tokens: usize,
+        active: &[u32],
+        select: Option<&RowSelect<'_>>,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let ops = self.ops(w)?;
+        if active.is_empty() || w.cols == 0 {
+            return Ok(());
+        }
+        // Column granule: a whole block, and at least 64 elements (a cache line of f32 output).
+        let bs = w.ty.block_size();
+        let granule = bs.max(64);
+        let n_gran = w.cols.div_ceil(granule);
+        let elem_bytes_num = w.ty.type_size();
+        let cols = w.cols;
+        let rows = w.rows;
+        let out = OutPtr::new(y);
+        let n_threads = self.pool.n_threads().min(n_gran);
+        self.pool.run(|tid| {
+            if tid >= n_threads {
+                return;
+            }
+            let g = split_range(n_gran, n_threads, tid);
+            let c0 = g.start * granule;
+            let c1 = (g.end * granule).min(cols);
+            if c0 >= c1 {
+                return;
+            }
+            let b0 = c0 / bs * elem_bytes_num;
+            let b1 = c1 / bs * elem_bytes_num;
+            if n_tokens == 1 && select.is_none() {
+                // SAFETY: threads own disjoint column ranges `c0..c1 <= cols == y.len()`.
+                let yo = unsafe { out.slice(c0..c1) };
+                let ahead = prefetch_ahead(b1 - b0);
+                for &i in active.iter().take(ahead) {
+                    prefetch(&w.row(i as usize)[b0..b1]);
+                }
+                let fetch = |k: usize| {
+                    if let Some(&next) = active.get(k + ahead) {
+                        prefetch(&w.row(next as usize)[b0..b1]);
+                    }
+                };
+                let mut rest = active;
+                if let Some(axpy4) = ops.axpy4 {
+                    let mut quads = active.chunks_exact(4);
+                    for (qi, q) in (&mut quads).enumerate() {
+                        for k in 4 * qi..4 * qi + 4 {
+                            fetch(k);
+                        }
+                        let i = [q[0] as usize, q[1] as usize, q[2] as usize, q[3] as usize];
+                        let rows4 = i.map(|i| &w.row(i)[b0..b1]);
+                        // Every listed row has a nonzero activation (filtered by the callers).
+                        axpy4(rows4, i.map(|i| a[i]), yo);
+                    }
+                    rest = quads.remainder();
+                }
+                let base = active.len() - rest.len();
+                for (k, &i) in rest.iter().enumerate() {
+                    fetch(base + k);
+                    let i = i as usize;
+                    if a[i] != 0.0 {
+                        (ops.axpy)(&w.row(i)[b0..b1], a[i], yo);
+                    }
+                }
+                return;
+            }
+            let ahead = prefetch_ahead(b1 - b0);
+            for (k, &i) in active.iter().enumerate() {
+                if let Some(&next) = active.get(k + ahead) {
+                    prefetch(&w.row(next as usize)[b0..b1]);
+                }
+                let i = i as usize;
+                let row = &w.row(i)[b0..b1];
+                for t in 0..n_tokens {
+                    let ai = a[t * rows + i];
+                    if ai == 0.0 || select.is_some_and(|s| !s.selected(rows, t, i)) {
+                        continue;
+                    }
+                    // SAFETY: threads own disjoint column ranges `c0..c1` of every token's
+                    // output row, and `t * cols + c1 <= n_tokens * cols == y.len()`.
+                    let yo = unsafe { out.slice(t * cols + c0..t * cols + c1) };
+                    (ops.axpy)(row, ai, yo);
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum RowList {
+    All(usize),
+    Listed,
+}
+
+/// Whether [`MatMul`] supports weight type `ty` (for every kernel).
+pub fn is_supported(ty: GgmlType) -> bool {
+    table::SUPPORTED.contains(&ty)
+}
+
+/// The weight types the matrix kernels support.
+pub fn supported_types() -> &'static [GgmlType] {
+    &table::SUPPORTED
+}
+
+#[allow(dead_code)]
+fn _assert_act_is_copy(a: Act<'_>) -> Act<'_> {
+    a
+}

@@ -1,0 +1,86 @@
+//! Which row kernels serve a (weight type, backend) pair.
+
+use super::act::{Act, ActFormat};
+use super::scalar as s;
+use crate::backend::Backend;
+use powerinfer_gguf::GgmlType;
+
+/// One dot product of a weight row (raw bytes, whole blocks) with a prepared activation.
+pub(crate) type DotFn = fn(&[u8], &Act<'_>) -> f32;
+/// Four dot products of one weight row with four activations.
+pub(crate) type Dot4Fn = fn(&[u8], &[Act<'_>; 4], &mut [f32; 4]);
+/// Dot products of four weight rows with one activation, each exactly as [`DotFn`] computes it.
+pub(crate) type Rows4Fn = fn([&[u8]; 4], &Act<'_>) -> [f32; 4];
+/// `out += a · row` (row bytes and `out` cover the same columns).
+pub(crate) type AxpyFn = fn(&[u8], f32, &mut [f32]);
+/// `out += a[0]·rows[0] + … + a[3]·rows[3]`, with the roundings of four [`AxpyFn`] calls in order.
+pub(crate) type Axpy4Fn = fn([&[u8]; 4], [f32; 4], &mut [f32]);
+
+/// The row kernels of one weight type on one backend.
+#[derive(Clone, Copy)]
+pub(crate) struct RowOps {
+    pub dot: DotFn,
+    pub dot4: Dot4Fn,
+    /// Four rows at once (same results as four `dot` calls), where the backend has it.
+    pub rows4: Option<Rows4Fn>,
+    pub axpy: AxpyFn,
+    /// Four rows at once, where the backend has such a kernel.
+    pub axpy4: Option<Axpy4Fn>,
+    pub act: ActFormat,
+}
+
+/// The weight types the matrix kernels take.
+pub(crate) const SUPPORTED: [GgmlType; 11] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
+    use ActFormat as A;
+    use GgmlType as T;
+    let ops = |dot: DotFn, dot4: Dot4Fn, axpy: AxpyFn, act| RowOps {
+        dot,
+        dot4,
+        rows4: None,
+        axpy,
+        axpy4: None,
+        act,
+    };
+    Some(match ty {
+        T::F32 => ops(s::dot_f32, s::dot4_f32, s::axpy_f32, A::F32),
+        T::F16 => ops(s::dot_f16, s::dot4_f16, s::axpy_f16, A::F32),
+        T::BF16 => ops(s::dot_bf16, s::dot4_bf16, s::axpy_bf16, A::F32),
+        T::Q8_0 => ops(s::dot_q8_0, s::dot4_q8_0, s::axpy_q8_0, A::Q8_0),
+        T::Q4_0 => ops(s::dot_q4_0, s::dot4_q4_0, s::axpy_q4_0, A::Q8_0),
+        T::Q4_1 => ops(s::dot_q4_1, s::dot4_q4_1, s::axpy_q4_1, A::Q8_1),
+        T::Q5_0 => ops(s::dot_q5_0, s::dot4_q5_0, s::axpy_q5_0, A::Q8_0),
+        T::Q5_1 => ops(s::dot_q5_1, s::dot4_q5_1, s::axpy_q5_1, A::Q8_1),
+        T::Q4_K => ops(s::dot_q4_k, s::dot4_q4_k, s::axpy_q4_k, A::Q8K),
+        T::Q5_K => ops(s::dot_q5_k, s::dot4_q5_k, s::axpy_q5_k, A::Q8K),
+        T::Q6_K => ops(s::dot_q6_k, s::dot4_q6_k, s::axpy_q6_k, A::Q8K),
+        _ => return None,
+    })
+}
+
+/// The kernels for `ty` on `backend` (which the caller has checked is available), or `None`
+/// if the type is not supported. Kernels a backend lacks fall back to the scalar ones.
+pub(crate) fn row_ops(ty: GgmlType, backend: Backend) -> Option<RowOps> {
+    #[allow(unused_mut)]
+    let mut ops = scalar_ops(ty)?;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(backend, Backend::Avx2 | Backend::Avx512) && backend.is_available() {
+        super::x86::override_avx2(ty, &mut ops, backend == Backend::Avx512);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = backend;
+    Some(ops)
+}

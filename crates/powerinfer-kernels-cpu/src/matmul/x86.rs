@@ -1,0 +1,457 @@
+//! AVX2 + FMA + F16C row kernels (x86-64).
+//!
+//! Every kernel is an `unsafe fn` with `#[target_feature]`; the safe wrappers that
+//! [`override_avx2`] installs in the kernel table are installed only after
+//! [`Backend::Avx2`](crate::Backend) (or `Avx512`, which implies it) was detected on this CPU, which is what makes calling them
+//! sound. Loads are unaligned (`loadu`), so rows need no alignment.
+//!
+//! The four-token kernels (`dot4`) compute each token exactly as the one-token kernel does (same
+//! accumulators, same order), so a result never depends on how tokens were grouped.
+
+// Block formats are defined by element index; indexed loops read closest to the format.
+#![allow(clippy::needless_range_loop)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use super::act::Act;
+use super::table::RowOps;
+use powerinfer_gguf::GgmlType;
+use std::arch::x86_64::*;
+
+/// Replaces the scalar kernels of `ty` in `ops` by AVX2 ones where they exist (with `vnni`, the
+/// quantized dot products use the AVX-512 VNNI kernels of [`super::x86_int`]). The caller has
+/// checked that AVX2, FMA and F16C (and, with `vnni`, [`Backend::Avx512`](crate::Backend)) are
+/// available.
+pub(crate) fn override_avx2(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
+    use GgmlType as T;
+    super::x86_int::override_int(ty, ops, vnni);
+    match ty {
+        T::F32 => {
+            ops.dot = dot_f32;
+            ops.dot4 = dot4_f32;
+            ops.rows4 = Some(rows4_f32);
+            ops.axpy = axpy_f32;
+            ops.axpy4 = Some(axpy4_f32);
+        }
+        T::F16 => {
+            ops.dot = dot_f16;
+            ops.dot4 = dot4_f16;
+            ops.rows4 = Some(rows4_f16);
+            ops.axpy = axpy_f16;
+            ops.axpy4 = Some(axpy4_f16);
+        }
+        T::BF16 => {
+            ops.dot = dot_bf16;
+            ops.dot4 = dot4_bf16;
+            ops.rows4 = Some(rows4_bf16);
+            ops.axpy = axpy_bf16;
+            ops.axpy4 = Some(axpy4_bf16);
+        }
+        T::Q8_0 => {
+            ops.axpy = axpy_q8_0;
+            ops.axpy4 = Some(axpy4_q8_0);
+        }
+        T::Q4_0 => {
+            ops.axpy = axpy_q4_0;
+            ops.axpy4 = Some(axpy4_q4_0);
+        }
+        _ => {}
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+/// Horizontal sum of 8 lanes in a fixed order.
+#[inline]
+///
+/// # Safety
+/// AVX2 available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps::<1>(v);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// f16 (little-endian bytes at `p`) to f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn f16_scalar(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// How the float kernels turn 8 stored elements at `p` into 8 f32 lanes.
+trait FloatLoad {
+    /// Bytes per element.
+    const SIZE: usize;
+    /// # Safety
+    /// 8 elements readable at `p`; AVX2, FMA and F16C available.
+    unsafe fn load8(p: *const u8) -> __m256;
+    /// # Safety
+    /// One element readable at `p`.
+    unsafe fn load1(p: *const u8) -> f32;
+}
+
+struct LF32;
+struct LF16;
+struct LBF16;
+
+impl FloatLoad for LF32 {
+    const SIZE: usize = 4;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: 32 readable bytes at `p` (caller).
+        unsafe { _mm256_loadu_ps(p as *const f32) }
+    }
+    #[inline(always)]
+    unsafe fn load1(p: *const u8) -> f32 {
+        // SAFETY: 4 readable bytes at `p` (caller).
+        unsafe { std::ptr::read_unaligned(p as *const f32) }
+    }
+}
+
+impl FloatLoad for LF16 {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: 16 readable bytes at `p`; F16C available (caller).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn load1(p: *const u8) -> f32 {
+        // SAFETY: 2 readable bytes at `p`; F16C available (caller).
+        unsafe { f16_scalar(p) }
+    }
+}
+
+impl FloatLoad for LBF16 {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: 16 readable bytes at `p`; AVX2 available (caller).
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load1(p: *const u8) -> f32 {
+        // SAFETY: 2 readable bytes at `p` (caller).
+        let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
+        f32::from_bits((bits as u32) << 16)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float weights × f32 activations.
+
+/// `N` dot products of one float row with `N` activations: per token two 8-lane accumulators
+/// over 16-element steps, one more 8-element step into the first, a fixed-order horizontal sum,
+/// then the last `n % 8` elements with scalar FMAs.
+///
+/// # Safety
+/// `row` holds `n` elements of `L`, every `xs[k]` has `n` values; AVX2/FMA/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float<L: FloatLoad, const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    let n = xs[0].len();
+    debug_assert!(row.len() >= n * L::SIZE && xs.iter().all(|x| x.len() == n));
+    let w = row.as_ptr();
+    let mut acc0 = [_mm256_setzero_ps(); N];
+    let mut acc1 = [_mm256_setzero_ps(); N];
+    let mut i = 0;
+    // SAFETY (all loads below): `i + 16 <= n` (or `i + 8 <= n`, or `i < n`) elements, in
+    // bounds of `row` (n elements of L::SIZE bytes) and of every `xs[k]` (n values).
+    unsafe {
+        while i + 16 <= n {
+            let w0 = L::load8(w.add(i * L::SIZE));
+            let w1 = L::load8(w.add((i + 8) * L::SIZE));
+            for k in 0..N {
+                let x = xs[k].as_ptr().add(i);
+                acc0[k] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc0[k]);
+                acc1[k] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), acc1[k]);
+            }
+            i += 16;
+        }
+        if i + 8 <= n {
+            let w0 = L::load8(w.add(i * L::SIZE));
+            for k in 0..N {
+                acc0[k] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[k].as_ptr().add(i)), acc0[k]);
+            }
+            i += 8;
+        }
+        let mut out = [0f32; N];
+        for k in 0..N {
+            let mut s = hsum(_mm256_add_ps(acc0[k], acc1[k]));
+            for j in i..n {
+                s = L::load1(w.add(j * L::SIZE)).mul_add(*xs[k].get_unchecked(j), s);
+            }
+            out[k] = s;
+        }
+        out
+    }
+}
+
+/// `R` dot products of `R` float rows with one activation, computing each row exactly as
+/// [`dot_float`] does (same accumulators, same order) while loading each activation vector once
+/// for all rows: for long rows (11008 f32 = 44 KB) the activation does not fit in L1, and this
+/// cuts its reloads from L2 by `R`.
+///
+/// # Safety
+/// Every row holds `x.len()` elements of `L`; AVX2/FMA/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float_rows<L: FloatLoad, const R: usize>(rows: [&[u8]; R], x: &[f32]) -> [f32; R] {
+    let n = x.len();
+    debug_assert!(rows.iter().all(|r| r.len() >= n * L::SIZE));
+    let w = rows.map(|r| r.as_ptr());
+    let xp = x.as_ptr();
+    let mut acc0 = [_mm256_setzero_ps(); R];
+    let mut acc1 = [_mm256_setzero_ps(); R];
+    let mut i = 0;
+    // SAFETY (all loads below): indices below `n`, in bounds of every row (n elements of
+    // L::SIZE bytes) and of `x`.
+    unsafe {
+        while i + 16 <= n {
+            let x0 = _mm256_loadu_ps(xp.add(i));
+            let x1 = _mm256_loadu_ps(xp.add(i + 8));
+            for r in 0..R {
+                acc0[r] = _mm256_fmadd_ps(L::load8(w[r].add(i * L::SIZE)), x0, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(L::load8(w[r].add((i + 8) * L::SIZE)), x1, acc1[r]);
+            }
+            i += 16;
+        }
+        if i + 8 <= n {
+            let x0 = _mm256_loadu_ps(xp.add(i));
+            for r in 0..R {
+                acc0[r] = _mm256_fmadd_ps(L::load8(w[r].add(i * L::SIZE)), x0, acc0[r]);
+            }
+            i += 8;
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            let mut s = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+            for j in i..n {
+                s = L::load1(w[r].add(j * L::SIZE)).mul_add(*x.get_unchecked(j), s);
+            }
+            out[r] = s;
+        }
+        out
+    }
+}
+
+/// `out += a · row` for a float row: 8-lane FMAs, then scalar FMAs for the last `n % 8`.
+///
+/// # Safety
+/// `row` holds `out.len()` elements of `L`; AVX2/FMA/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_float<L: FloatLoad>(row: &[u8], a: f32, out: &mut [f32]) {
+    let n = out.len();
+    debug_assert!(row.len() >= n * L::SIZE);
+    let w = row.as_ptr();
+    let o = out.as_mut_ptr();
+    let va = _mm256_set1_ps(a);
+    let mut i = 0;
+    // SAFETY: indices below `n` for `out` and for `row` (n elements of L::SIZE bytes).
+    unsafe {
+        while i + 16 <= n {
+            let y0 = _mm256_fmadd_ps(va, L::load8(w.add(i * L::SIZE)), _mm256_loadu_ps(o.add(i)));
+            let y1 = _mm256_fmadd_ps(
+                va,
+                L::load8(w.add((i + 8) * L::SIZE)),
+                _mm256_loadu_ps(o.add(i + 8)),
+            );
+            _mm256_storeu_ps(o.add(i), y0);
+            _mm256_storeu_ps(o.add(i + 8), y1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            let y0 = _mm256_fmadd_ps(va, L::load8(w.add(i * L::SIZE)), _mm256_loadu_ps(o.add(i)));
+            _mm256_storeu_ps(o.add(i), y0);
+            i += 8;
+        }
+        for j in i..n {
+            *o.add(j) = a.mul_add(L::load1(w.add(j * L::SIZE)), *o.add(j));
+        }
+    }
+}
+
+/// `out += a[0]·rows[0] + … + a[3]·rows[3]` for float rows, applied row after row to each
+/// element (the same roundings as four [`axpy_float`] calls) while `out` stays in registers.
+///
+/// # Safety
+/// Every row holds `out.len()` elements of `L`; AVX2/FMA/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy4_float<L: FloatLoad>(rows: [&[u8]; 4], a: [f32; 4], out: &mut [f32]) {
+    let n = out.len();
+    debug_assert!(rows.iter().all(|r| r.len() >= n * L::SIZE));
+    let w = rows.map(|r| r.as_ptr());
+    let o = out.as_mut_ptr();
+    let va = a.map(|v| _mm256_set1_ps(v));
+    let mut i = 0;
+    // SAFETY: indices below `n` for `out` and for every row (n elements of L::SIZE bytes).
+    unsafe {
+        while i + 16 <= n {
+            let mut y0 = _mm256_loadu_ps(o.add(i));
+            let mut y1 = _mm256_loadu_ps(o.add(i + 8));
+            for k in 0..4 {
+                y0 = _mm256_fmadd_ps(va[k], L::load8(w[k].add(i * L::SIZE)), y0);
+                y1 = _mm256_fmadd_ps(va[k], L::load8(w[k].add((i + 8) * L::SIZE)), y1);
+            }
+            _mm256_storeu_ps(o.add(i), y0);
+            _mm256_storeu_ps(o.add(i + 8), y1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            let mut y0 = _mm256_loadu_ps(o.add(i));
+            for k in 0..4 {
+                y0 = _mm256_fmadd_ps(va[k], L::load8(w[k].add(i * L::SIZE)), y0);
+            }
+            _mm256_storeu_ps(o.add(i), y0);
+            i += 8;
+        }
+        for j in i..n {
+            let mut y = *o.add(j);
+            for k in 0..4 {
+                y = a[k].mul_add(L::load1(w[k].add(j * L::SIZE)), y);
+            }
+            *o.add(j) = y;
+        }
+    }
+}
+
+macro_rules! float_wrappers {
+    ($l:ty, $dot:ident, $dot4:ident, $rows4:ident, $axpy:ident, $axpy4:ident) => {
+        fn $rows4(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
+            // SAFETY: installed only when AVX2/FMA/F16C were detected; the frame passes four
+            // whole rows and an activation of the row length.
+            unsafe { dot_float_rows::<$l, 4>(rows, a.f) }
+        }
+        fn $dot(row: &[u8], a: &Act<'_>) -> f32 {
+            // SAFETY: installed only when AVX2/FMA/F16C were detected; the frame passes a whole
+            // row (`a.f.len()` elements) and an activation of the same length.
+            unsafe { dot_float::<$l, 1>(row, [a.f])[0] }
+        }
+        fn $dot4(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
+            // SAFETY: as above, four activations of the row's length.
+            *out = unsafe { dot_float::<$l, 4>(row, [acts[0].f, acts[1].f, acts[2].f, acts[3].f]) };
+        }
+        fn $axpy(row: &[u8], a: f32, out: &mut [f32]) {
+            // SAFETY: as above; the frame passes row bytes covering exactly `out`'s columns.
+            unsafe { axpy_float::<$l>(row, a, out) }
+        }
+        fn $axpy4(rows: [&[u8]; 4], a: [f32; 4], out: &mut [f32]) {
+            // SAFETY: as above, four rows each covering `out`'s columns.
+            unsafe { axpy4_float::<$l>(rows, a, out) }
+        }
+    };
+}
+float_wrappers!(LF32, dot_f32, dot4_f32, rows4_f32, axpy_f32, axpy4_f32);
+float_wrappers!(LF16, dot_f16, dot4_f16, rows4_f16, axpy_f16, axpy4_f16);
+float_wrappers!(LBF16, dot_bf16, dot4_bf16, rows4_bf16, axpy_bf16, axpy4_bf16);
+
+// ---------------------------------------------------------------------------------------------
+// Q8_0 and Q4_0 weights × Q8_0 activations.
+
+/// `out += Σ_k a[k] · rows[k]` for `N` Q8_0 rows, row after row per element (the roundings of
+/// `N` one-row calls): per block, 4 × (8 bytes → i32 → f32) times `a·d_w`.
+///
+/// # Safety
+/// Every row is whole blocks covering `out`; AVX2/FMA/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_q8_0_n<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    debug_assert!(rows.iter().all(|r| r.len() >= nb * 34));
+    let o = out.as_mut_ptr();
+    for b in 0..nb {
+        // SAFETY: block `b` < nb is within every row, outputs `32b..32b+32` within `out`.
+        unsafe {
+            let mut y = [_mm256_setzero_ps(); 4];
+            for (g, yg) in y.iter_mut().enumerate() {
+                *yg = _mm256_loadu_ps(o.add(b * 32 + 8 * g));
+            }
+            for k in 0..N {
+                let blk = rows[k].as_ptr().add(b * 34);
+                let s = _mm256_set1_ps(a[k] * f16_scalar(blk));
+                for (g, yg) in y.iter_mut().enumerate() {
+                    let q8 = _mm_loadl_epi64(blk.add(2 + 8 * g) as *const __m128i);
+                    let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+                    *yg = _mm256_fmadd_ps(s, v, *yg);
+                }
+            }
+            for (g, yg) in y.iter().enumerate() {
+                _mm256_storeu_ps(o.add(b * 32 + 8 * g), *yg);
+            }
+        }
+    }
+}
+
+/// `out += Σ_k a[k] · rows[k]` for `N` Q4_0 rows, row after row per element: per block,
+/// nibbles − 8 → f32, times `a·d_w`.
+///
+/// # Safety
+/// Every row is whole blocks covering `out`; AVX2/FMA/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_q4_0_n<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    debug_assert!(rows.iter().all(|r| r.len() >= nb * 18));
+    let o = out.as_mut_ptr();
+    let mask = _mm_set1_epi8(0x0F);
+    let eight = _mm_set1_epi8(8);
+    for b in 0..nb {
+        // SAFETY: block `b` < nb is within every row, outputs `32b..32b+32` within `out`.
+        unsafe {
+            let mut y = [_mm256_setzero_ps(); 4];
+            for (g, yg) in y.iter_mut().enumerate() {
+                *yg = _mm256_loadu_ps(o.add(b * 32 + 8 * g));
+            }
+            for k in 0..N {
+                let blk = rows[k].as_ptr().add(b * 18);
+                let s = _mm256_set1_ps(a[k] * f16_scalar(blk));
+                let raw = _mm_loadu_si128(blk.add(2) as *const __m128i);
+                let lo = _mm_sub_epi8(_mm_and_si128(raw, mask), eight);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(raw), mask), eight);
+                let parts = [
+                    lo,
+                    _mm_unpackhi_epi64(lo, lo),
+                    hi,
+                    _mm_unpackhi_epi64(hi, hi),
+                ];
+                for (yg, part) in y.iter_mut().zip(parts) {
+                    let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+                    *yg = _mm256_fmadd_ps(s, v, *yg);
+                }
+            }
+            for (g, yg) in y.iter().enumerate() {
+                _mm256_storeu_ps(o.add(b * 32 + 8 * g), *yg);
+            }
+        }
+    }
+}
+
+fn axpy_q8_0(row: &[u8], a: f32, out: &mut [f32]) {
+    // SAFETY: installed only when AVX2/FMA/F16C were detected; the frame passes row bytes of
+    // whole blocks covering exactly `out`'s columns.
+    unsafe { axpy_q8_0_n::<1>([row], [a], out) }
+}
+fn axpy4_q8_0(rows: [&[u8]; 4], a: [f32; 4], out: &mut [f32]) {
+    // SAFETY: as in `axpy_q8_0`, for each of the four rows.
+    unsafe { axpy_q8_0_n::<4>(rows, a, out) }
+}
+fn axpy_q4_0(row: &[u8], a: f32, out: &mut [f32]) {
+    // SAFETY: as in `axpy_q8_0`.
+    unsafe { axpy_q4_0_n::<1>([row], [a], out) }
+}
+fn axpy4_q4_0(rows: [&[u8]; 4], a: [f32; 4], out: &mut [f32]) {
+    // SAFETY: as in `axpy_q8_0`, for each of the four rows.
+    unsafe { axpy_q4_0_n::<4>(rows, a, out) }
+}

@@ -1,0 +1,440 @@
+//! Scaled dot-product attention of new tokens over an F16 KV cache, with grouped-query heads.
+//!
+//! # KV cache layout
+//! One layer's K cache and V cache are each a row-major `f16` array `[n_pos][n_kv_head][head_dim]`:
+//! row `p` (the key or value of the token at position `p`) is `n_kv_head · head_dim` contiguous
+//! values, head after head. The engine appends one row per token (K after RoPE), and passes the
+//! filled prefix `&cache[..n_pos · n_kv_head · head_dim]`; the number of positions attended is
+//! taken from that length. V uses the same layout as K (not ggml's transposed V): the weighted
+//! sum then adds whole contiguous rows, which vectorises well, and appending a token is one copy.
+//!
+//! # What is computed
+//! For query head `h` (of `n_head`), kv head `h / (n_head / n_kv_head)` (GQA; MHA when equal):
+//! `s_p = scale · (q_h · K[p])` in f32 (K widened from f16, q kept in f32), `w = softmax(s)`
+//! (max-subtracted, f32 exponentials), `out_h = Σ_p w_p · V[p]` accumulated in f32. The
+//! definition is [`crate::reference::ops::attention`].
+//!
+//! llama.cpp rounds q and the softmax weights to f16 before its F16 matrix products; this kernel
+//! keeps them in f32 (closer to the exact result).
+//!
+//! The AVX2 path computes each `q·k` with FMA over the f16 row (widened by F16C) and adds the
+//! weighted V rows four positions at a time; the scalar path widens each K/V head row once into
+//! an f32 buffer and uses plain f32 loops the compiler can vectorise.
+//!
+//! # Threads
+//! The work is split into items (kv head, part of its query-head group, token), ordered
+//! kv-head-major so that the items a thread takes in turn reuse the same K/V columns; a group is
+//! split into parts only when there are fewer items than threads. Thread `i` of the
+//! [`ThreadPool`] takes items `i, i + n, i + 2n, …`, which spreads the growing cost of later
+//! tokens of a causal block evenly. The query heads of one item are processed together so each K
+//! and V row is loaded once for all of them; each thread accumulates in its own buffer and copies
+//! the finished heads to `out`. Results do not depend on the number of threads (bit for bit).
+
+use std::sync::Mutex;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use super::check_len;
+use super::isa::Isa;
+use super::softmax::{exp_sub_sum_with, max_with, scale_in_place};
+use crate::{Backend, KernelError, ThreadPool};
+
+/// Shape and scale of an attention.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionParams {
+    /// Number of query heads.
+    pub n_head: usize,
+    /// Number of key/value heads; must divide `n_head`.
+    pub n_kv_head: usize,
+    /// Size of each head.
+    pub head_dim: usize,
+    /// Factor applied to `q · k` before the softmax (usually `1 / sqrt(head_dim)`).
+    pub scale: f32,
+}
+
+impl AttentionParams {
+    /// Parameters with the usual scale `1 / sqrt(head_dim)` (computed in f32, as llama.cpp).
+    pub fn new(n_head: usize, n_kv_head: usize, head_dim: usize) -> Self {
+        AttentionParams {
+            n_head,
+            n_kv_head,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+
+    /// Length of one token's queries (and of one output row): `n_head · head_dim`.
+    pub fn q_len(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Length of one KV cache row: `n_kv_head · head_dim`.
+    pub fn kv_row_len(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+
+    fn validate(&self) -> Result<(), KernelError> {
+        if self.n_head == 0 || self.n_kv_head == 0 || self.head_dim == 0 {
+            return Err(KernelError::Shape(format!(
+                "attention: n_head {}, n_kv_head {} and head_dim {} must be positive",
+                self.n_head, self.n_kv_head, self.head_dim
+            )));
+        }
+        if self.n_head % self.n_kv_head != 0 {
+            return Err(KernelError::Shape(format!(
+                "attention: n_kv_head {} does not divide n_head {}",
+                self.n_kv_head, self.n_head
+            )));
+        }
+        if self.n_head.checked_mul(self.head_dim).is_none() {
+            return Err(KernelError::Shape(
+                "attention: n_head · head_dim overflows".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Attention of one new token: `q` holds its `n_head × head_dim` queries, `k` and `v` the first
+/// `n_pos` rows of the layer's caches (the token's own row included, see the
+/// [module docs](self)), `out` receives `n_head × head_dim` values.
+///
+/// Errors: invalid `params`, `q.len()` or `out.len()` not `n_head · head_dim`, `k.len()` not a
+/// positive multiple of `n_kv_head · head_dim`, or `v.len() != k.len()`.
+pub fn attention(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    params: &AttentionParams,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    attention_block_isa(Isa::detect(), pool, q, k, v, 1, params, out)
+}
+
+/// [`attention`] on an explicit backend (errors if this CPU cannot run it).
+pub fn attention_with(
+    backend: Backend,
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    params: &AttentionParams,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    attention_block_isa(Isa::new(backend)?, pool, q, k, v, 1, params, out)
+}
+
+/// Causal attention of a block of `n_tokens` new tokens whose K/V rows are the **last**
+/// `n_tokens` rows of `k`/`v`: with `n_pos = k.len() / (n_kv_head · head_dim)` and
+/// `p0 = n_pos - n_tokens`, token `t` (queries `q[t · n_head · head_dim ..]`) attends to
+/// positions `0..=p0 + t`. Equal, bit for bit, to `n_tokens` calls of [`attention`] with the
+/// caches cut after each token's row.
+///
+/// Errors: as [`attention`], with `q.len()` and `out.len()` equal to
+/// `n_tokens · n_head · head_dim`, and `n_tokens ≤ n_pos`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    n_tokens: usize,
+    params: &AttentionParams,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    attention_block_isa(Isa::detect(), pool, q, k, v, n_tokens, params, out)
+}
+
+/// [`attention_block`] on an explicit backend (errors if this CPU cannot run it).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block_with(
+    backend: Backend,
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    n_tokens: usize,
+    params: &AttentionParams,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    attention_block_isa(Isa::new(backend)?, pool, q, k, v, n_tokens, params, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_block_isa(
+    isa: Isa,
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    n_tokens: usize,
+    params: &AttentionParams,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    params.validate()?;
+    let q_len = params.q_len();
+    let kv_row = params.kv_row_len();
+    let block_len = n_tokens
+        .checked_mul(q_len)
+        .ok_or_else(|| KernelError::Shape("attention: n_tokens · q_len overflows".into()))?;
+    check_len("attention: q", block_len, q.len())?;
+    check_len("attention: out", block_len, out.len())?;
+    check_len("attention: v", k.len(), v.len())?;
+    if k.len() % kv_row != 0 {
+        return Err(KernelError::Shape(format!(
+            "attention: K cache length {} is not a whole number of rows of {}",
+            k.len(),
+            kv_row
+        )));
+    }
+    let n_pos = k.len() / kv_row;
+    if n_tokens > n_pos {
+        return Err(KernelError::Shape(format!(
+            "attention: {n_tokens} new tokens but only {n_pos} cache rows"
+        )));
+    }
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    if n_pos == 0 {
+        return Err(KernelError::Shape("attention: empty KV cache".into()));
+    }
+
+    let d = params.head_dim;
+    let group = params.n_head / params.n_kv_head;
+    // Split each query-head group into `parts` so that there are enough items for the threads.
+    let n_threads = pool.n_threads();
+    let base_items = n_tokens * params.n_kv_head;
+    let mut parts = 1;
+    while base_items * parts < n_threads && parts < group {
+        parts += 1;
+        while group % parts != 0 {
+            parts += 1;
+        }
+    }
+    let heads_per_item = group / parts;
+    let item_len = heads_per_item * d;
+    let p0 = n_pos - n_tokens;
+
+    // Work items are ordered kv-head-group-major, token-minor, so that consecutive items of a
+    // thread reuse the same K/V columns (cache-friendly for prompt blocks). Item `i` covers group
+    // part `gi = i / n_tokens` (query heads from `gi · heads_per_item`, all of kv head
+    // `gi / parts`) of token `t = i % n_tokens`, i.e. output chunk `t · items_per_token + gi`.
+    let items_per_token = params.n_kv_head * parts;
+    let n_items = n_tokens * items_per_token;
+    let chunk_of = |i: usize| (i % n_tokens) * items_per_token + i / n_tokens;
+    let run_item = |i: usize, o: &mut [f32], scratch: &mut Scratch| {
+        let t = i % n_tokens;
+        let first_head = (i / n_tokens) * heads_per_item;
+        let kv_head = first_head / group;
+        let q_item = &q[t * q_len + first_head * d..][..item_len];
+        attend_group(
+            isa,
+            q_item,
+            k,
+            v,
+            kv_row,
+            kv_head * d,
+            d,
+            p0 + t + 1,
+            params.scale,
+            o,
+            scratch,
+        );
+    };
+
+    if n_threads == 1 {
+        let mut scratch = Scratch::default();
+        let mut chunks: Vec<&mut [f32]> = out.chunks_exact_mut(item_len).collect();
+        for i in 0..n_items {
+            run_item(i, chunks[chunk_of(i)], &mut scratch);
+        }
+        return Ok(());
+    }
+    // Each output chunk is behind its own (uncontended) lock, so threads can write disjoint parts
+    // of `out` without unsafe code.
+    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(item_len).map(Mutex::new).collect();
+    pool.run(|tid| {
+        let mut scratch = Scratch::default();
+        let mut i = tid;
+        while i < n_items {
+            let mut o = chunks[chunk_of(i)]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            run_item(i, &mut o, &mut scratch);
+            i += n_threads;
+        }
+    });
+    Ok(())
+}
+
+/// Per-thread buffers of [`attend_group`].
+#[derive(Default)]
+struct Scratch {
+    /// Scores, then softmax weights, of every query head of the group: `[head][position]`.
+    scores: Vec<f32>,
+    /// One K or V head row widened to f32 (scalar path).
+    row: Vec<f32>,
+    /// The group's outputs while they are accumulated (thread-local, so threads never write
+    /// to neighbouring cache lines of `out` position after position).
+    acc: Vec<f32>,
+    /// 1 / (sum of the exponentials) of each query head.
+    inv_sum: Vec<f32>,
+}
+
+/// Attention of `q.len() / d` query heads sharing one kv head over cache rows `0..n_ctx`.
+/// `kv_off` is the offset of that kv head inside a cache row of `kv_row` values.
+#[allow(clippy::too_many_arguments)]
+fn attend_group(
+    isa: Isa,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    kv_row: usize,
+    kv_off: usize,
+    d: usize,
+    n_ctx: usize,
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    let g = q.len() / d;
+    let scores = &mut scratch.scores;
+    scores.clear();
+    scores.resize(g * n_ctx, 0.0);
+    let row = &mut scratch.row;
+    row.resize(d, 0.0);
+    let acc = &mut scratch.acc;
+    acc.clear();
+    acc.resize(q.len(), 0.0);
+    for (p, krow) in k.chunks_exact(kv_row).take(n_ctx).enumerate() {
+        let kh = &krow[kv_off..kv_off + d];
+        if isa.is_avx2() {
+            for (j, qh) in q.chunks_exact(d).enumerate() {
+                scores[j * n_ctx + p] = dot_f32_f16(isa, qh, kh) * scale;
+            }
+        } else {
+            // Widen the row once (in bulk, which `half` vectorises where it can), then plain f32.
+            kh.convert_to_f32_slice(row);
+            for (j, qh) in q.chunks_exact(d).enumerate() {
+                scores[j * n_ctx + p] = dot_f32(qh, row) * scale;
+            }
+        }
+    }
+    let inv = &mut scratch.inv_sum;
+    inv.clear();
+    inv.resize(g, 0.0);
+    for (srow, inv_j) in scores.chunks_exact_mut(n_ctx).zip(inv.iter_mut()) {
+        let m = max_with(isa, srow);
+        // Scores are finite for finite inputs; guard against a row of -inf anyway (all zeros).
+        if m == f32::NEG_INFINITY {
+            srow.fill(0.0);
+            *inv_j = 0.0;
+        } else {
+            let sum = exp_sub_sum_with(isa, srow, m);
+            *inv_j = (1.0 / sum) as f32;
+        }
+    }
+    let mut p_start = 0;
+    if isa.is_avx2() {
+        // Four positions per pass over the output: a quarter of the loads and stores of `out`.
+        p_start = n_ctx - n_ctx % 4;
+        for p in (0..p_start).step_by(4) {
+            let vh = |r: usize| &v[(p + r) * kv_row + kv_off..][..d];
+            let rows = [vh(0), vh(1), vh(2), vh(3)];
+            for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
+                let w = &scores[j * n_ctx + p..][..4];
+                axpy4_f16(isa, oh, [w[0], w[1], w[2], w[3]], rows);
+            }
+        }
+    }
+    for (p, vrow) in v.chunks_exact(kv_row).take(n_ctx).enumerate().skip(p_start) {
+        let vh = &vrow[kv_off..kv_off + d];
+        if isa.is_avx2() {
+            for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
+                axpy_f16(isa, oh, scores[j * n_ctx + p], vh);
+            }
+        } else {
+            vh.convert_to_f32_slice(row);
+            for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
+                let w = scores[j * n_ctx + p];
+                for (o, &x) in oh.iter_mut().zip(row.iter()) {
+                    *o += w * x;
+                }
+            }
+        }
+    }
+    for (oh, &s) in acc.chunks_exact_mut(d).zip(inv.iter()) {
+        scale_in_place(isa, oh, s);
+    }
+    out.copy_from_slice(acc);
+}
+
+/// Σ a[i]·b[i] in f32 with eight partial sums (which the compiler keeps in vector registers),
+/// combined by a fixed tree, then the tail in order.
+#[inline]
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let ac = a.chunks_exact(8);
+    let bc = b.chunks_exact(8);
+    let (at, bt) = (ac.remainder(), bc.remainder());
+    for (xs, ys) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += xs[l] * ys[l];
+        }
+    }
+    let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (&x, &y) in at.iter().zip(bt) {
+        sum += x * y;
+    }
+    sum
+}
+
+/// AVX2 `q · k` (callers check `isa.is_avx2()`; the scalar path widens rows in bulk instead).
+#[inline]
+fn dot_f32_f16(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() {
+        // SAFETY: `is_avx2()` is only true for an available AVX2 backend (AVX2, FMA, F16C);
+        // `q` and `k` both have length `head_dim`.
+        return unsafe { super::x86::dot_f32_f16(q, k) };
+    }
+    let _ = isa;
+    q.iter().zip(k).map(|(&a, &b)| a * b.to_f32()).sum()
+}
+
+/// AVX2 `acc += Σ_r a[r] · v[r]` (callers check `isa.is_avx2()`).
+#[inline]
+fn axpy4_f16(isa: Isa, acc: &mut [f32], a: [f32; 4], v: [&[f16]; 4]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() {
+        // SAFETY: `is_avx2()` is only true for an available AVX2 backend (AVX2, FMA, F16C);
+        // `acc` and every row of `v` have length `head_dim`.
+        unsafe { super::x86::axpy4_f16(acc, a, v) };
+        return;
+    }
+    let _ = isa;
+    for (r, row) in v.iter().enumerate() {
+        for (o, &x) in acc.iter_mut().zip(row.iter()) {
+            *o += a[r] * x.to_f32();
+        }
+    }
+}
+
+/// AVX2 `acc += a · v` (callers check `isa.is_avx2()`).
+#[inline]
+fn axpy_f16(isa: Isa, acc: &mut [f32], a: f32, v: &[f16]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() {
+        // SAFETY: `is_avx2()` is only true for an available AVX2 backend (AVX2, FMA, F16C);
+        // `acc` and `v` both have length `head_dim`.
+        unsafe { super::x86::axpy_f16(acc, a, v) };
+        return;
+    }
+    let _ = isa;
+    for (o, &x) in acc.iter_mut().zip(v) {
+        *o += a * x.to_f32();
+    }
+}

@@ -1,0 +1,289 @@
+//! AVX2 + FMA + F16C building blocks of the operators (x86-64 only).
+//!
+//! Every function is `unsafe` because it requires those three CPU features: callers must hold an
+//! `Isa` for which `is_avx2()` is true (only built for an available AVX2 or AVX-512 backend).
+//! Memory accesses stay inside the slices passed: vector loads read `ptr.add(i)` for
+//! `i + LANES <= len` and the tails fall back to indexed scalar code.
+
+use core::arch::x86_64::*;
+use half::f16;
+
+/// Horizontal sum of the 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps::<1>(v);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<0x55>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// Horizontal max of the 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hmax(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps::<1>(v);
+    let s = _mm_max_ps(lo, hi);
+    let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_max_ss(s, _mm_shuffle_ps::<0x55>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// Loads 8 f16 values from `p` and widens them to f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_f16x8(p: *const f16) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+}
+
+/// Σ (x[i]·x[i]), each square rounded to f32 (as the scalar path), accumulated in f64.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sum_squares_f64(x: &[f32]) -> f64 {
+    let n = x.len();
+    let p = x.as_ptr();
+    let mut a0 = _mm256_setzero_pd();
+    let mut a1 = _mm256_setzero_pd();
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_loadu_ps(p.add(i));
+        let sq = _mm256_mul_ps(v, v);
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(sq)));
+        i += 8;
+    }
+    let a = _mm256_add_pd(a0, a1);
+    let mut lanes = [0f64; 4];
+    _mm256_storeu_pd(lanes.as_mut_ptr(), a);
+    let mut sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for &v in &x[i..] {
+        sum += f64::from(v * v);
+    }
+    sum
+}
+
+/// `out[i] = (x[i] * scale) * w[i]` with the two roundings of the scalar path (no FMA).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `x`, `w` and `out` have the same length.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn scale_mul(x: &[f32], scale: f32, w: &[f32], out: &mut [f32]) {
+    let n = out.len();
+    debug_assert!(x.len() == n && w.len() == n);
+    let s = _mm256_set1_ps(scale);
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), s);
+        let v = _mm256_mul_ps(v, _mm256_loadu_ps(w.as_ptr().add(i)));
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+        i += 8;
+    }
+    for j in i..n {
+        out[j] = (x[j] * scale) * w[j];
+    }
+}
+
+/// Σ q[i]·k[i] over an f32 vector and an f16 vector of the same length, in f32 with FMA (four
+/// independent accumulator chains).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `q.len() == k.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_f16(q: &[f32], k: &[f16]) -> f32 {
+    let n = q.len();
+    debug_assert_eq!(k.len(), n);
+    let qp = q.as_ptr();
+    let kp = k.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let o = i + 8 * j;
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(o)), load_f16x8(kp.add(o)), *a);
+        }
+        i += 32;
+    }
+    let mut j = 0;
+    while i + 8 <= n {
+        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), load_f16x8(kp.add(i)), acc[j]);
+        i += 8;
+        j += 1;
+    }
+    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut sum = hsum(v);
+    for j in i..n {
+        sum += q[j] * k[j].to_f32();
+    }
+    sum
+}
+
+/// `acc[i] += a · v[i]` with `v` in f16, using FMA.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `acc.len() == v.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_f16(acc: &mut [f32], a: f32, v: &[f16]) {
+    let n = acc.len();
+    debug_assert_eq!(v.len(), n);
+    let ap = acc.as_mut_ptr();
+    let vp = v.as_ptr();
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        let r = _mm256_fmadd_ps(av, load_f16x8(vp.add(i)), _mm256_loadu_ps(ap.add(i)));
+        _mm256_storeu_ps(ap.add(i), r);
+        i += 8;
+    }
+    for j in i..n {
+        acc[j] = a.mul_add(v[j].to_f32(), acc[j]);
+    }
+}
+
+/// `acc[i] += a[0]·v[0][i] + a[1]·v[1][i] + a[2]·v[2][i] + a[3]·v[3][i]`, added in that order
+/// (the same roundings as four [`axpy_f16`] calls), with one load and store of `acc` instead of
+/// four.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; every `v[r].len() == acc.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn axpy4_f16(acc: &mut [f32], a: [f32; 4], v: [&[f16]; 4]) {
+    let n = acc.len();
+    debug_assert!(v.iter().all(|r| r.len() == n));
+    let ap = acc.as_mut_ptr();
+    let w = a.map(|x| _mm256_set1_ps(x));
+    let vp = v.map(|r| r.as_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        let mut r = _mm256_loadu_ps(ap.add(i));
+        for j in 0..4 {
+            r = _mm256_fmadd_ps(w[j], load_f16x8(vp[j].add(i)), r);
+        }
+        _mm256_storeu_ps(ap.add(i), r);
+        i += 8;
+    }
+    for t in i..n {
+        let mut x = acc[t];
+        for j in 0..4 {
+            x = a[j].mul_add(v[j][t].to_f32(), x);
+        }
+        acc[t] = x;
+    }
+}
+
+/// `x[i] *= s`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn scale_in_place(x: &mut [f32], s: f32) {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let sv = _mm256_set1_ps(s);
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), sv));
+        i += 8;
+    }
+    for v in &mut x[i..] {
+        *v *= s;
+    }
+}
+
+/// Largest element (`-inf` for an empty slice). NaNs are not propagated reliably.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn max(x: &[f32]) -> f32 {
+    let n = x.len();
+    let p = x.as_ptr();
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + 8 <= n {
+        m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
+        i += 8;
+    }
+    let mut r = hmax(m);
+    for &v in &x[i..] {
+        r = r.max(v);
+    }
+    r
+}
+
+/// Below this argument `exp` is flushed to zero (`exp(-87.33) ≈ 1.2e-38`, the smallest normal f32).
+const EXP_MIN_ARG: f32 = -87.336_54;
+
+/// e^x for 8 lanes with x ≤ 0 (an error of about 2 ulp); lanes below [`EXP_MIN_ARG`], `-inf`
+/// included, give exactly 0.
+///
+/// Range reduction x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in a high and a low part), a
+/// degree-7 Taylor polynomial for e^r (truncation error below 2⁻²⁷ relative), and 2ⁿ built in the
+/// exponent field.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp_nonpos(x: __m256) -> __m256 {
+    let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN_ARG));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN_ARG));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    // ln 2 = LN2_HI + LN2_LO with LN2_HI = 355/512 (the literal rounds to it exactly, 9 bits),
+    // so n·LN2_HI is exact.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.0 / 5040.0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 720.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 120.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 24.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 6.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    // 2^n for n in [-126, 0]: the biased exponent n + 127 is in [1, 127].
+    let ni = _mm256_cvtps_epi32(n);
+    let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        ni,
+        _mm256_set1_epi32(127),
+    )));
+    _mm256_andnot_ps(underflow, _mm256_mul_ps(p, pow2))
+}
+
+/// `x[i] = e^(x[i] - m)` for every element, returning the sum of the results (f32 lanes).
+/// Requires `x[i] - m ≤ 0`, i.e. `m` is the maximum (or larger); `-inf` elements become 0.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let mv = _mm256_set1_ps(m);
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        let e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
+        _mm256_storeu_ps(p.add(i), e);
+        acc = _mm256_add_ps(acc, e);
+        i += 8;
+    }
+    let mut sum = hsum(acc);
+    if i < n {
+        // The tail goes through the same vector code, via a padded copy.
+        let mut buf = [f32::NEG_INFINITY; 8];
+        let tail = n - i;
+        buf[..tail].copy_from_slice(&x[i..]);
+        let e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), mv));
+        _mm256_storeu_ps(buf.as_mut_ptr(), e);
+        for (d, s) in x[i..].iter_mut().zip(&buf[..tail]) {
+            *d = *s;
+            sum += *s;
+        }
+    }
+    sum
+}

@@ -1,0 +1,468 @@
+//! Matrix kernels against the f64 references of `reference::matmul`, on random shapes (including
+//! row lengths that are not a multiple of the SIMD width) for every weight type, every backend
+//! this CPU has, and several thread counts. Bounds are explained in `matmul_common`.
+
+mod matmul_common;
+
+use matmul_common::{
+    abs_parts, assert_close, product_bounds, random_vec, random_weights, to_f64, Rng, U,
+};
+use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::matmul::supported_types;
+use powerinfer_kernels_cpu::reference::matmul as r;
+use powerinfer_kernels_cpu::{Backend, KernelError, MatMul, RowSelect, ThreadPool, Weights};
+use proptest::prelude::*;
+
+const THREADS: [usize; 2] = [1, 3];
+
+fn pools() -> Vec<ThreadPool> {
+    THREADS.iter().map(|&n| ThreadPool::new(n)).collect()
+}
+
+/// Column count for `units`: any length for the float types, whole blocks otherwise.
+fn cols_for(ty: GgmlType, units: usize) -> usize {
+    match ty.block_size() {
+        1 => units,
+        32 => 32 * (1 + units % 6),
+        _ => 256 * (1 + units % 2),
+    }
+}
+
+struct Case {
+    data: Vec<u8>,
+    w: Vec<f64>,
+    abs_w: Vec<f64>,
+}
+
+fn make_case(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Case {
+    let data = random_weights(ty, rows, cols, rng);
+    let w = r::dequantize(ty, &data).expect("kernel type");
+    let abs_w = abs_parts(ty, &data);
+    Case { data, w, abs_w }
+}
+
+fn quantized_acts(ty: GgmlType, x: &[f32], cols: usize) -> Vec<f64> {
+    x.chunks(cols)
+        .flat_map(|xs| r::quantize_activation(ty, xs))
+        .collect()
+}
+
+fn check_dense(ty_i: usize, rows: usize, units: usize, n_tokens: usize, seed: u64) {
+    let ty = supported_types()[ty_i];
+    let cols = cols_for(ty, units);
+    let mut rng = Rng(seed);
+    let c = make_case(ty, rows, cols, &mut rng);
+    let x = random_vec(cols * n_tokens, &mut rng);
+    let xq = quantized_acts(ty, &x, cols);
+    let want_tight = r::gemm(&c.w, rows, cols, &xq, n_tokens);
+    let want_exact = r::gemm(&c.w, rows, cols, &to_f64(&x), n_tokens);
+    let (tight, loose) = product_bounds(ty, &c.abs_w, rows, cols, &x, &xq, n_tokens);
+    let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+    let mut first: Option<Vec<f32>> = None;
+    for backend in Backend::available() {
+        for pool in pools() {
+            let mm = MatMul::with_backend(&pool, backend).unwrap();
+            let mut y = vec![f32::NAN; rows * n_tokens];
+            mm.gemm(&wv, &x, n_tokens, &mut y).unwrap();
+            let what = format!(
+                "{ty:?} {backend} {}t {rows}x{cols} T={n_tokens}",
+                pool.n_threads()
+            );
+            assert_close(&format!("{what} tight"), &y, &want_tight, &tight);
+            assert_close(&format!("{what} exact"), &y, &want_exact, &loose);
+            // Same thread count twice: bit-identical.
+            let mut y2 = vec![0f32; y.len()];
+            mm.gemm(&wv, &x, n_tokens, &mut y2).unwrap();
+            assert_eq!(bits(&y), bits(&y2), "{what}: repeat not bit-identical");
+            // Rows never depend on how threads split the work: 1 and 3 threads agree exactly
+            // on one backend.
+            if pool.n_threads() == 1 {
+                first = Some(y);
+            } else if let Some(f) = &first {
+                assert_eq!(bits(f), bits(&y), "{what}: 1 vs 3 threads differ");
+            }
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn scores_for(rows: usize, n_tokens: usize, rng: &mut Rng) -> Vec<f32> {
+    // About half of the scores are ≥ 0 (selected at θ = 0); a few NaN never select.
+    (0..rows * n_tokens)
+        .map(|_| {
+            if rng.below(50) == 0 {
+                f32::NAN
+            } else {
+                rng.f32()
+            }
+        })
+        .collect()
+}
+
+fn check_sparse(
+    ty_i: usize,
+    rows: usize,
+    units: usize,
+    n_tokens: usize,
+    seed: u64,
+    use_skip: bool,
+) {
+    let ty = supported_types()[ty_i];
+    let cols = cols_for(ty, units);
+    let mut rng = Rng(seed);
+    let c = make_case(ty, rows, cols, &mut rng);
+    let x = random_vec(cols * n_tokens, &mut rng);
+    let scores = scores_for(rows, n_tokens, &mut rng);
+    let skip: Vec<bool> = (0..rows).map(|_| rng.below(4) == 0).collect();
+    let skip = use_skip.then_some(&skip[..]);
+    let sel = RowSelect {
+        scores: &scores,
+        threshold: 0.0,
+        skip,
+    };
+    let xq = quantized_acts(ty, &x, cols);
+    let want = r::sparse_gemm(&c.w, rows, cols, &xq, n_tokens, &scores, 0.0, skip);
+    let (tight, _) = product_bounds(ty, &c.abs_w, rows, cols, &x, &xq, n_tokens);
+    let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+    for backend in Backend::available() {
+        for pool in pools() {
+            let mm = MatMul::with_backend(&pool, backend).unwrap();
+            let what = format!(
+                "{ty:?} {backend} {}t {rows}x{cols} T={n_tokens}",
+                pool.n_threads()
+            );
+            let mut y = vec![f32::NAN; rows * n_tokens];
+            mm.sparse_gemm(&wv, &x, n_tokens, &sel, &mut y).unwrap();
+            assert_close(&format!("{what} sparse_gemm"), &y, &want, &tight);
+            // Sparse == dense with the unselected rows zeroed, exactly.
+            let mut dense = vec![0f32; rows * n_tokens];
+            mm.gemm(&wv, &x, n_tokens, &mut dense).unwrap();
+            for t in 0..n_tokens {
+                for i in 0..rows {
+                    if !r::is_selected(&scores, rows, 0.0, skip, t, i) {
+                        dense[t * rows + i] = 0.0;
+                    }
+                }
+            }
+            assert_eq!(bits(&y), bits(&dense), "{what}: sparse != zeroed dense");
+            // Per token: sparse_gemv and the indexed form give the same bits.
+            for t in 0..n_tokens {
+                let xs = &x[t * cols..(t + 1) * cols];
+                let sc = &scores[t * rows..(t + 1) * rows];
+                let sel1 = RowSelect {
+                    scores: sc,
+                    threshold: 0.0,
+                    skip,
+                };
+                let mut y1 = vec![f32::NAN; rows];
+                mm.sparse_gemv(&wv, xs, &sel1, &mut y1).unwrap();
+                assert_eq!(
+                    bits(&y1),
+                    bits(&y[t * rows..(t + 1) * rows]),
+                    "{what}: gemv t={t}"
+                );
+                let active: Vec<u32> = (0..rows as u32)
+                    .filter(|&i| r::is_selected(sc, rows, 0.0, skip, 0, i as usize))
+                    .collect();
+                let mut y2 = vec![f32::NAN; rows];
+                mm.sparse_gemv_indexed(&wv, xs, &active, &mut y2).unwrap();
+                assert_eq!(bits(&y1), bits(&y2), "{what}: indexed t={t}");
+            }
+        }
+    }
+}
+
+fn check_axpy(ty_i: usize, rows: usize, units: usize, n_tokens: usize, seed: u64, use_skip: bool) {
+    let ty = supported_types()[ty_i];
+    let cols = cols_for(ty, units);
+    let mut rng = Rng(seed);
+    let c = make_case(ty, rows, cols, &mut rng);
+    // Activations after ReLU: about a third exactly zero.
+    let a: Vec<f32> = (0..rows * n_tokens)
+        .map(|_| if rng.below(3) == 0 { 0.0 } else { rng.f32() })
+        .collect();
+    let y0 = random_vec(cols * n_tokens, &mut rng);
+    let scores = scores_for(rows, n_tokens, &mut rng);
+    let skip: Vec<bool> = (0..rows).map(|_| rng.below(4) == 0).collect();
+    let skip = use_skip.then_some(&skip[..]);
+    let sel = RowSelect {
+        scores: &scores,
+        threshold: 0.0,
+        skip,
+    };
+    let want = r::sparse_axpy(
+        &c.w,
+        rows,
+        cols,
+        &to_f64(&a),
+        n_tokens,
+        &scores,
+        0.0,
+        skip,
+        &to_f64(&y0),
+    );
+    // Bound: each output is y0 plus a sequential sum over at most `rows` terms, each term
+    // rounded a few times (a·d, ·q, the add): (rows + 4)·u·(|y0| + Σ|a||w|).
+    let mut bound = vec![0f64; cols * n_tokens];
+    for t in 0..n_tokens {
+        for col in 0..cols {
+            let s: f64 = (0..rows)
+                .map(|i| (a[t * rows + i] as f64).abs() * c.abs_w[i * cols + col])
+                .sum();
+            bound[t * cols + col] =
+                (rows + 4) as f64 * U * (s + (y0[t * cols + col] as f64).abs()) + 1e-30;
+        }
+    }
+    let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+    for backend in Backend::available() {
+        let mut first: Option<Vec<f32>> = None;
+        for pool in pools() {
+            let mm = MatMul::with_backend(&pool, backend).unwrap();
+            let what = format!(
+                "{ty:?} {backend} {}t {rows}x{cols} T={n_tokens}",
+                pool.n_threads()
+            );
+            let mut y = y0.clone();
+            mm.sparse_axpy_batch(&wv, &a, n_tokens, &sel, &mut y)
+                .unwrap();
+            assert_close(&format!("{what} axpy"), &y, &want, &bound);
+            let mut again = y0.clone();
+            mm.sparse_axpy_batch(&wv, &a, n_tokens, &sel, &mut again)
+                .unwrap();
+            assert_eq!(bits(&y), bits(&again), "{what}: repeat not bit-identical");
+            if let Some(f) = &first {
+                assert_eq!(bits(f), bits(&y), "{what}: 1 vs 3 threads differ");
+            } else {
+                first = Some(y.clone());
+            }
+            // Per token: the one-token kernel and the indexed form give the same bits.
+            for t in 0..n_tokens {
+                let at = &a[t * rows..(t + 1) * rows];
+                let sc = &scores[t * rows..(t + 1) * rows];
+                let sel1 = RowSelect {
+                    scores: sc,
+                    threshold: 0.0,
+                    skip,
+                };
+                let mut y1 = y0[t * cols..(t + 1) * cols].to_vec();
+                mm.sparse_axpy(&wv, at, &sel1, &mut y1).unwrap();
+                assert_eq!(
+                    bits(&y1),
+                    bits(&y[t * cols..(t + 1) * cols]),
+                    "{what}: t={t}"
+                );
+                let active: Vec<u32> = (0..rows as u32)
+                    .filter(|&i| r::is_selected(sc, rows, 0.0, skip, 0, i as usize))
+                    .collect();
+                let mut y2 = y0[t * cols..(t + 1) * cols].to_vec();
+                mm.sparse_axpy_indexed(&wv, at, &active, &mut y2).unwrap();
+                assert_eq!(bits(&y1), bits(&y2), "{what}: indexed t={t}");
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn dense_matches_reference(ty_i in 0usize..11, rows in 1usize..10, units in 1usize..80,
+                               n_tokens in prop_oneof![Just(1usize), 2usize..9, 60usize..=64],
+                               seed in any::<u64>()) {
+        check_dense(ty_i, rows, units, n_tokens, seed);
+    }
+
+    #[test]
+    fn sparse_matches_reference_and_zeroed_dense(ty_i in 0usize..11, rows in 1usize..24,
+                               units in 1usize..80, n_tokens in prop_oneof![Just(1usize), 2usize..6, Just(17usize)],
+                               seed in any::<u64>(), use_skip in any::<bool>()) {
+        check_sparse(ty_i, rows, units, n_tokens, seed, use_skip);
+    }
+
+    #[test]
+    fn axpy_matches_reference(ty_i in 0usize..11, rows in 1usize..24, units in 1usize..150,
+                              n_tokens in prop_oneof![Just(1usize), 2usize..6, Just(13usize)],
+                              seed in any::<u64>(), use_skip in any::<bool>()) {
+        check_axpy(ty_i, rows, units, n_tokens, seed, use_skip);
+    }
+}
+
+/// Every type once on a LLaMA-like row length (4096), so the block loops run long.
+#[test]
+fn long_rows_every_type() {
+    for ty_i in 0..supported_types().len() {
+        check_dense(ty_i, 5, 4096 + 64, 6, 7 + ty_i as u64);
+        check_axpy(ty_i, 9, 4096 + 64, 2, 11 + ty_i as u64, true);
+    }
+}
+
+/// SIMD and scalar within twice the tight bound of each other (each is within it of the
+/// reference), on the same data.
+#[test]
+fn simd_close_to_scalar() {
+    let mut rng = Rng(99);
+    for &ty in supported_types() {
+        let (rows, cols, n_tokens) = (7, cols_for(ty, 70), 5);
+        let c = make_case(ty, rows, cols, &mut rng);
+        let x = random_vec(cols * n_tokens, &mut rng);
+        let xq = quantized_acts(ty, &x, cols);
+        let (tight, _) = product_bounds(ty, &c.abs_w, rows, cols, &x, &xq, n_tokens);
+        let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+        let pool = ThreadPool::new(2);
+        let mut ys = vec![0f32; rows * n_tokens];
+        MatMul::with_backend(&pool, Backend::Scalar)
+            .unwrap()
+            .gemm(&wv, &x, n_tokens, &mut ys)
+            .unwrap();
+        for backend in Backend::available() {
+            let mut y = vec![0f32; rows * n_tokens];
+            MatMul::with_backend(&pool, backend)
+                .unwrap()
+                .gemm(&wv, &x, n_tokens, &mut y)
+                .unwrap();
+            let ys64 = to_f64(&ys);
+            let b2: Vec<f64> = tight.iter().map(|b| 2.0 * b).collect();
+            assert_close(&format!("{ty:?} {backend} vs scalar"), &y, &ys64, &b2);
+        }
+    }
+}
+
+#[test]
+fn reference_decoder_matches_gguf_decoder() {
+    let mut rng = Rng(5);
+    for &ty in supported_types() {
+        let cols = cols_for(ty, 3);
+        let data = random_weights(ty, 3, cols, &mut rng);
+        let ours = r::dequantize(ty, &data).unwrap();
+        let theirs = powerinfer_gguf::quants::dequantize_to_vec(ty, &data).unwrap();
+        assert_eq!(ours.len(), theirs.len());
+        for (i, (&a, &b)) in ours.iter().zip(&theirs).enumerate() {
+            // gguf decodes in f32 (one or two roundings of values below ~2).
+            assert!(
+                (a - b as f64).abs() <= 1e-6 * (1.0 + a.abs()),
+                "{ty:?} [{i}]: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    let pool = ThreadPool::new(2);
+    let mm = MatMul::new(&pool);
+    let data = vec![0u8; 4 * 64 / 32 * 18];
+    assert!(matches!(
+        Weights::new(GgmlType::Q4_0, 4, 48, &data[..]),
+        Err(KernelError::Shape(_))
+    ));
+    assert!(matches!(
+        Weights::new(GgmlType::Q4_0, 5, 64, &data[..]),
+        Err(KernelError::Length { .. })
+    ));
+    assert!(matches!(
+        Weights::new(GgmlType::Q2_K, 1, 256, &[0u8; 84][..]),
+        Err(KernelError::UnsupportedType(GgmlType::Q2_K))
+    ));
+    let w = Weights::new(GgmlType::Q4_0, 4, 64, &data).unwrap();
+    let x = vec![1f32; 64];
+    let mut y = vec![0f32; 4];
+    assert!(matches!(
+        mm.gemv(&w, &x[..63], &mut y),
+        Err(KernelError::Length { what: "x", .. })
+    ));
+    assert!(matches!(
+        mm.sparse_gemv_indexed(&w, &x, &[0, 4], &mut y),
+        Err(KernelError::IndexOutOfRange {
+            index: 4,
+            len: 4,
+            ..
+        })
+    ));
+    assert!(matches!(
+        mm.sparse_gemv_indexed(&w, &x, &[2, 1], &mut y),
+        Err(KernelError::IndicesNotIncreasing { position: 1, .. })
+    ));
+    let mut out = vec![0f32; 64];
+    let a = vec![1f32; 4];
+    assert!(matches!(
+        mm.sparse_axpy_indexed(&w, &a, &[1, 9], &mut out),
+        Err(KernelError::IndexOutOfRange { index: 9, .. })
+    ));
+    let scores = vec![0f32; 3];
+    let sel = RowSelect {
+        scores: &scores,
+        threshold: 0.0,
+        skip: None,
+    };
+    assert!(matches!(
+        mm.sparse_axpy(&w, &a, &sel, &mut out),
+        Err(KernelError::Length { what: "scores", .. })
+    ));
+    let unavailable = Backend::ALL.into_iter().find(|b| !b.is_available());
+    if let Some(b) = unavailable {
+        assert!(matches!(
+            MatMul::with_backend(&pool, b),
+            Err(KernelError::BackendUnavailable(_))
+        ));
+    }
+}
+
+/// The AVX-512 VNNI integer dots compute the same exact integer sums as the AVX2 ones, so the
+/// two backends agree bit for bit on every type (float types run the same AVX2 code).
+#[test]
+fn avx512_matches_avx2_bitwise() {
+    if !(Backend::Avx512.is_available() && Backend::Avx2.is_available()) {
+        eprintln!("skipped: this CPU lacks AVX-512 VNNI");
+        return;
+    }
+    let mut rng = Rng(123);
+    let pool = ThreadPool::new(2);
+    for &ty in supported_types() {
+        let (rows, cols, n_tokens) = (9, cols_for(ty, 4096 + 32), 6);
+        let c = make_case(ty, rows, cols, &mut rng);
+        let x = random_vec(cols * n_tokens, &mut rng);
+        let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+        let run = |b: Backend| {
+            let mut y = vec![0f32; rows * n_tokens];
+            MatMul::with_backend(&pool, b)
+                .unwrap()
+                .gemm(&wv, &x, n_tokens, &mut y)
+                .unwrap();
+            bits(&y)
+        };
+        assert_eq!(run(Backend::Avx2), run(Backend::Avx512), "{ty:?}");
+    }
+}
+
+/// Empty shapes are valid and produce empty (or untouched) outputs, never a panic; absurd token
+/// counts are a typed error, not an overflow.
+#[test]
+fn degenerate_shapes() {
+    let pool = ThreadPool::new(2);
+    for backend in Backend::available() {
+        let mm = MatMul::with_backend(&pool, backend).unwrap();
+        for &ty in supported_types() {
+            // No rows.
+            let w = Weights::new(ty, 0, ty.block_size(), &[]).unwrap();
+            let x = vec![1f32; ty.block_size()];
+            mm.gemv(&w, &x, &mut []).unwrap();
+            mm.sparse_gemv_indexed(&w, &x, &[], &mut []).unwrap();
+            // No tokens.
+            let data = vec![0u8; ty.type_size()];
+            let w = Weights::new(ty, 1, ty.block_size(), &data).unwrap();
+            mm.gemm(&w, &[], 0, &mut []).unwrap();
+            let mut y = vec![5f32; ty.block_size()];
+            mm.sparse_axpy_indexed(&w, &[0.0], &[0], &mut y).unwrap();
+            assert!(
+                y.iter().all(|&v| v == 5.0),
+                "{ty:?}: zero activation must add nothing"
+            );
+            // Shape error (overflow) or length error (F32: 1 × MAX fits), never a panic.
+            assert!(mm.gemm(&w, &[], usize::MAX, &mut []).is_err());
+            assert!(mm.gemm(&w, &[], usize::MAX / 2 + 1, &mut []).is_err());
+        }
+    }
+}

@@ -1,0 +1,95 @@
+// Shared definitions of the powerinfer-rs CUDA kernels. NVRTC compiles each kernels/*.cu file
+// with this file pasted in place of its `#include "common.cuh"` line (see src/nvrtc.rs): no CUDA
+// headers are used, so bare NVRTC is enough. f16 values are handled as raw 16-bit integers and
+// converted with the PTX `cvt` instruction. tests/emu.rs also compiles these sources as C++ on
+// the CPU (with CUDA_EMULATION defined) to test the kernels' logic without a GPU.
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// ggml type ids (the weight type a kernel instance reads).
+#define TY_F32 0
+#define TY_F16 1
+#define TY_Q4_0 2
+#define TY_Q8_0 8
+
+// ggml block layouts: Q8_0 = f16 scale + 32 int8 (34 bytes); Q4_0 = f16 scale + 16 bytes of
+// nibbles (18 bytes), element e < 16 in the low nibble of byte e, element e + 16 in its high one.
+#define QK 32
+#define Q8_0_BYTES 34
+#define Q4_0_BYTES 18
+
+#ifndef CUDA_EMULATION
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#else
+// CPU emulation of the kernels (tests/emu): conversions from the emulation header.
+__device__ __forceinline__ float h2f(u16 h) { return emu_h2f(h); }
+__device__ __forceinline__ u16 f2h(float f) { return emu_f2h(f); }
+#endif
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `red` is __shared__ float[32]. Ends with the
+// block synchronised so `red` can be reused.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : 0.0f;
+    r = warp_sum(r);
+    __syncthreads();
+    return r;
+}
+
+// Maximum over the block; as block_sum.
+__device__ __forceinline__ float block_max(float v, float* red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = lane < nw ? red[lane] : -3.402823466e38f;
+    r = warp_max(r);
+    __syncthreads();
+    return r;
+}
+
+// Element c of a weight row of type TY starting at byte pointer `row`.
+template <int TY>
+__device__ __forceinline__ float weight_at(const u8* row, int c) {
+    if (TY == TY_F32) {
+        return ((const float*)row)[c];
+    } else if (TY == TY_F16) {
+        return h2f(((const u16*)row)[c]);
+    } else if (TY == TY_Q8_0) {
+        const u8* b = row + (long)(c >> 5) * Q8_0_BYTES;
+        return h2f(*(const u16*)b) * (float)(i8)b[2 + (c & 31)];
+    } else {
+        const u8* b = row + (long)(c >> 5) * Q4_0_BYTES;
+        int e = c & 31;
+        int byte = b[2 + (e & 15)];
+        int nib = e < 16 ? (byte & 15) : (byte >> 4);
+        return h2f(*(const u16*)b) * (float)(nib - 8);
+    }
+}

@@ -1,0 +1,187 @@
+// The non-matrix operators of a transformer layer. All tensors are row-major f32 unless noted.
+#include "common.cuh"
+
+// y[r, i] = x[r, i] / sqrt(mean_i(x[r, i]^2) + eps) * (w ? w[i] : 1). One block per row.
+// In place when y == x.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    __shared__ float red[32];
+    const float* xr = x + (long)blockIdx.x * n;
+    float* yr = y + (long)blockIdx.x * n;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+    s = block_sum(s, red);
+    float scale = rsqrtf(s / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * scale * (w ? w[i] : 1.0f);
+}
+
+// y[r, i] = (x[r, i] - mean) / sqrt(var + eps) * (w ? w[i] : 1) + (b ? b[i] : 0), population
+// variance (two passes over the row). One block per row; in place when y == x.
+extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* y,
+                                      int n, float eps) {
+    __shared__ float red[32];
+    const float* xr = x + (long)blockIdx.x * n;
+    float* yr = y + (long)blockIdx.x * n;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i];
+    float mean = block_sum(s, red) / (float)n;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float d = xr[i] - mean;
+        v += d * d;
+    }
+    float scale = rsqrtf(block_sum(v, red) / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        yr[i] = (xr[i] - mean) * scale * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+}
+
+// Rotary position embedding, in place, on x = T tokens of n_head heads of head_dim floats.
+// The first n_rot dimensions of each head rotate; pair i (i < n_rot / 2) turns by angle
+// pos[t] * base^(-2i / n_rot). Normal mode (neox == 0) pairs (2i, 2i + 1); NeoX mode pairs
+// (i, i + n_rot / 2). One thread per (token, head, pair); grid.y = T.
+extern "C" __global__ void rope(float* x, const int* pos, int n_head, int head_dim, int n_rot,
+                                float base, int neox) {
+    int half = n_rot / 2;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_head * half) return;
+    int t = blockIdx.y;
+    int h = idx / half, i = idx % half;
+    double theta = (double)pos[t] * pow((double)base, -2.0 * (double)i / (double)n_rot);
+    double sn, cs;
+    sincos(theta, &sn, &cs);
+    float c = (float)cs, s = (float)sn;
+    float* v = x + ((long)t * n_head + h) * head_dim;
+    int i0 = neox ? i : 2 * i;
+    int i1 = neox ? i + half : 2 * i + 1;
+    float a = v[i0], b = v[i1];
+    v[i0] = a * c - b * s;
+    v[i1] = a * s + b * c;
+}
+
+// Row softmax of scale * x, in place; one block per row of n floats.
+extern "C" __global__ void softmax(float* x, int n, float scale) {
+    __shared__ float red[32];
+    float* r = x + (long)blockIdx.x * n;
+    float m = -3.402823466e38f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, scale * r[i]);
+    m = block_max(m, red);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float e = expf(scale * r[i] - m);
+        r[i] = e;
+        s += e;
+    }
+    s = block_sum(s, red);
+    float inv = s > 0.0f ? 1.0f / s : 0.0f;  // a row of only -inf gives zeros
+    for (int i = threadIdx.x; i < n; i += blockDim.x) r[i] *= inv;
+}
+
+// y[i] = max(x[i], 0)
+extern "C" __global__ void relu(const float* x, float* y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = fmaxf(x[i], 0.0f);
+}
+
+// y[i] = a[i] + b[i]
+extern "C" __global__ void add(const float* a, const float* b, float* y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a[i] + b[i];
+}
+
+// y[i] = max(g[i], 0) * (relu_u ? max(u[i], 0) : u[i])   (ReLU gating of a sparse FFN)
+extern "C" __global__ void relu_gate(const float* g, const float* u, float* y, long n, int relu_u) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = fmaxf(g[i], 0.0f) * (relu_u ? fmaxf(u[i], 0.0f) : u[i]);
+}
+
+// Stores K and V of consecutive positions as f16: n floats each (T tokens of n_kv_head * head_dim)
+// go to elements offset .. offset + n of the position-major caches (offset = first position *
+// n_kv_head * head_dim).
+extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc, long offset,
+                                    int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        kc[offset + i] = f2h(k[i]);
+        vc[offset + i] = f2h(v[i]);
+    }
+}
+
+// Causal attention of T query tokens over an f16 KV cache holding L positions, with grouped-query
+// heads: token t (0-based, the last T positions of the cache) attends to positions
+// 0 .. L - T + t. q, out: T * n_head * head_dim floats; kc, vc: position-major caches of
+// n_kv * head_dim halves per position; head h reads KV head h / (n_head / n_kv).
+// out[t, h] = sum_pos softmax_pos(scale * q[t, h] . k_pos) v_pos. scratch: T * n_head * L floats.
+// Grid (n_head, T), one block per (head, token).
+extern "C" __global__ void attention_f16kv(const float* q, const u16* kc, const u16* vc,
+                                           float* out, float* scratch, int n_head, int n_kv,
+                                           int head_dim, int L, int T, float scale) {
+    __shared__ float red[32];
+    int h = blockIdx.x, t = blockIdx.y;
+    int len = L - T + 1 + t;
+    int kvh = h / (n_head / n_kv);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    long qo = ((long)t * n_head + h) * head_dim;
+    const float* qh = q + qo;
+    float* s = scratch + ((long)t * n_head + h) * L;
+    long stride = (long)n_kv * head_dim;
+    for (int pos = warp; pos < len; pos += nw) {
+        const u16* k = kc + (long)pos * stride + (long)kvh * head_dim;
+        float acc = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) acc += qh[d] * h2f(k[d]);
+        acc = warp_sum(acc);
+        if (lane == 0) s[pos] = acc * scale;
+    }
+    __syncthreads();
+    float m = -3.402823466e38f;
+    for (int pos = threadIdx.x; pos < len; pos += blockDim.x) m = fmaxf(m, s[pos]);
+    m = block_max(m, red);
+    float sum = 0.0f;
+    for (int pos = threadIdx.x; pos < len; pos += blockDim.x) {
+        float e = expf(s[pos] - m);
+        s[pos] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, red);
+    float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        const u16* v = vc + (long)kvh * head_dim + d;
+        float acc = 0.0f;
+        for (int pos = 0; pos < len; pos++) acc += s[pos] * h2f(v[(long)pos * stride]);
+        out[qo + d] = acc * inv;
+    }
+}
+
+// mask[i] = p[i] >= theta for T * N scores.
+extern "C" __global__ void threshold_mask(const float* p, u8* mask, long n, float theta) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) mask[i] = p[i] >= theta ? 1 : 0;
+}
+
+// Writes the indices i with p[i] >= theta, ascending, to idx[0..count) and count to *count.
+// One block of 1024 threads; deterministic order (block-wide prefix sums of warp ballots).
+extern "C" __global__ void active_list(const float* p, int n, float theta, u32* idx, u32* count) {
+    __shared__ u32 warp_tot[32];
+    __shared__ u32 base_s;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (threadIdx.x == 0) base_s = 0;
+    __syncthreads();
+    for (int start = 0; start < n; start += blockDim.x) {
+        int i = start + threadIdx.x;
+        bool on = i < n && p[i] >= theta;
+        u32 ballot = __ballot_sync(0xffffffffu, on);
+        u32 before = __popc(ballot & ((1u << lane) - 1u));
+        if (lane == 0) warp_tot[warp] = __popc(ballot);
+        __syncthreads();
+        u32 off = 0, total = 0;
+        for (int k = 0; k < nw; k++) {
+            u32 v = warp_tot[k];
+            if (k < warp) off += v;
+            total += v;
+        }
+        u32 base = base_s;
+        if (on) idx[base + off + before] = (u32)i;
+        __syncthreads();
+        if (threadIdx.x == 0) base_s = base + total;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *count = base_s;
+}

@@ -1,0 +1,361 @@
+//! The device handle: detection, kernel loading, streams, budgeted buffers and pinned host memory.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::budget::{MemoryBudget, Reservation};
+use crate::error::{CudaError, NoGpu, Result};
+use crate::kernels::{cubin_arch_for, KernelModule};
+
+/// Whether the CUDA driver library can be loaded (never panics).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda by its candidate names; no driver call is made.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Which embedded image the kernels were loaded from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelImage {
+    /// The CUBIN for this architecture (`sm_80`, `sm_90`).
+    Cubin(&'static str),
+    /// The compute_80 PTX, JIT-compiled by the driver.
+    Ptx,
+}
+
+/// What the device is.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Device name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total device memory in bytes.
+    pub total_memory: u64,
+    /// Image the kernels were loaded from.
+    pub image: KernelImage,
+}
+
+/// A CUDA stream of a [`Gpu`]. Work on one stream runs in order; different streams may overlap
+/// each other and the host.
+#[derive(Clone, Debug)]
+pub struct Stream {
+    pub(crate) inner: Arc<CudaStream>,
+}
+
+impl Stream {
+    /// Blocks the host until the stream's work is done.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.inner.synchronize()?)
+    }
+
+    /// Makes later work on `self` wait for the work queued on `other` so far (no host wait).
+    pub fn wait_for(&self, other: &Stream) -> Result<()> {
+        Ok(self.inner.join(&other.inner)?)
+    }
+
+    /// The cudarc stream, for callers that need more.
+    pub fn cuda(&self) -> &Arc<CudaStream> {
+        &self.inner
+    }
+}
+
+/// A device buffer of `T` whose bytes are held against the [`Gpu`]'s budget until dropped.
+#[derive(Debug)]
+pub struct DeviceBuffer<T> {
+    /// max(len, 1) elements: the driver is never asked for 0 bytes.
+    pub(crate) slice: CudaSlice<T>,
+    len: usize,
+    _reservation: Reservation,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The cudarc slice (one element long when the buffer is empty).
+    pub fn cuda(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+
+    /// The cudarc slice, for writing (one element long when the buffer is empty).
+    pub fn cuda_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.slice
+    }
+
+    /// Copies the buffer to the host (waits for `stream`).
+    pub fn to_host(&self, stream: &Stream) -> Result<Vec<T>> {
+        if self.len == 0 {
+            return Ok(Vec::new());
+        }
+        let v = stream.inner.clone_dtoh(&self.slice)?;
+        stream.inner.synchronize()?;
+        Ok(v)
+    }
+
+    /// Copies `src` into the buffer on `stream` (`src.len()` must equal the buffer's length).
+    pub fn copy_from(&mut self, stream: &Stream, src: &[T]) -> Result<()> {
+        check_len("copy source", self.len(), src.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        Ok(stream.inner.memcpy_htod(src, &mut self.slice)?)
+    }
+
+    /// Copies a pinned host buffer into the device buffer asynchronously on `stream`.
+    pub fn copy_from_pinned(&mut self, stream: &Stream, src: &PinnedBuffer<T>) -> Result<()> {
+        check_len("copy source", self.len(), src.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        Ok(stream.inner.memcpy_htod(&src.inner, &mut self.slice)?)
+    }
+
+    /// Copies the device buffer into a pinned host buffer asynchronously on `stream`.
+    pub fn copy_to_pinned(&self, stream: &Stream, dst: &mut PinnedBuffer<T>) -> Result<()> {
+        check_len("copy destination", self.len(), dst.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        Ok(stream.inner.memcpy_dtoh(&self.slice, &mut dst.inner)?)
+    }
+}
+
+/// Page-locked host memory: copies from and to it are asynchronous, so the host can work while a
+/// stream copies.
+#[derive(Debug)]
+pub struct PinnedBuffer<T> {
+    inner: PinnedHostSlice<T>,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> PinnedBuffer<T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len() == 0
+    }
+
+    /// The contents, after waiting for the copies that use it.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        Ok(self.inner.as_slice()?)
+    }
+
+    /// The contents for writing, after waiting for the copies that use it.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        Ok(self.inner.as_mut_slice()?)
+    }
+}
+
+pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(CudaError::Length {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// A GPU with the kernels loaded, a default stream and a byte budget for device buffers.
+#[derive(Debug)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Stream,
+    budget: MemoryBudget,
+    info: DeviceInfo,
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl Gpu {
+    /// Opens device 0 with a budget of 90% of its memory, or says why there is no usable GPU.
+    /// Never panics, also when libcuda is missing.
+    pub fn detect() -> std::result::Result<Gpu, NoGpu> {
+        Gpu::open(0, None)
+    }
+
+    /// Opens device `ordinal` with a budget of `budget` bytes (default: 90% of its memory).
+    pub fn open(ordinal: usize, budget: Option<u64>) -> std::result::Result<Gpu, NoGpu> {
+        if !driver_present() {
+            return Err(NoGpu::NoDriver);
+        }
+        // cudarc panics if a driver entry point it needs is missing (a driver older than the
+        // crate's CUDA 12.4 API): report that as "no GPU" too.
+        std::panic::catch_unwind(|| Gpu::open_inner(ordinal, budget)).unwrap_or_else(|p| {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panic in the CUDA driver bindings".to_string());
+            Err(NoGpu::Driver(msg))
+        })
+    }
+
+    fn open_inner(ordinal: usize, budget: Option<u64>) -> std::result::Result<Gpu, NoGpu> {
+        if !driver_present() {
+            return Err(NoGpu::NoDriver);
+        }
+        let count = match CudaContext::device_count() {
+            Ok(n) => n.max(0) as usize,
+            Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => 0,
+            Err(e) => return Err(NoGpu::Driver(format!("{e:?}"))),
+        };
+        if ordinal >= count {
+            return Err(NoGpu::NoDevice { ordinal, count });
+        }
+        let drv = |e: cudarc::driver::DriverError| NoGpu::Driver(format!("{e:?}"));
+        let ctx = CudaContext::new(ordinal).map_err(drv)?;
+        let (major, minor) = ctx.compute_capability().map_err(drv)?;
+        if major < 8 {
+            return Err(NoGpu::TooOld { major, minor });
+        }
+        let total = ctx.total_mem().map_err(drv)? as u64;
+        let name = ctx.name().map_err(drv)?;
+        let arch = cubin_arch_for(major, minor);
+        let mut functions = HashMap::new();
+        for m in KernelModule::ALL {
+            let image = match arch.and_then(|a| m.cubin(a)) {
+                Some(bytes) if !bytes.is_empty() => Ptx::from_binary(bytes.to_vec()),
+                _ => Ptx::from_src(m.ptx()),
+            };
+            let module = ctx
+                .load_module(image)
+                .map_err(|e| NoGpu::Driver(format!("loading kernel module {}: {e:?}", m.name())))?;
+            for f in m.functions() {
+                let func = module
+                    .load_function(f)
+                    .map_err(|e| NoGpu::Driver(format!("kernel {f}: {e:?}")))?;
+                functions.insert(*f, func);
+            }
+        }
+        let stream = Stream {
+            inner: ctx.new_stream().map_err(drv)?,
+        };
+        let budget = MemoryBudget::new(budget.unwrap_or(total / 10 * 9));
+        let info = DeviceInfo {
+            ordinal,
+            name,
+            compute_capability: (major, minor),
+            total_memory: total,
+            image: arch.map_or(KernelImage::Ptx, KernelImage::Cubin),
+        };
+        Ok(Gpu {
+            ctx,
+            stream,
+            budget,
+            info,
+            functions,
+        })
+    }
+
+    /// What the device is.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The default stream.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// A new stream (e.g. one for uploads next to one for compute).
+    pub fn new_stream(&self) -> Result<Stream> {
+        Ok(Stream {
+            inner: self.ctx.new_stream()?,
+        })
+    }
+
+    /// The byte budget of device buffers.
+    pub fn budget(&self) -> &MemoryBudget {
+        &self.budget
+    }
+
+    /// The cudarc context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub(crate) fn function(&self, name: &'static str) -> &CudaFunction {
+        // Every name used by the ops is in KernelModule::functions, all loaded by `open`
+        // (checked by the kernels tests).
+        &self.functions[name]
+    }
+
+    /// A zeroed device buffer of `len` elements, or a budget error (nothing allocated).
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        stream: &Stream,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        // An empty buffer still takes one element on the device, and is counted.
+        let bytes = (len.max(1) as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        let reservation = self.budget.try_reserve(bytes)?;
+        // A driver failure drops the reservation: nothing stays accounted.
+        let slice = stream.inner.alloc_zeros::<T>(len.max(1))?;
+        Ok(DeviceBuffer {
+            slice,
+            len,
+            _reservation: reservation,
+        })
+    }
+
+    /// A device copy of `src`, or a budget error (nothing allocated).
+    pub fn upload<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        stream: &Stream,
+        src: &[T],
+    ) -> Result<DeviceBuffer<T>> {
+        let bytes = (src.len().max(1) as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        let reservation = self.budget.try_reserve(bytes)?;
+        if src.is_empty() {
+            let slice = stream.inner.alloc_zeros::<T>(1)?;
+            return Ok(DeviceBuffer {
+                slice,
+                len: 0,
+                _reservation: reservation,
+            });
+        }
+        let slice = stream.inner.clone_htod(src)?;
+        Ok(DeviceBuffer {
+            slice,
+            len: src.len(),
+            _reservation: reservation,
+        })
+    }
+
+    /// Page-locked host memory of `len` zeroed elements (not counted against the device budget).
+    pub fn alloc_pinned<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<PinnedBuffer<T>> {
+        if len == 0 {
+            return Err(CudaError::Shape(
+                "a pinned buffer needs at least one element".into(),
+            ));
+        }
+        // SAFETY: the memory is zeroed right below before anyone reads it.
+        let mut inner = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len, 0) }?;
+        let s = inner.as_mut_slice()?;
+        // SAFETY: T is ValidAsZeroBits, so all-zero bytes are a valid T.
+        unsafe { std::ptr::write_bytes(s.as_mut_ptr(), 0, s.len()) };
+        Ok(PinnedBuffer { inner })
+    }
+}

@@ -1,0 +1,158 @@
+//! Which kernel each operator launches and with what grid: pure functions, shared by the
+//! operators and by the CPU emulation test (`tests/emu.rs`), which runs the CUDA sources with
+//! exactly these launches.
+
+use powerinfer_gguf::GgmlType;
+
+use crate::error::{CudaError, Result};
+
+/// Warps (rows) per block of the matrix-product kernels.
+pub const MATMUL_WARPS: usize = 8;
+/// Tokens per block of the matrix-product kernels (NT in kernels/matmul.cu).
+pub const MATMUL_TOKENS: usize = 8;
+/// Rows per block of the axpy kernels (ROWS_PER_BLOCK in kernels/axpy.cu).
+pub const AXPY_ROWS: usize = 128;
+/// Up to this many tokens the axpy runs its per-token sparse kernel; above, the kernel tiled
+/// over 8 tokens (each weight element read once per 8 tokens).
+pub const AXPY_SPARSE_MAX_TOKENS: usize = 4;
+/// Threads per block of the other kernels.
+pub const BLOCK: usize = 256;
+/// Threads of the single block of `active_list`.
+pub const ACTIVE_LIST_THREADS: usize = 1024;
+const MAX_GRID_YZ: usize = 65535;
+
+/// A kernel launch: entry point, grid and threads per block (1-D blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    /// Kernel name.
+    pub kernel: &'static str,
+    /// Grid (x, y, z).
+    pub grid: (u32, u32, u32),
+    /// Threads per block.
+    pub block: u32,
+}
+
+fn launch(kernel: &'static str, x: usize, y: usize, z: usize, block: usize) -> Result<Launch> {
+    if x > u32::MAX as usize || y > MAX_GRID_YZ || z > MAX_GRID_YZ {
+        return Err(CudaError::Shape(format!(
+            "launch grid ({x}, {y}, {z}) too large"
+        )));
+    }
+    Ok(Launch {
+        kernel,
+        grid: (x as u32, y as u32, z as u32),
+        block: block as u32,
+    })
+}
+
+fn type_index(ty: GgmlType) -> Result<usize> {
+    Ok(match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::Q8_0 => 2,
+        GgmlType::Q4_0 => 3,
+        other => return Err(CudaError::UnsupportedType(other)),
+    })
+}
+
+/// Dense or row-sparse product over `rows` weight rows of type `ty` and `t` tokens.
+pub fn matmul(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
+    const NAMES: [&str; 4] = ["matmul_f32", "matmul_f16", "matmul_q8_0", "matmul_q4_0"];
+    launch(
+        NAMES[type_index(ty)?],
+        rows.div_ceil(MATMUL_WARPS),
+        t.div_ceil(MATMUL_TOKENS),
+        1,
+        MATMUL_WARPS * 32,
+    )
+}
+
+/// Sparse axpy of `rows` rows of `m` outputs of type `ty` for `t` tokens.
+pub fn axpy(ty: GgmlType, m: usize, rows: usize, t: usize) -> Result<Launch> {
+    const T1: [&str; 4] = ["axpy_f32_t1", "axpy_f16_t1", "axpy_q8_0_t1", "axpy_q4_0_t1"];
+    const T8: [&str; 4] = ["axpy_f32_t8", "axpy_f16_t8", "axpy_q8_0_t8", "axpy_q4_0_t8"];
+    let i = type_index(ty)?;
+    let (name, nt) = if t > AXPY_SPARSE_MAX_TOKENS {
+        (T8[i], 8)
+    } else {
+        (T1[i], 1)
+    };
+    launch(
+        name,
+        m.div_ceil(BLOCK),
+        rows.div_ceil(AXPY_ROWS),
+        t.div_ceil(nt),
+        BLOCK,
+    )
+}
+
+/// One block per row (rms_norm, layer_norm, softmax).
+pub fn per_row(kernel: &'static str, rows: usize) -> Result<Launch> {
+    launch(kernel, rows, 1, 1, BLOCK)
+}
+
+/// One thread per element (relu, add, relu_gate, kv_store, threshold_mask).
+pub fn per_element(kernel: &'static str, n: usize) -> Result<Launch> {
+    launch(kernel, n.div_ceil(BLOCK), 1, 1, BLOCK)
+}
+
+/// RoPE: one thread per rotated pair, grid y = tokens.
+pub fn rope(t: usize, n_head: usize, n_rot: usize) -> Result<Launch> {
+    launch("rope", (n_head * (n_rot / 2)).div_ceil(BLOCK), t, 1, BLOCK)
+}
+
+/// Attention: one block per (head, query token).
+pub fn attention(n_head: usize, t: usize) -> Result<Launch> {
+    launch("attention_f16kv", n_head, t, 1, BLOCK)
+}
+
+/// Ordered compaction of active neurons: a single block.
+pub fn active_list() -> Launch {
+    Launch {
+        kernel: "active_list",
+        grid: (1, 1, 1),
+        block: ACTIVE_LIST_THREADS as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::KernelModule;
+
+    #[test]
+    fn launches_name_loaded_kernels_and_cover_the_shape() {
+        let all: Vec<&str> = KernelModule::ALL
+            .iter()
+            .flat_map(|m| m.functions().iter().copied())
+            .collect();
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let l = matmul(ty, 17, 9).unwrap();
+            assert!(all.contains(&l.kernel));
+            assert_eq!(l.grid, (3, 2, 1));
+            let l = axpy(ty, 300, 129, 4).unwrap();
+            assert!(all.contains(&l.kernel) && l.kernel.ends_with("_t1"));
+            assert_eq!(l.grid, (2, 2, 4));
+            let l = axpy(ty, 300, 129, 17).unwrap();
+            assert!(l.kernel.ends_with("_t8"));
+            assert_eq!(l.grid, (2, 2, 3));
+        }
+        assert!(matches!(
+            matmul(GgmlType::Q4_K, 1, 1),
+            Err(CudaError::UnsupportedType(_))
+        ));
+        assert!(matches!(
+            matmul(GgmlType::F32, 1, 8 * 65536),
+            Err(CudaError::Shape(_))
+        ));
+        for l in [
+            per_row("rms_norm", 3).unwrap(),
+            rope(2, 3, 4).unwrap(),
+            attention(2, 3).unwrap(),
+            per_row("layer_norm", 2).unwrap(),
+            active_list(),
+        ] {
+            assert!(all.contains(&l.kernel));
+        }
+    }
+}

@@ -1,0 +1,432 @@
+//! The kernels' logic without a GPU: the real `kernels/*.cu` sources are compiled as C++ with a
+//! small CUDA emulation (`tests/emu/cuda_emu.h`: one fiber per CUDA thread, a scheduler that
+//! releases `__syncthreads` and warp-shuffle barriers), launched with the operators' own launch
+//! geometry (`powerinfer_kernels_cuda::geometry`) and checked against the f64 references of
+//! `powerinfer-kernels-cpu` on random shapes with tails, empty buckets, all neurons and none.
+//!
+//! This tests indexing, block layouts, bucket indirection (writes go to `dst[bucket[j]]`),
+//! predicates, reductions and that partial sums of different blocks are all added (a plain
+//! store instead of `atomicAdd` fails here because blocks overwrite each other). It does not
+//! test what only hardware shows: concurrent atomics, the memory model, alignment faults, the
+//! PTX `cvt` conversions, performance. Needs g++ with C++20 (`CXX` overrides); without one the
+//! tests print "skipped: no C++ compiler (reason)". A compiler that fails on the sources is a
+//! test failure.
+
+mod common;
+
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+use common::{random_bucket, random_weight, Rng};
+use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::reference::{matmul as rm, ops as ro};
+use powerinfer_kernels_cuda::geometry::{self, Launch};
+use powerinfer_kernels_cuda::kernels::KernelModule;
+use powerinfer_kernels_cuda::tensor::row_bytes;
+use proptest::prelude::*;
+
+struct Emu {
+    lib: libloading::Library,
+    _dir: tempfile::TempDir,
+}
+
+/// Serialises emulated launches: the emulation keeps its state in globals.
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn build() -> Result<Emu, String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    // The headers are embedded so the test binary also runs where the sources are absent
+    // (scripts/gpu-check copies binaries to another machine).
+    let headers = [
+        ("cuda_emu.h", include_str!("emu/cuda_emu.h")),
+        ("exports.h", include_str!("emu/exports.h")),
+    ];
+    for (name, text) in headers {
+        std::fs::write(dir.path().join(name), text).map_err(|e| e.to_string())?;
+    }
+    let mut sources = Vec::new();
+    for m in KernelModule::ALL {
+        let defines = match m {
+            KernelModule::Matmul => "#define EMU_MODULE_ROWS\n#define EMU_MODULE_MATMUL\n",
+            KernelModule::Axpy => "#define EMU_MODULE_ROWS\n",
+            KernelModule::Ops => "#define EMU_MODULE_OPS\n",
+        };
+        let src = format!(
+            "#include \"cuda_emu.h\"\n{}\n{defines}#include \"exports.h\"\n",
+            m.expanded_source()
+        );
+        let path = dir.path().join(format!("{}.cpp", m.name()));
+        std::fs::write(&path, src).map_err(|e| e.to_string())?;
+        sources.push(path);
+    }
+    let lib = dir.path().join("libemu.so");
+    let out = Command::new(&cxx)
+        .args([
+            "-std=c++20",
+            "-O1",
+            "-fPIC",
+            "-shared",
+            "-pthread",
+            "-fno-strict-aliasing",
+            "-w",
+        ])
+        .arg("-I")
+        .arg(dir.path())
+        .args(&sources)
+        .arg("-o")
+        .arg(&lib)
+        .output()
+        .map_err(|e| format!("no C++ compiler ({cxx}: {e})"))?;
+    if !out.status.success() {
+        panic!(
+            "the emulated kernels do not compile:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // SAFETY: the library was just built from our sources; loading runs no initialiser of note.
+    let lib = unsafe { libloading::Library::new(&lib) }.map_err(|e| e.to_string())?;
+    Ok(Emu { lib, _dir: dir })
+}
+
+fn emu() -> Option<&'static Emu> {
+    static EMU: OnceLock<Result<Emu, String>> = OnceLock::new();
+    match EMU.get_or_init(build) {
+        Ok(e) => Some(e),
+        Err(reason) => {
+            println!("skipped: no C++ compiler ({reason})");
+            None
+        }
+    }
+}
+
+type RowsFn = unsafe extern "C" fn(
+    u32,
+    u32,
+    u32,
+    u32,
+    *const u8,
+    i64,
+    i32,
+    i32,
+    *const f32,
+    i32,
+    *const f32,
+    *const u32,
+    f32,
+    i32,
+    *mut f32,
+);
+
+impl Emu {
+    fn sym<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: every emu_<kernel> symbol has the signature the caller names (tests/emu/exports.h).
+        unsafe {
+            *self
+                .lib
+                .get::<T>(format!("emu_{name}\0").as_bytes())
+                .expect("symbol")
+        }
+    }
+
+    /// Runs a matmul/axpy kernel as the operators launch it.
+    #[allow(clippy::too_many_arguments)]
+    fn rows(
+        &self,
+        l: Launch,
+        w: &[u8],
+        rb: usize,
+        n_rows: usize,
+        k: usize,
+        x: &[f32],
+        t: usize,
+        p: Option<&[f32]>,
+        bucket: Option<&[u32]>,
+        theta: f32,
+        n: usize,
+        dst: &mut [f32],
+    ) {
+        if n_rows == 0 || t == 0 {
+            return;
+        }
+        let f: RowsFn = self.sym(l.kernel);
+        let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: buffers have the lengths the kernel reads and writes for these shapes (checked by
+        // the callers as the operators check them).
+        unsafe {
+            f(
+                l.grid.0,
+                l.grid.1,
+                l.grid.2,
+                l.block,
+                w.as_ptr(),
+                rb as i64,
+                n_rows as i32,
+                k as i32,
+                x.as_ptr(),
+                t as i32,
+                p.map_or(std::ptr::null(), |p| p.as_ptr()),
+                bucket.map_or(std::ptr::null(), |b| b.as_ptr()),
+                theta,
+                n as i32,
+                dst.as_mut_ptr(),
+            )
+        }
+    }
+}
+
+const TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
+
+fn cols_for(ty: GgmlType, raw: usize) -> usize {
+    if ty.block_size() > 1 {
+        32 * (1 + raw % 6)
+    } else {
+        1 + raw % 150
+    }
+}
+
+fn abs_gemm(w: &[f64], rows: usize, cols: usize, x: &[f64], t: usize) -> Vec<f64> {
+    let wa: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+    let xa: Vec<f64> = x.iter().map(|v| v.abs()).collect();
+    rm::gemm(&wa, rows, cols, &xa, t)
+}
+
+fn close(what: &str, got: &[f32], want: &[f64], scale: &[f64]) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), want.len());
+    for i in 0..got.len() {
+        let tol = 1e-4 * scale[i] + 1e-5;
+        prop_assert!(
+            (got[i] as f64 - want[i]).abs() <= tol,
+            "{}[{}]: got {}, want {} (tol {})",
+            what,
+            i,
+            got[i],
+            want[i],
+            tol
+        );
+    }
+    Ok(())
+}
+
+/// Gathers the rows `bucket` of a quantized matrix (what GpuSlice::upload puts on the device).
+fn gather(bytes: &[u8], rb: usize, bucket: &[u32]) -> Vec<u8> {
+    powerinfer_kernels_cuda::tensor::gather_rows(bytes, rb, bucket).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn emulated_sparse_matmul_matches_reference(ti in 0usize..4, n in 1usize..40, raw in 0usize..200, t in 1usize..11, mode in 0u8..4, theta_mode in 0u8..3, dense in any::<bool>(), seed in any::<u64>()) {
+        let Some(emu) = emu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = cols_for(ty, raw);
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, cols);
+        let rb = row_bytes(ty, cols).unwrap();
+        let x = rng.vec(t * cols);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let l = geometry::matmul(ty, n, t).unwrap();
+        if dense {
+            let mut y = vec![9.0f32; t * n];
+            emu.rows(l, &bytes, rb, n, cols, &x, t, None, None, 0.0, n, &mut y);
+            close("dense matmul", &y, &rm::gemm(&w, n, cols, &x64, t), &abs_gemm(&w, n, cols, &x64, t))?;
+        } else {
+            let bucket = random_bucket(&mut rng, n, mode);
+            let slice = gather(&bytes, rb, &bucket);
+            let scores = rng.vec(t * n);
+            let theta = [-2.0f32, 2.0, 0.0][theta_mode as usize];
+            let mut y = vec![0.0f32; t * n]; // the operator zeroes dst first
+            let l = geometry::matmul(ty, bucket.len(), t).unwrap();
+            emu.rows(l, &slice, rb, bucket.len(), cols, &x, t, Some(&scores), Some(&bucket), theta, n, &mut y);
+            let mut skip = vec![true; n];
+            for &b in &bucket { skip[b as usize] = false; }
+            let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, theta, Some(&skip));
+            close("sparse matmul", &y, &want, &abs_gemm(&w, n, cols, &x64, t))?;
+        }
+    }
+
+    #[test]
+    fn emulated_sparse_axpy_matches_reference(ti in 0usize..4, n in 1usize..300, raw in 0usize..400, t in 1usize..11, mode in 0u8..4, theta_mode in 0u8..4, seed in any::<u64>()) {
+        let Some(emu) = emu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        // Up to 2 column blocks of 256 threads with a tail.
+        let m = if ty.block_size() > 1 { 32 * (1 + raw % 12) } else { 1 + raw };
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, m);
+        let rb = row_bytes(ty, m).unwrap();
+        let bucket = random_bucket(&mut rng, n, mode);
+        let slice = gather(&bytes, rb, &bucket);
+        let a: Vec<f32> = (0..t * n).map(|_| rng.uniform(-0.5, 1.0).max(0.0)).collect();
+        let scores = rng.vec(t * n);
+        let (theta, p, ref_scores) = match theta_mode {
+            3 => (0.0f32, None, vec![1.0f32; t * n]),
+            k => ([-2.0f32, 2.0, 0.0][k as usize], Some(&scores[..]), scores.clone()),
+        };
+        let mut y = vec![0.0f32; t * m];
+        let l = geometry::axpy(ty, m, bucket.len(), t).unwrap();
+        emu.rows(l, &slice, rb, bucket.len(), m, &a, t, p, Some(&bucket), theta, n, &mut y);
+        let mut skip = vec![true; n];
+        for &b in &bucket { skip[b as usize] = false; }
+        let a64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+        let want = rm::sparse_axpy(&w, n, m, &a64, t, &ref_scores, theta, Some(&skip), &vec![0.0; t * m]);
+        let wa: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+        let scale = rm::sparse_axpy(&wa, n, m, &a64, t, &vec![1.0; t * n], 0.0, None, &vec![0.0; t * m]);
+        close(&format!("axpy {} T={t} k={}", l.kernel, bucket.len()), &y, &want, &scale)?;
+    }
+
+    #[test]
+    fn emulated_norm_softmax_rope_gate_match_reference(rows in 1usize..4, n in 1usize..600, n_head in 1usize..4, half in 1usize..20, neox in any::<bool>(), seed in any::<u64>()) {
+        let Some(emu) = emu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let x = rng.vec(rows * n);
+        let w = rng.vec(n);
+        let mut y = vec![0.0f32; rows * n];
+        let l = geometry::per_row("rms_norm", rows).unwrap();
+        type Norm = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut f32, i32, f32);
+        let f: Norm = emu.sym("rms_norm");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: x and y hold rows × n floats, w holds n.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), n as i32, 1e-5) };
+        }
+        let want = ro::rms_norm(&x, &w, 1e-5);
+        let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs()).collect();
+        close("rms_norm", &y, &want, &scale)?;
+
+        let bias = rng.vec(n);
+        let l = geometry::per_row("layer_norm", rows).unwrap();
+        type Layer = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *const f32, *mut f32, i32, f32);
+        let f: Layer = emu.sym("layer_norm");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: x and y hold rows × n floats, w and bias hold n.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, x.as_ptr(), w.as_ptr(), bias.as_ptr(), y.as_mut_ptr(), n as i32, 1e-5) };
+        }
+        let want = ro::layer_norm(&x, &w, &bias, 1e-5);
+        let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs() + 10.0).collect();
+        close("layer_norm", &y, &want, &scale)?;
+
+        let mut sx = x.clone();
+        if rows > 1 { for v in &mut sx[..n] { *v = f32::NEG_INFINITY; } }
+        let l = geometry::per_row("softmax", rows).unwrap();
+        type Soft = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, i32, f32);
+        let f: Soft = emu.sym("softmax");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: sx holds rows × n floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, sx.as_mut_ptr(), n as i32, 0.7) };
+        }
+        let src: Vec<f32> = { let mut s = x.clone(); if rows > 1 { for v in &mut s[..n] { *v = f32::NEG_INFINITY; } } s };
+        let want: Vec<f64> = src.chunks(n).flat_map(|r| ro::softmax(r, 0.7)).collect();
+        close("softmax", &sx, &want, &vec![10.0; want.len()])?;
+
+        let g: Vec<f32> = x.clone();
+        let u: Vec<f32> = x.iter().rev().copied().collect();
+        let l = geometry::per_element("relu_gate", g.len()).unwrap();
+        type Gate = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut f32, i64, i32);
+        let f: Gate = emu.sym("relu_gate");
+        for relu_u in [0, 1] {
+            {
+                let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+                // SAFETY: g, u, y hold the same number of floats.
+                unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, g.as_ptr(), u.as_ptr(), y.as_mut_ptr(), g.len() as i64, relu_u) };
+            }
+            let want: Vec<f64> = g.iter().zip(&u).map(|(&a, &b)| ro::relu(a as f64) * if relu_u == 1 { ro::relu(b as f64) } else { b as f64 }).collect();
+            close("relu_gate", &y, &want, &vec![0.0; want.len()])?;
+        }
+
+        // RoPE on `rows` tokens.
+        let head_dim = 2 * half + 2;
+        let n_rot = 2 * half;
+        let mut xr = rng.vec(rows * n_head * head_dim);
+        let orig = xr.clone();
+        let pos: Vec<i32> = (0..rows).map(|_| rng.below(4096) as i32).collect();
+        let l = geometry::rope(rows, n_head, n_rot).unwrap();
+        type Rope = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const i32, i32, i32, i32, f32, i32);
+        let f: Rope = emu.sym("rope");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: xr holds rows × n_head × head_dim floats, pos holds rows positions.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, xr.as_mut_ptr(), pos.as_ptr(), n_head as i32, head_dim as i32, n_rot as i32, 10000.0, i32::from(neox)) };
+        }
+        let mode = if neox { powerinfer_kernels_cpu::ops::rope::RopeMode::NeoX } else { powerinfer_kernels_cpu::ops::rope::RopeMode::Normal };
+        let per = n_head * head_dim;
+        let want: Vec<f64> = (0..rows).flat_map(|i| ro::rope(&orig[i * per..(i + 1) * per], n_head, head_dim, pos[i] as usize, n_rot, mode, 10000.0, 1.0)).collect();
+        close("rope", &xr, &want, &vec![1.0; want.len()])?;
+    }
+
+    #[test]
+    fn emulated_kv_store_and_causal_attention_match_reference(n_kv in 1usize..3, group in 1usize..4, head_dim in 1usize..70, len in 1usize..100, tq in 1usize..4, batch in 1usize..6, seed in any::<u64>()) {
+        let Some(emu) = emu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let n_head = n_kv * group;
+        let row = n_kv * head_dim;
+        let tq = tq.min(len);
+        let n_ctx = len + 2;
+        let (mut kc, mut vc) = (vec![0u16; n_ctx * row], vec![0u16; n_ctx * row]);
+        let (k, v) = (rng.vec(len * row), rng.vec(len * row));
+        type Store = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut u16, *mut u16, i64, i32);
+        let store: Store = emu.sym("kv_store");
+        let mut pos = 0;
+        while pos < len {
+            let t = batch.min(len - pos);
+            let l = geometry::per_element("kv_store", t * row).unwrap();
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: pos + t <= n_ctx; caches hold n_ctx × row halves, the k and v slices t × row floats.
+            unsafe { store(l.grid.0, l.grid.1, l.grid.2, l.block, k[pos * row..].as_ptr(), v[pos * row..].as_ptr(), kc.as_mut_ptr(), vc.as_mut_ptr(), (pos * row) as i64, (t * row) as i32) };
+            pos += t;
+        }
+        let ks: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
+        let vs: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+        prop_assert_eq!(&kc[..len * row], &ks.iter().map(|h| h.to_bits()).collect::<Vec<_>>()[..]);
+        prop_assert_eq!(&vc[..len * row], &vs.iter().map(|h| h.to_bits()).collect::<Vec<_>>()[..]);
+        prop_assert!(kc[len * row..].iter().all(|&b| b == 0));
+        let q = rng.vec(tq * n_head * head_dim);
+        let mut out = vec![0.0f32; tq * n_head * head_dim];
+        let mut scratch = vec![0.0f32; tq * n_head * len];
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let l = geometry::attention(n_head, tq).unwrap();
+        type Att = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const u16, *const u16, *mut f32, *mut f32, i32, i32, i32, i32, i32, f32);
+        let f: Att = emu.sym("attention_f16kv");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: shapes as documented on attention_f16kv; tq <= len <= n_ctx.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, q.as_ptr(), kc.as_ptr(), vc.as_ptr(), out.as_mut_ptr(), scratch.as_mut_ptr(), n_head as i32, n_kv as i32, head_dim as i32, len as i32, tq as i32, scale) };
+        }
+        let want = ro::attention_block(&q, &ks, &vs, tq, n_head, n_kv, head_dim, scale as f64);
+        close("attention", &out, &want, &vec![10.0; want.len()])?;
+    }
+
+    #[test]
+    fn emulated_threshold_and_active_list_are_exact(n in 0usize..3000, theta_mode in 0u8..3, seed in any::<u64>()) {
+        let Some(emu) = emu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let p = rng.vec(n);
+        let theta = [-2.0f32, 2.0, 0.3][theta_mode as usize];
+        let mut idx = vec![u32::MAX; n.max(1)];
+        let mut count = [u32::MAX];
+        let l = geometry::active_list();
+        type List = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, i32, f32, *mut u32, *mut u32);
+        let f: List = emu.sym("active_list");
+        let mut mask = vec![7u8; n.max(1)];
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: idx holds at least n entries.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, p.as_ptr(), n as i32, theta, idx.as_mut_ptr(), count.as_mut_ptr()) };
+            if n > 0 {
+                let lm = geometry::per_element("threshold_mask", n).unwrap();
+                type Mask = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *mut u8, i64, f32);
+                let g: Mask = emu.sym("threshold_mask");
+                // SAFETY: mask holds n bytes.
+                unsafe { g(lm.grid.0, lm.grid.1, lm.grid.2, lm.block, p.as_ptr(), mask.as_mut_ptr(), n as i64, theta) };
+            }
+        }
+        let want: Vec<u32> = (0..n as u32).filter(|&i| p[i as usize] >= theta).collect();
+        prop_assert_eq!(count[0] as usize, want.len());
+        prop_assert_eq!(&idx[..want.len()], &want[..]);
+        for i in 0..n {
+            prop_assert_eq!(mask[i] == 1, p[i] >= theta);
+        }
+    }
+}

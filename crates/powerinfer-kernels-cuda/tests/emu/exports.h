@@ -1,0 +1,60 @@
+// C entry points of the emulated kernels: emu_<kernel>(grid x, y, z, threads, kernel args...).
+// Included after one kernels/*.cu module; EMU_MODULE_* says which.
+#define EMU_GRID unsigned gx, unsigned gy, unsigned gz, unsigned bx
+
+#ifdef EMU_MODULE_ROWS
+#define EMU_ROWS(NAME)                                                                          \
+    extern "C" void emu_##NAME(EMU_GRID, const u8* w, long rb, int n_rows, int K,              \
+                               const float* x, int T, const float* p, const u32* bucket,       \
+                               float theta, int N, float* dst) {                               \
+        emu_launch(gx, gy, gz, bx, [=] { NAME(w, rb, n_rows, K, x, T, p, bucket, theta, N, dst); }); \
+    }
+#ifdef EMU_MODULE_MATMUL
+EMU_ROWS(matmul_f32)
+EMU_ROWS(matmul_f16)
+EMU_ROWS(matmul_q8_0)
+EMU_ROWS(matmul_q4_0)
+#else
+EMU_ROWS(axpy_f32_t1)
+EMU_ROWS(axpy_f16_t1)
+EMU_ROWS(axpy_q8_0_t1)
+EMU_ROWS(axpy_q4_0_t1)
+EMU_ROWS(axpy_f32_t8)
+EMU_ROWS(axpy_f16_t8)
+EMU_ROWS(axpy_q8_0_t8)
+EMU_ROWS(axpy_q4_0_t8)
+#endif
+#endif
+
+#ifdef EMU_MODULE_OPS
+extern "C" void emu_rms_norm(EMU_GRID, const float* x, const float* w, float* y, int n, float eps) {
+    emu_launch(gx, gy, gz, bx, [=] { rms_norm(x, w, y, n, eps); });
+}
+extern "C" void emu_rope(EMU_GRID, float* x, const int* pos, int n_head, int head_dim, int n_rot,
+                         float base, int neox) {
+    emu_launch(gx, gy, gz, bx, [=] { rope(x, pos, n_head, head_dim, n_rot, base, neox); });
+}
+extern "C" void emu_softmax(EMU_GRID, float* x, int n, float scale) {
+    emu_launch(gx, gy, gz, bx, [=] { softmax(x, n, scale); });
+}
+extern "C" void emu_relu_gate(EMU_GRID, const float* g, const float* u, float* y, long n, int relu_u) {
+    emu_launch(gx, gy, gz, bx, [=] { relu_gate(g, u, y, n, relu_u); });
+}
+extern "C" void emu_kv_store(EMU_GRID, const float* k, const float* v, u16* kc, u16* vc, long offset, int n) {
+    emu_launch(gx, gy, gz, bx, [=] { kv_store(k, v, kc, vc, offset, n); });
+}
+extern "C" void emu_attention_f16kv(EMU_GRID, const float* q, const u16* kc, const u16* vc, float* out,
+                                    float* scratch, int n_head, int n_kv, int head_dim, int L, int T,
+                                    float scale) {
+    emu_launch(gx, gy, gz, bx, [=] { attention_f16kv(q, kc, vc, out, scratch, n_head, n_kv, head_dim, L, T, scale); });
+}
+extern "C" void emu_layer_norm(EMU_GRID, const float* x, const float* w, const float* b, float* y, int n, float eps) {
+    emu_launch(gx, gy, gz, bx, [=] { layer_norm(x, w, b, y, n, eps); });
+}
+extern "C" void emu_threshold_mask(EMU_GRID, const float* p, u8* mask, long n, float theta) {
+    emu_launch(gx, gy, gz, bx, [=] { threshold_mask(p, mask, n, theta); });
+}
+extern "C" void emu_active_list(EMU_GRID, const float* p, int n, float theta, u32* idx, u32* count) {
+    emu_launch(gx, gy, gz, bx, [=] { active_list(p, n, theta, idx, count); });
+}
+#endif

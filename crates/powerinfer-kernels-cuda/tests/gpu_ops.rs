@@ -1,0 +1,319 @@
+//! Every operator against the f64 references of `powerinfer-kernels-cpu` on random data with odd
+//! sizes and tails, empty buckets, all neurons and none. Without a GPU each test prints
+//! "skipped: no GPU (reason)" and passes.
+
+mod common;
+
+use common::{assert_close, gpu, random_bucket, random_weight, Rng};
+use half::f16;
+use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::reference::{matmul as rm, ops as ro};
+use powerinfer_kernels_cuda::{CudaError, DeviceTensor, GpuSlice, KvCache, NoGpu, RopeMode};
+use proptest::prelude::*;
+
+const TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
+
+fn cols_for(ty: GgmlType, raw: usize) -> usize {
+    if ty.block_size() > 1 {
+        32 * (1 + raw % 12)
+    } else {
+        1 + raw % 300
+    }
+}
+
+/// Σ_c |w[r, c] · x[t, c]| for each (t, r): the scale of the products' rounding error.
+fn abs_gemm(w: &[f64], rows: usize, cols: usize, x: &[f64], t: usize) -> Vec<f64> {
+    let wa: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+    let xa: Vec<f64> = x.iter().map(|v| v.abs()).collect();
+    rm::gemm(&wa, rows, cols, &xa, t)
+}
+
+#[test]
+fn detect_never_panics_and_explains() {
+    match powerinfer_kernels_cuda::Gpu::detect() {
+        Ok(g) => assert!(g.info().compute_capability.0 >= 8),
+        Err(e) => {
+            if !powerinfer_kernels_cuda::driver_present() {
+                assert_eq!(e, NoGpu::NoDriver);
+            }
+            assert!(!e.to_string().is_empty());
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn dense_matmul_matches_reference(ti in 0usize..4, rows in 1usize..70, raw_cols in 0usize..400, t in 1usize..20, seed in any::<u64>()) {
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = cols_for(ty, raw_cols);
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
+        let x = rng.vec(t * cols);
+        let s = gpu.stream();
+        let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
+        let xd = gpu.upload(s, &x).unwrap();
+        let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
+        gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
+        let got = y.to_host(s).unwrap();
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        assert_close(&format!("matmul {ty} {rows}x{cols} T={t}"), &got, &rm::gemm(&w, rows, cols, &x64, t), &abs_gemm(&w, rows, cols, &x64, t));
+    }
+
+    #[test]
+    fn sparse_matmul_writes_bucket_rows_only(ti in 0usize..4, n in 1usize..80, raw_cols in 0usize..400, t in 1usize..12, mode in 0u8..4, theta_mode in 0u8..3, seed in any::<u64>()) {
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = cols_for(ty, raw_cols);
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, cols);
+        let bucket = random_bucket(&mut rng, n, mode);
+        let x = rng.vec(t * cols);
+        let scores = rng.vec(t * n);
+        // theta: every neuron predicted active, none, or about half.
+        let theta = [-2.0f32, 2.0, 0.0][theta_mode as usize];
+        let s = gpu.stream();
+        let slice = GpuSlice::upload(gpu, s, ty, cols, &bytes, n, &bucket).unwrap();
+        let xd = gpu.upload(s, &x).unwrap();
+        let pd = gpu.upload(s, &scores).unwrap();
+        // Garbage in dst must be overwritten: the operator zeroes it.
+        let mut y = gpu.upload(s, &vec![7.0f32; t * n]).unwrap();
+        gpu.sparse_matmul(s, &slice, &xd, &pd, theta, t, &mut y).unwrap();
+        let got = y.to_host(s).unwrap();
+        let mut skip = vec![true; n];
+        for &b in &bucket { skip[b as usize] = false; }
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, theta, Some(&skip));
+        assert_close(&format!("sparse_matmul {ty} n={n} cols={cols} T={t} k={}", bucket.len()), &got, &want, &abs_gemm(&w, n, cols, &x64, t));
+    }
+
+    #[test]
+    fn sparse_axpy_matches_reference(ti in 0usize..4, n in 1usize..300, raw_m in 0usize..400, t in 1usize..20, mode in 0u8..4, theta_mode in 0u8..4, seed in any::<u64>()) {
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let m = cols_for(ty, raw_m);
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, m);
+        let bucket = random_bucket(&mut rng, n, mode);
+        // ReLU-like activations: about a third exactly zero.
+        let a: Vec<f32> = (0..t * n).map(|_| rng.uniform(-0.5, 1.0).max(0.0)).collect();
+        let scores = rng.vec(t * n);
+        let s = gpu.stream();
+        let slice = GpuSlice::upload(gpu, s, ty, m, &bytes, n, &bucket).unwrap();
+        let ad = gpu.upload(s, &a).unwrap();
+        let pd = gpu.upload(s, &scores).unwrap();
+        let mut y = gpu.upload(s, &vec![3.0f32; t * m]).unwrap();
+        // theta_mode 3: no predictor (every row of the slice, dense fallback semantics).
+        let (theta, p, ref_scores) = match theta_mode {
+            3 => (0.0f32, None, vec![1.0f32; t * n]),
+            k => ([-2.0f32, 2.0, 0.0][k as usize], Some(&pd), scores.clone()),
+        };
+        gpu.sparse_axpy(s, &slice, &ad, p, theta, t, &mut y).unwrap();
+        let got = y.to_host(s).unwrap();
+        let mut skip = vec![true; n];
+        for &b in &bucket { skip[b as usize] = false; }
+        let a64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+        let want = rm::sparse_axpy(&w, n, m, &a64, t, &ref_scores, theta, Some(&skip), &vec![0.0; t * m]);
+        let wa: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+        let scale = rm::sparse_axpy(&wa, n, m, &a64, t, &vec![1.0; t * n], 0.0, None, &vec![0.0; t * m]);
+        assert_close(&format!("sparse_axpy {ty} n={n} m={m} T={t} k={}", bucket.len()), &got, &want, &scale);
+    }
+
+    #[test]
+    fn norms_softmax_elementwise_match_reference(rows in 1usize..9, n in 1usize..700, seed in any::<u64>()) {
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let s = gpu.stream();
+        let x = rng.vec(rows * n);
+        let w = rng.vec(n);
+        let (xd, wd) = (gpu.upload(s, &x).unwrap(), gpu.upload(s, &w).unwrap());
+        let mut y = gpu.alloc_zeros::<f32>(s, rows * n).unwrap();
+        gpu.rms_norm(s, &xd, Some(&wd), 1e-5, rows, n, &mut y).unwrap();
+        let want = ro::rms_norm(&x, &w, 1e-5);
+        let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs()).collect();
+        assert_close("rms_norm", &y.to_host(s).unwrap(), &want, &scale);
+
+        let bias = rng.vec(n);
+        let bd = gpu.upload(s, &bias).unwrap();
+        gpu.layer_norm(s, &xd, Some(&wd), Some(&bd), 1e-5, rows, n, &mut y).unwrap();
+        let want = ro::layer_norm(&x, &w, &bias, 1e-5);
+        let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs() + 10.0).collect();
+        assert_close("layer_norm", &y.to_host(s).unwrap(), &want, &scale);
+
+        let mut sx = x.clone();
+        if rows > 1 { for v in &mut sx[..n] { *v = f32::NEG_INFINITY; } }
+        let mut sd = gpu.upload(s, &sx).unwrap();
+        gpu.softmax(s, &mut sd, rows, n, 3.0).unwrap();
+        let want: Vec<f64> = sx.chunks(n).flat_map(|r| ro::softmax(r, 3.0)).collect();
+        assert_close("softmax", &sd.to_host(s).unwrap(), &want, &vec![10.0; want.len()]);
+
+        let (gd, ud) = (gpu.upload(s, &x).unwrap(), gpu.upload(s, &x.iter().rev().copied().collect::<Vec<_>>()).unwrap());
+        let u: Vec<f32> = x.iter().rev().copied().collect();
+        for relu_u in [false, true] {
+            gpu.relu_gate(s, &gd, &ud, relu_u, &mut y).unwrap();
+            let want: Vec<f64> = x.iter().zip(&u).map(|(&g, &u)| ro::relu(g as f64) * if relu_u { ro::relu(u as f64) } else { u as f64 }).collect();
+            assert_close("relu_gate", &y.to_host(s).unwrap(), &want, &vec![0.0; want.len()]);
+        }
+        gpu.add(s, &gd, &ud, &mut y).unwrap();
+        let want: Vec<f64> = x.iter().zip(&u).map(|(&a, &b)| (a + b) as f64).collect();
+        assert_close("add", &y.to_host(s).unwrap(), &want, &vec![0.0; want.len()]);
+        gpu.relu(s, &gd, &mut y).unwrap();
+        let want: Vec<f64> = x.iter().map(|&a| ro::relu(a as f64)).collect();
+        assert_close("relu", &y.to_host(s).unwrap(), &want, &vec![0.0; want.len()]);
+    }
+
+    #[test]
+    fn rope_matches_reference(t in 1usize..5, n_head in 1usize..6, half_dim in 1usize..40, rot_cut in 0usize..3, neox in any::<bool>(), seed in any::<u64>()) {
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let head_dim = 2 * half_dim;
+        let n_rot = 2 * (half_dim - (rot_cut.min(half_dim - 1)));
+        let x = rng.vec(t * n_head * head_dim);
+        let pos: Vec<i32> = (0..t).map(|_| rng.below(2048) as i32).collect();
+        let s = gpu.stream();
+        let mut xd = gpu.upload(s, &x).unwrap();
+        let pd = gpu.upload(s, &pos).unwrap();
+        let mode = if neox { RopeMode::Neox } else { RopeMode::Normal };
+        gpu.rope(s, &mut xd, &pd, t, n_head, head_dim, n_rot, 10000.0, mode).unwrap();
+        let cpu_mode = if neox { powerinfer_kernels_cpu::ops::rope::RopeMode::NeoX } else { powerinfer_kernels_cpu::ops::rope::RopeMode::Normal };
+        let per = n_head * head_dim;
+        let want: Vec<f64> = (0..t).flat_map(|i| ro::rope(&x[i * per..(i + 1) * per], n_head, head_dim, pos[i] as usize, n_rot, cpu_mode, 10000.0, 1.0)).collect();
+        assert_close("rope", &xd.to_host(s).unwrap(), &want, &vec![1.0; want.len()]);
+    }
+
+    #[test]
+    fn kv_store_and_causal_attention_match_reference(n_kv in 1usize..4, group in 1usize..4, head_dim in 1usize..130, len in 1usize..300, tq in 1usize..5, batch in 1usize..9, seed in any::<u64>()) {
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let n_head = n_kv * group;
+        let row = n_kv * head_dim;
+        let tq = tq.min(len);
+        let s = gpu.stream();
+        let mut cache = KvCache::new(gpu, s, len + 3, n_kv, head_dim).unwrap();
+        let (k, v) = (rng.vec(len * row), rng.vec(len * row));
+        // Store in batches of `batch` tokens (the last one shorter).
+        let mut pos = 0;
+        while pos < len {
+            let t = batch.min(len - pos);
+            let kd = gpu.upload(s, &k[pos * row..(pos + t) * row]).unwrap();
+            let vd = gpu.upload(s, &v[pos * row..(pos + t) * row]).unwrap();
+            gpu.kv_store(s, &mut cache, &kd, &vd, pos, t).unwrap();
+            pos += t;
+        }
+        let ks: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+        let vs: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let (kh, vh) = cache.to_host(s).unwrap();
+        prop_assert_eq!(&kh[..len * row], &ks.iter().map(|h| h.to_bits()).collect::<Vec<_>>()[..]);
+        prop_assert_eq!(&vh[..len * row], &vs.iter().map(|h| h.to_bits()).collect::<Vec<_>>()[..]);
+        prop_assert!(kh[len * row..].iter().all(|&b| b == 0));
+        let q = rng.vec(tq * n_head * head_dim);
+        let qd = gpu.upload(s, &q).unwrap();
+        let mut out = gpu.alloc_zeros::<f32>(s, tq * n_head * head_dim).unwrap();
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        gpu.attention(s, &qd, &cache, n_head, len, tq, scale, &mut out).unwrap();
+        let want = ro::attention_block(&q, &ks, &vs, tq, n_head, n_kv, head_dim, scale as f64);
+        assert_close("attention", &out.to_host(s).unwrap(), &want, &vec![10.0; want.len()]);
+    }
+
+    #[test]
+    fn predictor_mask_and_active_list_match_reference(d in 1usize..200, hidden in 1usize..64, n in 1usize..3000, t in 1usize..4, theta_mode in 0u8..3, seed in any::<u64>()) {
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let ty = if seed % 2 == 0 { GgmlType::F32 } else { GgmlType::F16 };
+        let (b1, w1) = random_weight(&mut rng, ty, hidden, d);
+        let (b2, w2) = random_weight(&mut rng, ty, n, hidden);
+        let h = rng.vec(t * d);
+        let s = gpu.stream();
+        let fc1 = DeviceTensor::upload(gpu, s, ty, hidden, d, &b1).unwrap();
+        let fc2 = DeviceTensor::upload(gpu, s, ty, n, hidden, &b2).unwrap();
+        let hd = gpu.upload(s, &h).unwrap();
+        let mut scores = gpu.alloc_zeros::<f32>(s, t * n).unwrap();
+        let mut mask = gpu.alloc_zeros::<u8>(s, t * n).unwrap();
+        let theta = [-1e30f32, 1e30, 0.0][theta_mode as usize];
+        gpu.predictor(s, &fc1, &fc2, &hd, t, theta, &mut scores, &mut mask).unwrap();
+        let h64: Vec<f64> = h.iter().map(|&v| v as f64).collect();
+        let mid: Vec<f64> = rm::gemm(&w1, hidden, d, &h64, t).into_iter().map(ro::relu).collect();
+        let want = rm::gemm(&w2, n, hidden, &mid, t);
+        let mid_abs: Vec<f64> = abs_gemm(&w1, hidden, d, &h64, t);
+        let scale = abs_gemm(&w2, n, hidden, &mid_abs, t);
+        let got = scores.to_host(s).unwrap();
+        assert_close("predictor scores", &got, &want, &scale);
+        let m = mask.to_host(s).unwrap();
+        for i in 0..t * n {
+            prop_assert_eq!(m[i] == 1, got[i] >= theta, "mask[{}]", i);
+        }
+        let first = gpu.upload(s, &got[..n]).unwrap();
+        let mut idx = gpu.alloc_zeros::<u32>(s, n).unwrap();
+        let mut count = gpu.alloc_zeros::<u32>(s, 1).unwrap();
+        gpu.active_list(s, &first, theta, &mut idx, &mut count).unwrap();
+        let c = count.to_host(s).unwrap()[0] as usize;
+        let want_idx: Vec<u32> = (0..n as u32).filter(|&i| got[i as usize] >= theta).collect();
+        prop_assert_eq!(&idx.to_host(s).unwrap()[..c], &want_idx[..]);
+    }
+}
+
+#[test]
+fn budget_refuses_and_leaks_nothing_on_the_device() {
+    let Some(_) = gpu() else { return };
+    let gpu = powerinfer_kernels_cuda::Gpu::open(0, Some(4096)).unwrap();
+    let s = gpu.stream();
+    let a = gpu.alloc_zeros::<f32>(s, 512).unwrap();
+    assert_eq!(gpu.budget().used(), 2048);
+    let err = gpu.alloc_zeros::<f32>(s, 513).unwrap_err();
+    assert!(matches!(err, CudaError::Budget(_)), "{err:?}");
+    assert_eq!(gpu.budget().used(), 2048);
+    let bytes = vec![0u8; 4096];
+    assert!(matches!(
+        DeviceTensor::upload(&gpu, s, GgmlType::F32, 32, 32, &bytes),
+        Err(CudaError::Budget(_))
+    ));
+    assert_eq!(gpu.budget().used(), 2048);
+    drop(a);
+    assert_eq!(gpu.budget().used(), 0);
+    let _b = gpu.alloc_zeros::<f32>(s, 1024).unwrap();
+    assert_eq!(gpu.budget().used(), 4096);
+}
+
+#[test]
+fn operators_reject_bad_shapes_without_launching() {
+    let Some(gpu) = gpu() else { return };
+    let s = gpu.stream();
+    let w = DeviceTensor::upload(gpu, s, GgmlType::F32, 2, 3, &[0u8; 24]).unwrap();
+    let x = gpu.alloc_zeros::<f32>(s, 5).unwrap();
+    let mut y = gpu.alloc_zeros::<f32>(s, 2).unwrap();
+    assert!(matches!(
+        gpu.matmul(s, &w, &x, 1, &mut y),
+        Err(CudaError::Length { what: "x", .. })
+    ));
+    assert!(matches!(
+        GpuSlice::upload(gpu, s, GgmlType::F32, 3, &[0u8; 24], 2, &[1, 1]),
+        Err(CudaError::Index { .. })
+    ));
+    assert!(matches!(
+        DeviceTensor::upload(gpu, s, GgmlType::Q4_0, 1, 48, &[0u8; 27]),
+        Err(CudaError::Shape(_))
+    ));
+}
+
+#[test]
+fn pinned_buffers_round_trip_on_a_second_stream() {
+    let Some(gpu) = gpu() else { return };
+    let copy = gpu.new_stream().unwrap();
+    let mut pin = gpu.alloc_pinned::<f32>(1000).unwrap();
+    for (i, v) in pin.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *v = i as f32;
+    }
+    let mut d = gpu.alloc_zeros::<f32>(&copy, 1000).unwrap();
+    d.copy_from_pinned(&copy, &pin).unwrap();
+    let compute = gpu.stream();
+    compute.wait_for(&copy).unwrap();
+    let mut y = gpu.alloc_zeros::<f32>(compute, 1000).unwrap();
+    gpu.relu(compute, &d, &mut y).unwrap();
+    let mut back = gpu.alloc_pinned::<f32>(1000).unwrap();
+    y.copy_to_pinned(compute, &mut back).unwrap();
+    compute.synchronize().unwrap();
+    let got = back.as_slice().unwrap();
+    assert!(got.iter().enumerate().all(|(i, &v)| v == i as f32));
+}

@@ -1,0 +1,411 @@
+//! `powerinfer bench kernels [--threads N] [--json] [--quick]`: CPU kernel throughput on
+//! LLaMA-7B shapes, compared with this machine's measured memory read bandwidth.
+//!
+//! Weights are random data generated in memory. Each matrix is copied enough times that the
+//! copies together exceed the last-level cache by far, and the timed calls rotate through the
+//! copies, so every call reads its weights from DRAM as in real inference. Figures are the best
+//! of the timed calls (as is the bandwidth: best of several passes over a 1 GiB buffer).
+
+use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::matmul::supported_types;
+use powerinfer_kernels_cpu::{Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights};
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// Arguments of `powerinfer bench`.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(clap::Subcommand)]
+enum What {
+    /// Dense and sparse matrix kernels on LLaMA-7B shapes, against measured memory bandwidth.
+    Kernels(KernelArgs),
+}
+
+/// Arguments of `powerinfer bench kernels`.
+#[derive(clap::Args)]
+struct KernelArgs {
+    /// Threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print a JSON array of result objects instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Fewer types, shapes and repetitions (about a minute).
+    #[arg(long)]
+    quick: bool,
+    /// Thread pool: spin, rayon, or both (each measurement once per pool).
+    #[arg(long, default_value = "spin")]
+    pool: String,
+    /// Instruction set: scalar, avx2, avx512, neon (default: the best this CPU has).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Only these weight types (comma-separated ggml names, e.g. F16,Q4_0).
+    #[arg(long, value_delimiter = ',')]
+    types: Option<Vec<String>>,
+    /// Only these kernels (comma-separated: dense_gemv, dense_gemm, sparse_gemv, sparse_axpy).
+    #[arg(long, value_delimiter = ',')]
+    kernels: Option<Vec<String>>,
+    /// Tokens of the GEMM (prompt) measurement.
+    #[arg(long, default_value_t = 128)]
+    tokens: usize,
+    /// Matrix shapes ROWSxCOLS (comma-separated) instead of the LLaMA-7B ones.
+    #[arg(long, value_delimiter = ',')]
+    shapes: Option<Vec<String>>,
+    /// MiB of weight copies to rotate through (0: one copy, cache-resident when small).
+    #[arg(long)]
+    cold_mib: Option<usize>,
+}
+
+/// Runs `powerinfer bench`.
+pub fn run(args: Args) -> Result<(), String> {
+    match args.what {
+        What::Kernels(a) => kernels(a),
+    }
+}
+
+/// SplitMix64, enough for random weights.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Random weights of `ty` with finite scales (quantized values are random bytes).
+fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    use half::{bf16, f16};
+    use GgmlType as T;
+    let ts = ty.type_size();
+    let mut data = vec![0u8; rows * cols / ty.block_size() * ts];
+    match ty {
+        T::F32 => data
+            .chunks_exact_mut(4)
+            .for_each(|c| c.copy_from_slice(&rng.f32().to_le_bytes())),
+        T::F16 => data
+            .chunks_exact_mut(2)
+            .for_each(|c| c.copy_from_slice(&f16::from_f32(rng.f32()).to_le_bytes())),
+        T::BF16 => data
+            .chunks_exact_mut(2)
+            .for_each(|c| c.copy_from_slice(&bf16::from_f32(rng.f32()).to_le_bytes())),
+        _ => {
+            for c in data.chunks_mut(8) {
+                let v = rng.next().to_le_bytes();
+                c.copy_from_slice(&v[..c.len()]);
+            }
+            let d = f16::from_f32(0.01).to_le_bytes();
+            let off = if ty == T::Q6_K { 208 } else { 0 };
+            for blk in data.chunks_exact_mut(ts) {
+                blk[off..off + 2].copy_from_slice(&d);
+                if matches!(ty, T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K) {
+                    blk[2..4].copy_from_slice(&d);
+                }
+            }
+        }
+    }
+    data
+}
+
+/// Best seconds per call of `f`, called with an increasing counter, within `budget` (at least
+/// `min_iters` calls, after one warm-up call).
+fn best_time(budget: Duration, min_iters: usize, mut f: impl FnMut(usize)) -> f64 {
+    f(0);
+    let start = Instant::now();
+    let mut best = f64::INFINITY;
+    let mut i = 1;
+    while i <= min_iters || start.elapsed() < budget {
+        let t = Instant::now();
+        f(i);
+        best = best.min(t.elapsed().as_secs_f64());
+        i += 1;
+        if i > 100_000 {
+            break;
+        }
+    }
+    best
+}
+
+/// Best read bandwidth (bytes/s) of `pool`'s threads summing a `bytes`-long buffer.
+fn read_bandwidth(pool: &ThreadPool, bytes: usize, passes: usize) -> f64 {
+    let n = bytes / 8;
+    let mut buf = vec![0u64; n];
+    for (i, v) in buf.iter_mut().enumerate() {
+        *v = i as u64;
+    }
+    let sink = std::sync::atomic::AtomicU64::new(0);
+    let mut best = f64::INFINITY;
+    for _ in 0..passes {
+        let t = Instant::now();
+        pool.for_chunks(n, |r| {
+            let mut acc = [0u64; 8];
+            let part = &buf[r];
+            let mut chunks = part.chunks_exact(8);
+            for c in &mut chunks {
+                for k in 0..8 {
+                    acc[k] = acc[k].wrapping_add(c[k]);
+                }
+            }
+            let s = acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                + chunks.remainder().iter().sum::<u64>();
+            sink.fetch_add(s, std::sync::atomic::Ordering::Relaxed);
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
+    bytes as f64 / best
+}
+
+/// Copies of one matrix that together exceed the caches, visited in turn.
+struct Rotation {
+    copies: Vec<Vec<u8>>,
+}
+impl Rotation {
+    fn new(one: Vec<u8>, total_bytes: usize) -> Self {
+        let k = total_bytes.div_ceil(one.len().max(1)).max(1);
+        let mut copies = Vec::with_capacity(k);
+        for _ in 1..k {
+            copies.push(one.clone());
+        }
+        copies.push(one);
+        Rotation { copies }
+    }
+    fn get(&self, i: usize) -> &[u8] {
+        &self.copies[i % self.copies.len()]
+    }
+}
+
+fn kernels(a: KernelArgs) -> Result<(), String> {
+    let threads = if a.threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        a.threads
+    };
+    let backend = match a.backend.as_deref() {
+        None => Backend::detect(),
+        Some(name) => Backend::ALL
+            .into_iter()
+            .find(|b| b.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| format!("unknown backend {name:?}"))?,
+    };
+    let kinds: Vec<PoolKind> = match a.pool.as_str() {
+        "spin" => vec![PoolKind::Spin],
+        "rayon" => vec![PoolKind::Rayon],
+        "both" => vec![PoolKind::Spin, PoolKind::Rayon],
+        other => {
+            return Err(format!(
+                "--pool: expected spin, rayon or both, got {other:?}"
+            ))
+        }
+    };
+    let types: Vec<GgmlType> = match &a.types {
+        Some(names) => names
+            .iter()
+            .map(|n| {
+                GgmlType::from_name(n)
+                    .or_else(|| GgmlType::from_name(&n.to_ascii_lowercase()))
+                    .or_else(|| GgmlType::from_name(&n.to_ascii_uppercase()))
+                    .ok_or_else(|| format!("unknown type {n:?}"))
+            })
+            .collect::<Result<_, _>>()?,
+        None if a.quick => vec![GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0],
+        None => supported_types().to_vec(),
+    };
+    let want = |k: &str| {
+        a.kernels
+            .as_ref()
+            .is_none_or(|ks| ks.iter().any(|x| x == k))
+    };
+    let (budget, rotate, bw_bytes) = if a.quick {
+        (Duration::from_millis(150), 160usize << 20, 256usize << 20)
+    } else {
+        (Duration::from_millis(600), 320usize << 20, 1usize << 30)
+    };
+    let rotate = a.cold_mib.map_or(rotate, |m| m << 20);
+    let shapes: Vec<(usize, usize)> = match &a.shapes {
+        Some(list) => list
+            .iter()
+            .map(|s| {
+                let (r, c) = s
+                    .split_once(['x', 'X'])
+                    .ok_or_else(|| format!("shape {s:?}: want ROWSxCOLS"))?;
+                Ok((
+                    r.parse().map_err(|_| format!("shape {s:?}: bad rows"))?,
+                    c.parse().map_err(|_| format!("shape {s:?}: bad cols"))?,
+                ))
+            })
+            .collect::<Result<_, String>>()?,
+        None if a.quick => vec![(11008, 4096)],
+        None => vec![(4096, 4096), (4096, 11008), (11008, 4096)],
+    };
+    let densities = [0.01, 0.05, 0.10, 0.20, 0.50, 1.00];
+    let mut results = Vec::new();
+    let mut rng = Rng(42);
+    for &kind in &kinds {
+        let pool = ThreadPool::with_kind(threads, kind);
+        let mm = MatMul::with_backend(&pool, backend).map_err(|e| e.to_string())?;
+        let bw = read_bandwidth(&pool, bw_bytes, if a.quick { 3 } else { 5 }) / 1e9;
+        let pool_name = match kind {
+            PoolKind::Spin => "spin",
+            PoolKind::Rayon => "rayon",
+        };
+        if !a.json {
+            println!(
+                "threads {} ({pool_name} pool), backend {}, memory read bandwidth {bw:.1} GB/s",
+                pool.n_threads(),
+                mm.backend()
+            );
+            println!(
+                "{:<12} {:<5} {:>6} {:>6} {:>7} {:>9} {:>8} {:>6} {:>8}",
+                "kernel", "type", "rows", "cols", "density", "ms", "GB/s", "ratio", "GFLOP/s"
+            );
+        }
+        let mut emit = |kernel: &str,
+                        ty: GgmlType,
+                        rows: usize,
+                        cols: usize,
+                        density: f64,
+                        tokens: usize,
+                        secs: f64,
+                        bytes: f64| {
+            let gbps = bytes / secs / 1e9;
+            let gflops = 2.0 * rows as f64 * cols as f64 * density * tokens as f64 / secs / 1e9;
+            if !a.json {
+                println!(
+                    "{kernel:<12} {:<5} {rows:>6} {cols:>6} {:>6.0}% {:>9.3} {gbps:>8.1} {:>6.2} {gflops:>8.1}",
+                    ty.name(),
+                    density * 100.0,
+                    secs * 1e3,
+                    gbps / bw
+                );
+            }
+            results.push(json!({
+                "kernel": kernel, "type": ty.name(), "rows": rows, "cols": cols,
+                "density": density, "tokens": tokens, "threads": pool.n_threads(),
+                "pool": pool_name, "backend": mm.backend().name(),
+                "ms": secs * 1e3, "gbps": gbps, "gflops": gflops,
+                "bandwidth_gbps": bw, "ratio": gbps / bw,
+            }));
+        };
+        for &ty in &types {
+            for &(rows, cols) in &shapes {
+                if cols % ty.block_size() != 0 {
+                    continue;
+                }
+                let one = random_weights(ty, rows, cols, &mut rng);
+                let bytes = one.len() as f64;
+                let rot = Rotation::new(one, rotate);
+                let w =
+                    |i: usize| Weights::new(ty, rows, cols, rot.get(i)).map_err(|e| e.to_string());
+                let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
+                let mut y = vec![0f32; rows];
+                let mut err = None;
+                if want("dense_gemv") {
+                    let s = best_time(budget, 5, |i| {
+                        if let Err(e) =
+                            w(i).and_then(|w| mm.gemv(&w, &x, &mut y).map_err(|e| e.to_string()))
+                        {
+                            err = Some(e);
+                        }
+                    });
+                    emit("dense_gemv", ty, rows, cols, 1.0, 1, s, bytes);
+                }
+                if want("dense_gemm") {
+                    let t = a.tokens;
+                    let xt: Vec<f32> = (0..cols * t).map(|_| rng.f32()).collect();
+                    let mut yt = vec![0f32; rows * t];
+                    let s = best_time(budget, 2, |i| {
+                        if let Err(e) = w(i)
+                            .and_then(|w| mm.gemm(&w, &xt, t, &mut yt).map_err(|e| e.to_string()))
+                        {
+                            err = Some(e);
+                        }
+                    });
+                    emit("dense_gemm", ty, rows, cols, 1.0, t, s, bytes);
+                }
+                let sparse_types = [
+                    GgmlType::F32,
+                    GgmlType::F16,
+                    GgmlType::BF16,
+                    GgmlType::Q8_0,
+                    GgmlType::Q4_0,
+                ];
+                if (want("sparse_gemv") || want("sparse_axpy"))
+                    && (sparse_types.contains(&ty) || a.types.is_some())
+                    && (rows == 11008 || a.shapes.is_some())
+                {
+                    for &dens in &densities {
+                        // Random sets of exactly `dens · rows` neurons, as predictor scores. A
+                        // new set per call (cycling through enough sets to overflow the caches),
+                        // as consecutive tokens activate different neurons.
+                        let n_active = ((dens * rows as f64).round() as usize).clamp(1, rows);
+                        let active_bytes = bytes * n_active as f64 / rows as f64;
+                        let n_sets = ((96.0 * (1u64 << 20) as f64 / active_bytes).ceil() as usize)
+                            .clamp(1, 256);
+                        let mut sets: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(n_sets);
+                        for _ in 0..n_sets {
+                            let mut idx: Vec<usize> = (0..rows).collect();
+                            for k in 0..n_active {
+                                let j = k + (rng.next() % (rows - k) as u64) as usize;
+                                idx.swap(k, j);
+                            }
+                            let mut scores = vec![-1f32; rows];
+                            let mut act = vec![0f32; rows];
+                            for &i in &idx[..n_active] {
+                                scores[i] = 1.0;
+                                act[i] = 0.5 + 0.5 * rng.f32().abs();
+                            }
+                            sets.push((scores, act));
+                        }
+                        let sel = |i: usize| RowSelect {
+                            scores: &sets[i % n_sets].0,
+                            threshold: 0.0,
+                            skip: None,
+                        };
+                        let density = n_active as f64 / rows as f64;
+                        if want("sparse_gemv") {
+                            let s = best_time(budget, 5, |i| {
+                                if let Err(e) = w(i).and_then(|w| {
+                                    mm.sparse_gemv(&w, &x, &sel(i), &mut y)
+                                        .map_err(|e| e.to_string())
+                                }) {
+                                    err = Some(e);
+                                }
+                            });
+                            emit("sparse_gemv", ty, rows, cols, density, 1, s, active_bytes);
+                        }
+                        if want("sparse_axpy") {
+                            // down_t: rows = neurons, cols = output.
+                            let mut out = vec![0f32; cols];
+                            let s = best_time(budget, 5, |i| {
+                                if let Err(e) = w(i).and_then(|w| {
+                                    mm.sparse_axpy(&w, &sets[i % n_sets].1, &sel(i), &mut out)
+                                        .map_err(|e| e.to_string())
+                                }) {
+                                    err = Some(e);
+                                }
+                            });
+                            emit("sparse_axpy", ty, rows, cols, density, 1, s, active_bytes);
+                        }
+                    }
+                }
+                if let Some(e) = err {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::Value::Array(results));
+    }
+    Ok(())
+}
