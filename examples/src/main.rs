@@ -25,6 +25,14 @@ enum Command {
     Synth(Box<cmd::synth::Args>),
     /// Convert a GGUF or PowerInfer file's weights to another type (keeps the PWRI magic).
     Quantize(cmd::quantize::Args),
+    /// Generate text on the CPU engine (no -m: a dense-vs-sparse speed demo on a synthetic model).
+    Run(Box<cmd::run::Args>),
+    /// Write the logits of every position of a token sequence (little-endian f32 rows).
+    Logits(cmd::logits::Args),
+    /// Plan which FFN neurons go to the GPU under a VRAM budget (writes the GPU index).
+    Plan(cmd::plan::Args),
+    /// Convert a Hugging Face LLaMA/Bamboo checkpoint and its predictors to a PowerInfer file.
+    Convert(cmd::convert::Args),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +43,10 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Synth(args) => cmd::synth::run(*args),
         Command::Quantize(args) => cmd::quantize::run(args),
+        Command::Run(args) => cmd::run::run(*args),
+        Command::Logits(args) => cmd::logits::run(args),
+        Command::Plan(args) => cmd::plan::run(args),
+        Command::Convert(args) => cmd::convert::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,10 +4,25 @@
 //!
 //! - [`tokenizer`]: the tokenizers built from GGUF metadata (SentencePiece and byte-level BPE,
 //!   matching llama.cpp token for token);
-//! - [`synth`]: model-file tools (synthetic ReLU-sparse models, quantization).
+//! - [`convert`]: Hugging Face checkpoints + predictors to PowerInfer files (`convert.py`);
+//! - [`synth`]: model-file tools (synthetic ReLU-sparse models, quantization);
+//! - [`model`]: loading `llama` / `bamboo` GGUF and PowerInfer files (tensors are views of the
+//!   memory map);
+//! - [`forward`]: the CPU forward pass (dense or predictor-driven sparse FFN) on
+//!   `powerinfer-kernels-cpu`;
+//! - [`kv_cache`]: an F16 KV cache for several sequences;
+//! - [`sampling`]: greedy, temperature, top-k/top-p/min-p, penalties, seeded RNG;
+//! - [`engine`]: the generation API ([`engine::Engine`], [`engine::Session`]).
 //!
-//! Model loading, sampling, the KV cache, the CPU/GPU backends, the hybrid scheduler and the
-//! generation API are not written yet (see `ARCHITECTURE.md`).
+//! The GPU backend and the hybrid GPU-CPU scheduler are not written yet (see
+//! `ARCHITECTURE.md`).
 
+pub mod convert;
+pub mod engine;
+pub mod error;
+pub mod forward;
+pub mod kv_cache;
+pub mod model;
+pub mod sampling;
 pub mod synth;
 pub mod tokenizer;

@@ -7,7 +7,8 @@
 //!
 //! Two implementations share the API ([`PoolKind`]):
 //! * [`PoolKind::Spin`] (the default): std threads that spin on an atomic generation counter for a
-//!   short while after each job, then sleep on a condition variable. Starting a job costs a few
+//!   short while after each job, then sleep on a condition variable; the caller, once its own
+//!   part is done, spins a few µs for the others, then blocks until the last one wakes it. Starting a job costs a few
 //!   hundred nanoseconds when the workers are still spinning, which matters for GEMV (a 4096×4096
 //!   Q4_0 product takes ~0.5 ms; a layer issues seven of them per token).
 //! * [`PoolKind::Rayon`]: a private rayon pool, each job run with `broadcast`. Kept so the two
@@ -175,6 +176,10 @@ struct Shared {
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     cv: Condvar,
+    /// The caller is blocked (or about to block) on `done_cv` waiting for `remaining == 0`.
+    caller_waiting: AtomicBool,
+    done_lock: Mutex<()>,
+    done_cv: Condvar,
 }
 
 // SAFETY: the only non-Sync field is `job`, whose accesses are ordered by the generation
@@ -193,8 +198,12 @@ struct SpinPool {
     busy: Mutex<()>,
 }
 
-/// Spins before a worker goes to sleep (each spin is a `spin_loop` hint, a few ns): ~50-100 µs.
-const SPINS_BEFORE_SLEEP: u32 = 20_000;
+/// Spins before a worker goes to sleep (each spin is a `spin_loop` hint, `pause`: tens of cycles):
+/// some 20-100 µs, enough to cover the gap between the kernels of one layer.
+const SPINS_BEFORE_SLEEP: u32 = 2_000;
+/// Spins of the caller waiting for the workers before it blocks (~1-10 µs: `pause` takes tens of
+/// cycles, more on some CPUs). Short, so that on a busy machine the caller frees its core soon.
+const CALLER_SPINS: u32 = 100;
 
 thread_local! {
     /// Set on pool worker threads and while a caller runs its own part of a job.
@@ -212,6 +221,9 @@ impl SpinPool {
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             cv: Condvar::new(),
+            caller_waiting: AtomicBool::new(false),
+            done_lock: Mutex::new(()),
+            done_cv: Condvar::new(),
         });
         let mut workers = Vec::with_capacity(n - 1);
         for index in 1..n {
@@ -269,14 +281,26 @@ impl SpinPool {
         IN_POOL_JOB.with(|c| c.set(true));
         let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
         IN_POOL_JOB.with(|c| c.set(false));
+        // Wait for the workers: spin briefly, then block, so that on a busy machine the core is
+        // free for a worker the scheduler placed here (yielding instead costs a time slice).
         let mut spins = 0u32;
         while s.remaining.load(Ordering::Acquire) != 0 {
-            if spins < 2_000 {
+            if spins < CALLER_SPINS {
                 spins += 1;
                 std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+                continue;
             }
+            let mut g = s.done_lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.caller_waiting.store(true, Ordering::SeqCst);
+            while s.remaining.load(Ordering::SeqCst) != 0 {
+                // The timeout only bounds the damage of a missed wake-up; none is expected.
+                g = s
+                    .done_cv
+                    .wait_timeout(g, std::time::Duration::from_millis(2))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            s.caller_waiting.store(false, Ordering::SeqCst);
         }
         if let Err(p) = mine {
             resume_unwind(p);
@@ -330,7 +354,14 @@ fn worker_loop(s: &Shared, index: usize) {
                 s.panicked.store(true, Ordering::Relaxed);
             }
         }
-        s.remaining.fetch_sub(1, Ordering::Release);
+        if s.remaining.fetch_sub(1, Ordering::SeqCst) == 1
+            && s.caller_waiting.load(Ordering::SeqCst)
+        {
+            // Last one out wakes the blocked caller (under the lock, so the wake-up cannot fall
+            // between its check of `remaining` and its wait).
+            let _g = s.done_lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.done_cv.notify_one();
+        }
     }
 }
 

@@ -258,17 +258,31 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
             PoolKind::Spin => "spin",
             PoolKind::Rayon => "rayon",
         };
+        // Cost of starting one (empty) job on every thread: what a small kernel pays per call.
+        let dispatch = best_time(budget, 1000, |_| {
+            pool.run(|i| {
+                std::hint::black_box(i);
+            })
+        });
         if !a.json {
             println!(
-                "threads {} ({pool_name} pool), backend {}, memory read bandwidth {bw:.1} GB/s",
+                "threads {} ({pool_name} pool), backend {}, memory read bandwidth {bw:.1} GB/s, \
+                 empty job {:.2} µs",
                 pool.n_threads(),
-                mm.backend()
+                mm.backend(),
+                dispatch * 1e6
             );
             println!(
                 "{:<12} {:<5} {:>6} {:>6} {:>7} {:>9} {:>8} {:>6} {:>8}",
                 "kernel", "type", "rows", "cols", "density", "ms", "GB/s", "ratio", "GFLOP/s"
             );
         }
+        results.push(json!({
+            "kernel": "pool_dispatch", "type": "none", "rows": 0, "cols": 0, "density": 0.0,
+            "tokens": 0, "threads": pool.n_threads(), "pool": pool_name,
+            "backend": mm.backend().name(), "ms": dispatch * 1e3, "gbps": 0.0, "gflops": 0.0,
+            "bandwidth_gbps": bw, "ratio": 0.0,
+        }));
         let mut emit = |kernel: &str,
                         ty: GgmlType,
                         rows: usize,

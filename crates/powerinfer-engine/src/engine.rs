@@ -1,0 +1,448 @@
+//! The generation API: [`Engine`] (a loaded model, its tokenizer and a thread pool) and
+//! [`Session`] (one sequence of a KV cache, with text generation and statistics).
+//!
+//! ```no_run
+//! use powerinfer_engine::engine::{Engine, EngineOptions};
+//! use powerinfer_engine::sampling::SamplingParams;
+//!
+//! let engine = Engine::load("model.powerinfer.gguf", EngineOptions::default())?;
+//! let mut session = engine.session();
+//! for token in session.generate("Once upon a time", SamplingParams::greedy(32)) {
+//!     print!("{}", token?.text);
+//! }
+//! eprintln!("decode: {:.1} tokens/s", session.stats().decode_tps());
+//! # Ok::<(), powerinfer_engine::error::EngineError>(())
+//! ```
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use powerinfer_kernels_cpu::ThreadPool;
+
+use crate::error::{EngineError, Result};
+use crate::forward::{self, EvalOutput, ForwardOptions};
+use crate::kv_cache::{KvCache, SeqId};
+use crate::model::Model;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// Environment variable that overrides the predictor threshold (as PowerInfer's).
+pub const THRESHOLD_ENV: &str = "LLAMA_SPARSE_PRED_THRESHOLD";
+
+/// Options of [`Engine::load`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineOptions {
+    /// Worker threads (the caller counts as one); 0 = all available cores.
+    pub threads: usize,
+    /// Predictor threshold θ; `None` = env [`THRESHOLD_ENV`], else the file's
+    /// `powerinfer.sparse_threshold`, else 0.
+    pub sparse_threshold: Option<f32>,
+    /// Compute every FFN neuron even for PowerInfer files (for comparison with the sparse path).
+    pub dense: bool,
+    /// KV cache positions per sequence; 0 = the model's training context length.
+    pub ctx_len: usize,
+    /// Prompt tokens evaluated per block.
+    pub batch: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            threads: 0,
+            sparse_threshold: None,
+            dense: false,
+            ctx_len: 0,
+            batch: 64,
+        }
+    }
+}
+
+/// A loaded model ready to evaluate tokens.
+pub struct Engine {
+    model: Model,
+    tokenizer: Tokenizer,
+    pool: ThreadPool,
+    forward: ForwardOptions,
+    ctx_len: usize,
+    batch: usize,
+    load_time: Duration,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the tokenizer: its vocabulary would fill the screen.
+        f.debug_struct("Engine")
+            .field("model", &self.model)
+            .field("threads", &self.pool.n_threads())
+            .field("forward", &self.forward)
+            .field("ctx_len", &self.ctx_len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Resolves θ: the option, else the environment variable, else the file's key, else 0.
+fn resolve_threshold(option: Option<f32>, file: Option<f32>) -> f32 {
+    let env = std::env::var(THRESHOLD_ENV)
+        .ok()
+        .and_then(|s| s.trim().parse::<f32>().ok());
+    option.or(env).or(file).unwrap_or(0.0)
+}
+
+impl Engine {
+    /// Maps the model file, binds its tensors, builds its tokenizer and starts the thread pool.
+    pub fn load(path: impl AsRef<Path>, options: EngineOptions) -> Result<Engine> {
+        let start = Instant::now();
+        let model = Model::load(path)?;
+        let tokenizer = Tokenizer::from_gguf(model.file())?;
+        let threads = if options.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            options.threads
+        };
+        let threshold = resolve_threshold(
+            options.sparse_threshold,
+            model.hparams.file_sparse_threshold,
+        );
+        let ctx_len = if options.ctx_len == 0 {
+            model.hparams.n_ctx_train
+        } else {
+            options.ctx_len
+        };
+        Ok(Engine {
+            tokenizer,
+            pool: ThreadPool::new(threads),
+            forward: ForwardOptions {
+                threshold,
+                dense: options.dense,
+            },
+            ctx_len,
+            batch: options.batch.max(1),
+            load_time: start.elapsed(),
+            model,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The predictor threshold in effect.
+    pub fn threshold(&self) -> f32 {
+        self.forward.threshold
+    }
+
+    /// Whether the FFN runs sparsely (a PowerInfer file without [`EngineOptions::dense`]).
+    pub fn is_sparse(&self) -> bool {
+        self.model.is_sparse() && !self.forward.dense
+    }
+
+    /// Threads in use.
+    pub fn threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    /// KV cache positions per sequence.
+    pub fn ctx_len(&self) -> usize {
+        self.ctx_len
+    }
+
+    /// Time [`load`](Self::load) took.
+    pub fn load_time(&self) -> Duration {
+        self.load_time
+    }
+
+    /// An empty KV cache sized for this model.
+    pub fn new_cache(&self) -> KvCache {
+        let hp = &self.model.hparams;
+        KvCache::new(hp.n_layer, hp.n_embd_kv(), self.ctx_len)
+    }
+
+    /// Evaluates `tokens` as the next positions of sequence `seq` of `cache` (one block);
+    /// returns the logits of every token (`all_logits`) or of the last one.
+    pub fn eval(
+        &self,
+        cache: &mut KvCache,
+        seq: SeqId,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<EvalOutput> {
+        forward::eval(
+            &self.model,
+            &self.pool,
+            self.forward,
+            cache,
+            seq,
+            tokens,
+            all_logits,
+        )
+    }
+
+    /// One decode step for a batch of `(sequence, token)` pairs: each token is appended to its
+    /// sequence and the logits of each entry are returned in order. The entries are evaluated
+    /// one after the other (no cross-sequence batching yet).
+    pub fn decode(&self, cache: &mut KvCache, batch: &[(SeqId, u32)]) -> Result<Vec<EvalOutput>> {
+        batch
+            .iter()
+            .map(|&(seq, tok)| self.eval(cache, seq, &[tok], false))
+            .collect()
+    }
+
+    /// A new session (its own KV cache with one sequence).
+    pub fn session(&self) -> Session<'_> {
+        let mut cache = self.new_cache();
+        let seq = cache.add_sequence();
+        Session {
+            engine: self,
+            cache,
+            seq,
+            stats: Stats {
+                load_time: self.load_time,
+                ..Stats::default()
+            },
+        }
+    }
+}
+
+/// Timings and sparsity of a session.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stats {
+    /// Model load time.
+    pub load_time: Duration,
+    /// Prompt tokens evaluated.
+    pub prompt_tokens: usize,
+    /// Time spent on prompt blocks.
+    pub prompt_time: Duration,
+    /// Single-token decode steps.
+    pub decode_tokens: usize,
+    /// Time spent on decode steps.
+    pub decode_time: Duration,
+    /// Sum over evaluated tokens of the mean FFN density (active / n_ff, averaged over layers).
+    pub density_sum: f64,
+    /// Tokens in `density_sum`.
+    pub density_tokens: usize,
+}
+
+impl Stats {
+    /// Prompt tokens per second.
+    pub fn prompt_tps(&self) -> f64 {
+        rate(self.prompt_tokens, self.prompt_time)
+    }
+
+    /// Decode tokens per second.
+    pub fn decode_tps(&self) -> f64 {
+        rate(self.decode_tokens, self.decode_time)
+    }
+
+    /// Mean FFN density over every evaluated token (1 for a dense FFN).
+    pub fn ffn_density(&self) -> f64 {
+        if self.density_tokens == 0 {
+            0.0
+        } else {
+            self.density_sum / self.density_tokens as f64
+        }
+    }
+
+    fn record(&mut self, out: &EvalOutput) {
+        self.density_sum += out.density.iter().map(|&d| d as f64).sum::<f64>();
+        self.density_tokens += out.density.len();
+    }
+}
+
+fn rate(n: usize, t: Duration) -> f64 {
+    let s = t.as_secs_f64();
+    if s > 0.0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Token {
+    /// Token id.
+    pub id: u32,
+    /// The text this token completes (may be empty while a multi-byte character is pending).
+    pub text: String,
+}
+
+/// One sequence of generation over an [`Engine`].
+#[derive(Debug)]
+pub struct Session<'e> {
+    engine: &'e Engine,
+    cache: KvCache,
+    seq: SeqId,
+    stats: Stats,
+}
+
+impl<'e> Session<'e> {
+    /// The engine.
+    pub fn engine(&self) -> &'e Engine {
+        self.engine
+    }
+
+    /// Statistics so far.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Tokens in the KV cache.
+    pub fn n_past(&self) -> usize {
+        self.cache.pos(self.seq).unwrap_or(0)
+    }
+
+    /// Forgets every token (the statistics stay).
+    pub fn reset(&mut self) {
+        // The sequence was created by `Engine::session` and is never removed.
+        let _ = self.cache.clear(self.seq);
+    }
+
+    /// Evaluates `tokens` (in blocks of [`EngineOptions::batch`]) and returns the logits of the
+    /// last one (`n_vocab` values). Counted as prompt time. On an error the session is reset
+    /// (its KV cache could hold part of a block).
+    pub fn eval(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut last = Vec::new();
+        for block in tokens.chunks(self.engine.batch) {
+            last = self.eval_block(block, false, true)?;
+        }
+        Ok(last)
+    }
+
+    /// Evaluates `tokens` and returns the logits of every position (`tokens.len() · n_vocab`
+    /// values, position after position). Counted as prompt time.
+    pub fn eval_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut all = Vec::with_capacity(tokens.len() * self.engine.model.hparams.n_vocab);
+        for block in tokens.chunks(self.engine.batch) {
+            all.extend(self.eval_block(block, true, true)?);
+        }
+        Ok(all)
+    }
+
+    fn eval_block(&mut self, tokens: &[u32], all: bool, prompt: bool) -> Result<Vec<f32>> {
+        let start = Instant::now();
+        let out = self
+            .engine
+            .eval(&mut self.cache, self.seq, tokens, all)
+            .inspect_err(|_| self.reset())?;
+        let dt = start.elapsed();
+        if prompt {
+            self.stats.prompt_tokens += tokens.len();
+            self.stats.prompt_time += dt;
+        } else {
+            self.stats.decode_tokens += tokens.len();
+            self.stats.decode_time += dt;
+        }
+        self.stats.record(&out);
+        Ok(out.logits)
+    }
+
+    /// Generates text after `prompt` (tokenized with BOS and special tokens parsed), continuing
+    /// the session's sequence. The iterator evaluates the prompt on its first call and then
+    /// one token per call; it ends after `max_tokens` tokens, at an end-of-generation token
+    /// (not returned) if `stop_at_eog`, or after the token whose text completes a stop string.
+    pub fn generate<'s>(&'s mut self, prompt: &str, params: SamplingParams) -> Generate<'s, 'e> {
+        let engine = self.engine;
+        let add_bos = self.n_past() == 0;
+        let prompt_tokens = engine.tokenizer.encode(prompt, add_bos, true);
+        Generate {
+            decoder: engine.tokenizer.stream_decoder(false),
+            session: self,
+            sampler: Sampler::new(params),
+            prompt: Some(prompt_tokens),
+            logits: Vec::new(),
+            pending: None,
+            text: String::new(),
+            n_generated: 0,
+            done: false,
+        }
+    }
+}
+
+/// The iterator of [`Session::generate`].
+pub struct Generate<'s, 'e> {
+    session: &'s mut Session<'e>,
+    decoder: StreamDecoder<'e>,
+    sampler: Sampler,
+    prompt: Option<Vec<u32>>,
+    logits: Vec<f32>,
+    pending: Option<u32>,
+    text: String,
+    n_generated: usize,
+    done: bool,
+}
+
+impl Generate<'_, '_> {
+    /// The text generated so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The statistics of the session.
+    pub fn stats(&self) -> &Stats {
+        &self.session.stats
+    }
+
+    fn step(&mut self) -> Result<Option<Token>> {
+        if let Some(prompt) = self.prompt.take() {
+            if prompt.is_empty() {
+                return Err(EngineError::Invalid("the prompt has no tokens".into()));
+            }
+            prompt.iter().for_each(|&t| self.sampler.accept(t));
+            self.logits = self.session.eval(&prompt)?;
+        }
+        if let Some(tok) = self.pending.take() {
+            self.logits = self.session.eval_block(&[tok], false, false)?;
+        }
+        if self.n_generated >= self.sampler.params().max_tokens {
+            return Ok(None);
+        }
+        let id = self.sampler.sample(&mut self.logits);
+        self.sampler.accept(id);
+        let tokenizer = &self.session.engine.tokenizer;
+        if self.sampler.params().stop_at_eog && tokenizer.is_eog(id) {
+            return Ok(None);
+        }
+        let text = self.decoder.push(id)?;
+        self.text.push_str(&text);
+        self.n_generated += 1;
+        if self
+            .sampler
+            .params()
+            .stop
+            .iter()
+            .any(|s| !s.is_empty() && self.text.contains(s.as_str()))
+        {
+            self.done = true;
+        } else {
+            self.pending = Some(id);
+        }
+        Ok(Some(Token { id, text }))
+    }
+}
+
+impl Iterator for Generate<'_, '_> {
+    type Item = Result<Token>;
+
+    fn next(&mut self) -> Option<Result<Token>> {
+        if self.done {
+            return None;
+        }
+        match self.step() {
+            Ok(Some(t)) => Some(Ok(t)),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! The error type of model loading and inference.
+
+use powerinfer_gguf::GgufError;
+use powerinfer_kernels_cpu::KernelError;
+
+use crate::tokenizer::TokenizerError;
+
+/// Errors of [`crate::model`], [`crate::engine`] and [`crate::kv_cache`].
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The file could not be read or parsed, or a metadata key is missing or mistyped.
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    /// A kernel refused its arguments (a bug or an unsupported weight type).
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The tokenizer metadata is invalid.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// A tensor could not be dequantized.
+    #[error(transparent)]
+    Quant(#[from] powerinfer_gguf::quants::QuantError),
+    /// `general.architecture` names a model family this engine cannot run (yet).
+    #[error("unsupported architecture `{0}` (supported: llama, bamboo; falcon and opt are not supported yet)")]
+    UnsupportedArch(String),
+    /// A tensor the architecture needs is not in the file.
+    #[error("missing tensor `{0}`")]
+    MissingTensor(String),
+    /// A tensor has another shape than the hyper-parameters imply.
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    TensorShape {
+        /// Tensor name.
+        name: String,
+        /// Expected ggml shape (`[ne0, ne1]`; `0` = any value).
+        expected: Vec<u64>,
+        /// Shape in the file.
+        got: Vec<u64>,
+    },
+    /// Inconsistent or invalid hyper-parameters.
+    #[error("invalid hyper-parameters: {0}")]
+    Hparams(String),
+    /// A token id outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary of {n_vocab}")]
+    InvalidToken {
+        /// The id.
+        id: u32,
+        /// Vocabulary size.
+        n_vocab: usize,
+    },
+    /// The sequence would exceed the KV cache's context length.
+    #[error("context full: {needed} positions needed, the KV cache holds {ctx_len}")]
+    ContextFull {
+        /// Positions needed.
+        needed: usize,
+        /// Capacity.
+        ctx_len: usize,
+    },
+    /// A sequence id that the KV cache does not know.
+    #[error("unknown sequence {0}")]
+    UnknownSequence(usize),
+    /// An invalid argument (empty prompt, bad option).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// `Result` with [`EngineError`].
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

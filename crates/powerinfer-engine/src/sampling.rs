@@ -1,0 +1,307 @@
+//! Token sampling: repetition/presence/frequency penalties, top-k, top-p, min-p, temperature,
+//! and a seeded random generator, applied in llama.cpp's order (penalties → top-k → top-p →
+//! min-p → temperature → draw). A temperature ≤ 0 picks the most likely token (greedy).
+
+/// Sampling settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Temperature; ≤ 0 = greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = all).
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p` times the top one's (0 = off).
+    pub min_p: f32,
+    /// Divide positive logits (multiply negative ones) of recent tokens by this (1 = off).
+    pub repeat_penalty: f32,
+    /// Subtract from the logit of every recent token (0 = off).
+    pub presence_penalty: f32,
+    /// Subtract this times its count from the logit of every recent token (0 = off).
+    pub frequency_penalty: f32,
+    /// How many of the last tokens the penalties look at.
+    pub penalty_last_n: usize,
+    /// Random seed (same seed, same model, same prompt → same text).
+    pub seed: u64,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Stop when the generated text contains one of these.
+    pub stop: Vec<String>,
+    /// Stop at an end-of-generation token (EOS, EOT).
+    pub stop_at_eog: bool,
+}
+
+impl Default for SamplingParams {
+    /// llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat
+    /// penalty 1.0 over the last 64 tokens, seed 0, 128 tokens.
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+            seed: 0,
+            max_tokens: 128,
+            stop: Vec::new(),
+            stop_at_eog: true,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of `max_tokens` tokens.
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ..Default::default()
+        }
+    }
+}
+
+/// A small seeded random generator (xoshiro256** seeded through splitmix64).
+#[derive(Clone, Debug)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> Rng {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            x ^ (x >> 31)
+        };
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// A uniform value in `[0, 1)`.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A sampler: the settings, the random state and the recent tokens.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    recent: Vec<u32>,
+}
+
+impl Sampler {
+    /// A sampler seeded with `params.seed`.
+    pub fn new(params: SamplingParams) -> Sampler {
+        Sampler {
+            rng: Rng::new(params.seed),
+            params,
+            recent: Vec::new(),
+        }
+    }
+
+    /// The settings.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Records a token (prompt or generated) for the penalties.
+    pub fn accept(&mut self, token: u32) {
+        self.recent.push(token);
+        let n = self.params.penalty_last_n;
+        if self.recent.len() > 2 * n.max(1) {
+            self.recent.drain(..self.recent.len() - n);
+        }
+    }
+
+    /// Picks the next token from `logits` (which are modified by the penalties).
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.apply_penalties(logits);
+        let p = &self.params;
+        if p.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        // Candidates sorted by logit, descending (ties: lower id first).
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_nan())
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        if cand.is_empty() {
+            return 0;
+        }
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.truncate(p.top_k);
+        }
+        let probs = softmax(&cand, 1.0);
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            let mut keep = cand.len();
+            for (i, pr) in probs.iter().enumerate() {
+                cum += pr;
+                if cum >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 {
+            let top = cand[0].1;
+            let min_logit = top + (p.min_p as f64).ln() as f32;
+            let keep = cand.iter().take_while(|c| c.1 >= min_logit).count();
+            cand.truncate(keep.max(1));
+        }
+        let probs = softmax(&cand, p.temperature);
+        let r = self.rng.next_f64();
+        let mut cum = 0.0;
+        for (c, pr) in cand.iter().zip(&probs) {
+            cum += pr;
+            if r < cum {
+                return c.0;
+            }
+        }
+        cand[cand.len() - 1].0
+    }
+
+    fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        let off =
+            p.repeat_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
+        if off || p.penalty_last_n == 0 {
+            return;
+        }
+        let start = self.recent.len().saturating_sub(p.penalty_last_n);
+        let mut counts: Vec<(u32, u32)> = Vec::new();
+        for &t in &self.recent[start..] {
+            match counts.iter_mut().find(|c| c.0 == t) {
+                Some(c) => c.1 += 1,
+                None => counts.push((t, 1)),
+            }
+        }
+        for (t, n) in counts {
+            let Some(l) = logits.get_mut(t as usize) else {
+                continue;
+            };
+            if *l > 0.0 {
+                *l /= p.repeat_penalty;
+            } else {
+                *l *= p.repeat_penalty;
+            }
+            *l -= n as f32 * p.frequency_penalty + p.presence_penalty;
+        }
+    }
+}
+
+/// Index of the largest logit (the lowest such index on ties; NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > best_v {
+            best_v = l;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Probabilities of sorted candidates at temperature `temp` (in f64).
+fn softmax(cand: &[(u32, f32)], temp: f32) -> Vec<f64> {
+    let max = cand[0].1 as f64;
+    let e: Vec<f64> = cand
+        .iter()
+        .map(|c| ((c.1 as f64 - max) / temp as f64).exp())
+        .collect();
+    let sum: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / sum).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_picks_argmax() {
+        let mut s = Sampler::new(SamplingParams::greedy(1));
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9]), 1);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_seed_repeats() {
+        let p = SamplingParams {
+            top_k: 1,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        for _ in 0..10 {
+            assert_eq!(s.sample(&mut [0.0, 1.0, 5.0, 4.9]), 2);
+        }
+        let draw = |seed| {
+            let mut s = Sampler::new(SamplingParams {
+                seed,
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                ..Default::default()
+            });
+            (0..50)
+                .map(|_| s.sample(&mut [1.0, 1.0, 1.0, 1.0]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        assert_ne!(draw(7), draw(8));
+        // Uniform logits: every token shows up in 50 draws.
+        let d = draw(7);
+        assert!((0..4).all(|t| d.contains(&t)));
+    }
+
+    #[test]
+    fn penalties_and_min_p() {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 0.0,
+            repeat_penalty: 2.0,
+            ..Default::default()
+        });
+        s.accept(0);
+        // 3.0 / 2 = 1.5 < 2.0: token 1 wins after the penalty.
+        assert_eq!(s.sample(&mut [3.0, 2.0]), 1);
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.5,
+            ..Default::default()
+        });
+        // exp(-1) < 0.5: only token 0 survives min-p.
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut [1.0, 0.0]), 0);
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! `powerinfer logits -m MODEL --tokens "1 2 3" --out FILE`: evaluates the tokens as one
+//! sequence and writes the logits of every position as little-endian f32, one row of `n_vocab`
+//! values per position.
+
+use std::path::PathBuf;
+
+use powerinfer_engine::engine::{Engine, EngineOptions};
+
+/// Arguments of `powerinfer logits`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model file.
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// Token ids, separated by spaces or commas.
+    #[arg(long)]
+    pub tokens: String,
+    /// Output file.
+    #[arg(short = 'o', long = "out")]
+    pub out: PathBuf,
+    /// Threads (0 = all cores).
+    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    pub threads: usize,
+    /// Compute every FFN neuron (ignore the predictor).
+    #[arg(long)]
+    pub dense: bool,
+    /// Predictor threshold θ.
+    #[arg(long = "sparse-threshold")]
+    pub sparse_threshold: Option<f32>,
+}
+
+/// Runs `powerinfer logits`.
+pub fn run(args: Args) -> Result<(), String> {
+    let tokens = args
+        .tokens
+        .split(|c: char| c.is_whitespace() || c == ',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u32>().map_err(|e| format!("token `{s}`: {e}")))
+        .collect::<Result<Vec<u32>, String>>()?;
+    if tokens.is_empty() {
+        return Err("--tokens: no token ids".into());
+    }
+    let options = EngineOptions {
+        threads: args.threads,
+        sparse_threshold: args.sparse_threshold,
+        dense: args.dense,
+        ctx_len: tokens.len().max(1),
+        ..Default::default()
+    };
+    let engine =
+        Engine::load(&args.model, options).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let logits = engine
+        .session()
+        .eval_all(&tokens)
+        .map_err(|e| e.to_string())?;
+    let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(&args.out, bytes).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    eprintln!(
+        "wrote {} rows of {} logits to {}",
+        tokens.len(),
+        engine.model().hparams.n_vocab,
+        args.out.display()
+    );
+    Ok(())
+}

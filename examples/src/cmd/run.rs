@@ -1,0 +1,282 @@
+//! `powerinfer run`: generate text with the CPU engine.
+//!
+//! With `-m MODEL` it streams the generated text to stdout and prints a timing summary to
+//! stderr (or, with `--json`, one JSON object to stdout). Without `-m` it runs a built-in demo:
+//! a synthetic ReLU-sparse model (generated once into a cache directory, with its dense twin)
+//! decoded densely (the twin: full GEMVs over every neuron) and with the predictor-driven sparse
+//! FFN, and the two decode speeds side by side.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use powerinfer_engine::engine::{Engine, EngineOptions, Stats};
+use powerinfer_engine::sampling::SamplingParams;
+use powerinfer_engine::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
+use powerinfer_gguf::GgmlType;
+
+/// Arguments of `powerinfer run`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model file (PowerInfer `PWRI` or dense GGUF, `llama` or `bamboo`). Without it: the demo.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// Prompt.
+    #[arg(short = 'p', long = "prompt", default_value = "Once upon a time")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
+    pub n_predict: usize,
+    /// Threads (0 = all cores).
+    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    pub threads: usize,
+    /// Temperature (≤ 0: greedy).
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temp: f32,
+    /// Top-k (0 = off).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    /// Top-p (1 = off).
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p (0 = off).
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repetition penalty over the last 64 tokens (1 = off).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Random seed.
+    #[arg(long = "seed", default_value_t = 0)]
+    pub seed: u64,
+    /// Context size (0 = the model's).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
+    pub ctx_size: usize,
+    /// Predictor threshold θ (default: env LLAMA_SPARSE_PRED_THRESHOLD, the file's key, 0).
+    #[arg(long = "sparse-threshold")]
+    pub sparse_threshold: Option<f32>,
+    /// Compute every FFN neuron (ignore the predictor), for comparison.
+    #[arg(long)]
+    pub dense: bool,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// VRAM budget in GiB (takes effect once the GPU backend lands).
+    #[arg(long = "vram-budget")]
+    pub vram_budget: Option<f64>,
+    /// Recompute the GPU index (takes effect once the GPU backend lands).
+    #[arg(long = "reset-gpu-index")]
+    pub reset_gpu_index: bool,
+    /// Do not use a GPU index (takes effect once the GPU backend lands).
+    #[arg(long = "disable-gpu-index")]
+    pub disable_gpu_index: bool,
+}
+
+impl Args {
+    fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed,
+            max_tokens: self.n_predict,
+            ..Default::default()
+        }
+    }
+
+    fn options(&self, dense: bool) -> EngineOptions {
+        EngineOptions {
+            threads: self.threads,
+            sparse_threshold: self.sparse_threshold,
+            dense,
+            ctx_len: self.ctx_size,
+            ..Default::default()
+        }
+    }
+}
+
+/// Result of one generation.
+struct Run {
+    tokens: Vec<u32>,
+    text: String,
+    stats: Stats,
+    prompt_tokens: usize,
+}
+
+fn generate(engine: &Engine, args: &Args, stream: bool) -> Result<Run, String> {
+    let mut session = engine.session();
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut out = std::io::stdout().lock();
+    for tok in session.generate(&args.prompt, args.sampling()) {
+        let tok = tok.map_err(|e| e.to_string())?;
+        if stream {
+            let _ = out.write_all(tok.text.as_bytes());
+            let _ = out.flush();
+        }
+        tokens.push(tok.id);
+        text.push_str(&tok.text);
+    }
+    if stream {
+        let _ = writeln!(out);
+    }
+    let stats = session.stats().clone();
+    Ok(Run {
+        tokens,
+        text,
+        prompt_tokens: stats.prompt_tokens,
+        stats,
+    })
+}
+
+fn summary(label: &str, engine: &Engine, s: &Stats) {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    eprintln!("{label}load time = {:9.2} ms", ms(s.load_time));
+    eprintln!(
+        "{label}prompt eval = {:9.2} ms / {:4} tokens ({:8.2} tokens per second)",
+        ms(s.prompt_time),
+        s.prompt_tokens,
+        s.prompt_tps()
+    );
+    eprintln!(
+        "{label}decode eval = {:9.2} ms / {:4} tokens ({:8.2} tokens per second)",
+        ms(s.decode_time),
+        s.decode_tokens,
+        s.decode_tps()
+    );
+    eprintln!(
+        "{label}FFN density = {:.4} ({}, θ = {}, {} threads)",
+        s.ffn_density(),
+        if engine.is_sparse() {
+            "sparse"
+        } else {
+            "dense"
+        },
+        engine.threshold(),
+        engine.threads()
+    );
+}
+
+fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
+    let s = &run.stats;
+    let mut v = serde_json::json!({
+        "tokens": run.tokens,
+        "text": run.text,
+        "prompt_tokens": run.prompt_tokens,
+        "load_ms": s.load_time.as_secs_f64() * 1e3,
+        "prompt_tps": s.prompt_tps(),
+        "decode_tps": s.decode_tps(),
+        "ffn_density": s.ffn_density(),
+    });
+    for (k, x) in extra {
+        v[*k] = x.clone();
+    }
+    v.to_string()
+}
+
+/// Runs `powerinfer run`.
+pub fn run(args: Args) -> Result<(), String> {
+    if args.vram_budget.is_some() || args.reset_gpu_index || args.disable_gpu_index {
+        eprintln!(
+            "note: --vram-budget, --reset-gpu-index and --disable-gpu-index take effect once the GPU backend lands; running on the CPU"
+        );
+    }
+    let Some(model) = &args.model else {
+        return demo(&args);
+    };
+    let engine = Engine::load(model, args.options(args.dense))
+        .map_err(|e| format!("{}: {e}", model.display()))?;
+    let run = generate(&engine, &args, !args.json)?;
+    if args.json {
+        println!("{}", json(&run, &[]));
+    } else {
+        summary("", &engine, &run.stats);
+    }
+    Ok(())
+}
+
+/// Shape of the demo model: 12 layers of width 1024 and 4096 neurons (~180 M weights, ~100 MB
+/// in Q4_0), small enough to write in seconds and to decode quickly on two cores.
+fn demo_shape() -> Shape {
+    Shape {
+        n_layer: 12,
+        n_embd: 1024,
+        n_ff: 4096,
+        n_head: 16,
+        n_head_kv: 4,
+        n_vocab: None,
+        n_ctx: 1024,
+    }
+}
+
+fn cache_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("powerinfer-rs").join("demo")
+}
+
+fn demo(args: &Args) -> Result<(), String> {
+    let dir = cache_dir();
+    let path = dir.join("demo-v2-l12-e1024-f4096-q4_0.powerinfer.gguf");
+    let twin = dir.join("demo-v2-l12-e1024-f4096-q4_0.dense.gguf");
+    if !path.exists() || !twin.exists() {
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        eprintln!("writing the demo model once to {} ...", path.display());
+        let t = Instant::now();
+        let mut cfg = SynthConfig::new(demo_shape());
+        cfg.ty = GgmlType::Q4_0;
+        cfg.seed = 2024;
+        // PowerInfer's own rule (Q4_0 predictor for a Q4_0 model): an F16 predictor would cost
+        // more memory traffic per token than the 10% of the FFN it selects.
+        cfg.predictor_rule = PredictorRule::PowerInfer;
+        let out = SynthOutputs {
+            model: path.clone(),
+            dense: Some(twin.clone()),
+            activation_dir: None,
+            predictor_dir: None,
+        };
+        synth::synthesize(&cfg, &out, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        eprintln!("done in {:.1} s", t.elapsed().as_secs_f64());
+    }
+    eprintln!("================================================================");
+    eprintln!(" powerinfer-rs demo: a SYNTHETIC ReLU-sparse model (random weights,");
+    eprintln!(" ~10% of FFN neurons fire per token). Its text is meaningless; the");
+    eprintln!(" demo shows the speed of the sparse FFN against the dense one.");
+    eprintln!(" model: {}", path.display());
+    eprintln!(" Use `powerinfer run -m MODEL -p PROMPT` for a real model.");
+    eprintln!("================================================================");
+    let sparse = Engine::load(&path, args.options(false)).map_err(|e| e.to_string())?;
+    // The dense baseline is the dense twin (llama.cpp's layout: full GEMVs over every neuron),
+    // the fastest way to compute every neuron.
+    let dense = Engine::load(&twin, args.options(false)).map_err(|e| e.to_string())?;
+    eprintln!("--- dense FFN (dense twin, every neuron) ---");
+    let d = generate(&dense, args, false)?;
+    summary("dense  ", &dense, &d.stats);
+    eprintln!("--- sparse FFN (predictor) ---");
+    let s = generate(&sparse, args, !args.json)?;
+    summary("sparse ", &sparse, &s.stats);
+    let ratio = s.stats.decode_tps() / d.stats.decode_tps().max(1e-9);
+    if args.json {
+        println!(
+            "{}",
+            json(
+                &s,
+                &[
+                    ("dense_decode_tps", d.stats.decode_tps().into()),
+                    ("sparse_speedup", ratio.into()),
+                ]
+            )
+        );
+    }
+    eprintln!(
+        "decode: dense {:.2} tokens/s, sparse {:.2} tokens/s, sparse/dense = {:.2}x (FFN density {:.3})",
+        d.stats.decode_tps(),
+        s.stats.decode_tps(),
+        ratio,
+        s.stats.ffn_density()
+    );
+    Ok(())
+}
