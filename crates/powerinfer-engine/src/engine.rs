@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use powerinfer_kernels_cpu::ThreadPool;
 
 use crate::error::{EngineError, Result};
-use crate::forward::{self, EvalOutput, ForwardOptions};
+use crate::forward::{self, EvalOutput, FfnObserver, ForwardOptions};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams};
@@ -183,6 +183,28 @@ impl Engine {
         )
     }
 
+    /// [`Engine::eval`] with an observer of every layer's FFN (computed densely, see
+    /// [`forward::eval_observed`]).
+    pub fn eval_observed(
+        &self,
+        cache: &mut KvCache,
+        seq: SeqId,
+        tokens: &[u32],
+        all_logits: bool,
+        observer: &mut dyn FfnObserver,
+    ) -> Result<EvalOutput> {
+        forward::eval_observed(
+            &self.model,
+            &self.pool,
+            self.forward,
+            cache,
+            seq,
+            tokens,
+            all_logits,
+            Some(observer),
+        )
+    }
+
     /// One decode step for a batch of `(sequence, token)` pairs: each token is appended to its
     /// sequence and the logits of each entry are returned in order. The entries are evaluated
     /// one after the other (no cross-sequence batching yet).
@@ -324,12 +346,40 @@ impl<'e> Session<'e> {
         Ok(all)
     }
 
+    /// Evaluates `tokens` (in blocks of [`EngineOptions::batch`]) with an observer of every
+    /// layer's FFN: the FFN is computed densely and the observer sees its input, true
+    /// activations and predictor scores (profiling, predictor training and evaluation).
+    /// Returns the logits of the last token. Counted as prompt time.
+    pub fn eval_observed(
+        &mut self,
+        tokens: &[u32],
+        observer: &mut dyn FfnObserver,
+    ) -> Result<Vec<f32>> {
+        let mut last = Vec::new();
+        for block in tokens.chunks(self.engine.batch) {
+            last = self.eval_block_with(block, false, true, Some(&mut *observer))?;
+        }
+        Ok(last)
+    }
+
     fn eval_block(&mut self, tokens: &[u32], all: bool, prompt: bool) -> Result<Vec<f32>> {
+        self.eval_block_with(tokens, all, prompt, None)
+    }
+
+    fn eval_block_with(
+        &mut self,
+        tokens: &[u32],
+        all: bool,
+        prompt: bool,
+        observer: Option<&mut dyn FfnObserver>,
+    ) -> Result<Vec<f32>> {
         let start = Instant::now();
-        let out = self
-            .engine
-            .eval(&mut self.cache, self.seq, tokens, all)
-            .inspect_err(|_| self.reset())?;
+        let e = self.engine;
+        let out = match observer {
+            Some(o) => e.eval_observed(&mut self.cache, self.seq, tokens, all, o),
+            None => e.eval(&mut self.cache, self.seq, tokens, all),
+        }
+        .inspect_err(|_| self.reset())?;
         let dt = start.elapsed();
         if prompt {
             self.stats.prompt_tokens += tokens.len();

@@ -21,7 +21,7 @@ pub enum EngineError {
     #[error(transparent)]
     Quant(#[from] powerinfer_gguf::quants::QuantError),
     /// `general.architecture` names a model family this engine cannot run (yet).
-    #[error("unsupported architecture `{0}` (supported: llama, bamboo; falcon and opt are not supported yet)")]
+    #[error("unsupported architecture `{0}` (supported: llama, bamboo, falcon, opt)")]
     UnsupportedArch(String),
     /// A tensor the architecture needs is not in the file.
     #[error("missing tensor `{0}`")]

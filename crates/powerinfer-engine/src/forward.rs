@@ -1,8 +1,18 @@
 //! The forward pass of a block of tokens of one sequence on the CPU kernels.
 //!
-//! Per layer: RMSNorm → Q/K/V products (GEMM over the block) → RoPE (mode 0) → append K/V to
-//! the F16 cache → causal attention (GQA) → `attn_output` → residual (`ffn_inp`) → RMSNorm →
-//! FFN → residual. Then the output norm and the output head.
+//! `llama`/`bamboo`, per layer: RMSNorm → Q/K/V products (GEMM over the block) → RoPE (mode 0)
+//! → append K/V to the F16 cache → causal attention (GQA) → `attn_output` → residual
+//! (`ffn_inp`) → RMSNorm → FFN → residual. Then the output norm and the output head.
+//!
+//! `opt`: the token embedding plus the learned position embedding (row `pos + 2`, see
+//! [`Model::position_row`]), then per layer as above with LayerNorm (bias), biases on the
+//! Q/K/V/output products, no RoPE, FFN `down(ReLU(up·n + b_up)) + b_down`; output head tied to
+//! `token_embd`.
+//!
+//! `falcon` (parallel block): `n = LayerNorm(x)` (`attn_norm`); the attention reads
+//! `LayerNorm_2(x)` (`attn_norm_2`) if the layer has one, else `n`; fused QKV product, NeoX
+//! RoPE, attention, `attn_output`; the FFN reads `n`; `x ← (ffn + attn) + x`. The predictor
+//! reads the layer input `x` (spec §4).
 //!
 //! FFN of a PowerInfer file (spec §4, §5.4): predictor scores `p = fc2 · ReLU(fc1 · ffn_inp)`
 //! (on the pre-norm residual), neuron `i` is active for a token when `p_i ≥ θ`; `up` and `gate`
@@ -12,21 +22,18 @@
 //! [`ForwardOptions::dense`] every neuron is computed instead (for comparison): `up` and `gate`
 //! are full GEMMs and the axpy walks all `n_ff` rows.
 
-use powerinfer_kernels_cpu::ops::activation::{add, drelu, reglu, relu, swiglu};
+use powerinfer_kernels_cpu::ops::activation::add;
 use powerinfer_kernels_cpu::ops::attention::{attention_block, AttentionParams};
-use powerinfer_kernels_cpu::ops::norm::rms_norm;
+use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::{rope_block, RopeMode, RopeParams};
-use powerinfer_kernels_cpu::{MatMul, RowSelect, ThreadPool};
+use powerinfer_kernels_cpu::{MatMul, ThreadPool};
 
 use crate::error::Result;
+pub use crate::ffn::FfnObserver;
+use crate::ffn::{ffn_forward, FfnScratch};
+use crate::fused::{self, gemv_multi, GemvJob};
 use crate::kv_cache::{KvCache, SeqId};
-use crate::model::{Ffn, FfnAct, Layer, Model};
-
-/// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
-/// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
-/// dense product would. `1e-30 · w` is below half an ulp of any output larger than ~1e-22 in
-/// magnitude, so the result is unchanged.
-const DENSE_TOUCH: f32 = 1e-30;
+use crate::model::{Arch, Model, Norm, Qkv};
 
 /// How the FFN of a PowerInfer file is computed.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -60,6 +67,23 @@ pub fn eval(
     tokens: &[u32],
     all_logits: bool,
 ) -> Result<EvalOutput> {
+    eval_observed(model, pool, opts, cache, seq, tokens, all_logits, None)
+}
+
+/// [`eval`] with an [`FfnObserver`] that sees every layer's FFN input, true activations and
+/// predictor scores. With an observer every FFN neuron is computed (the FFN runs densely, so
+/// that the true activations are known); the result is that of the dense forward pass.
+#[allow(clippy::too_many_arguments)]
+pub fn eval_observed(
+    model: &Model,
+    pool: &ThreadPool,
+    opts: ForwardOptions,
+    cache: &mut KvCache,
+    seq: SeqId,
+    tokens: &[u32],
+    all_logits: bool,
+    mut observer: Option<&mut dyn FfnObserver>,
+) -> Result<EvalOutput> {
     let hp = &model.hparams;
     let t = tokens.len();
     if t == 0 {
@@ -82,38 +106,137 @@ pub fn eval(
         model.embed(tok, row)?;
     }
     let mut cur = vec![0f32; t * ne];
+    if model.pos_embd.is_some() {
+        for (row, &pos) in x.chunks_exact_mut(ne).zip(&positions) {
+            model.add_position(pos, row, &mut cur[..ne])?;
+        }
+    }
     let mut q = vec![0f32; t * ne];
     let mut k = vec![0f32; t * nkv];
     let mut v = vec![0f32; t * nkv];
     let mut attn = vec![0f32; t * ne];
     let mut tmp = vec![0f32; t * ne];
-    let rope = RopeParams {
+    // Only for the architectures that need them (empty vectors do not allocate).
+    let parallel = hp.arch == Arch::Falcon;
+    let mut ffn_out = if parallel {
+        vec![0f32; t * ne]
+    } else {
+        Vec::new()
+    };
+    let mut cur2 = Vec::new();
+    let mut qkv = Vec::new();
+    let rope = match hp.arch {
+        Arch::Llama | Arch::Bamboo => Some(RopeMode::Normal),
+        Arch::Falcon => Some(RopeMode::NeoX),
+        Arch::Opt => None,
+    }
+    .map(|mode| RopeParams {
         n_dims: hp.n_rot,
-        mode: RopeMode::Normal,
+        mode,
         freq_base: hp.rope_freq_base,
         freq_scale: hp.rope_freq_scale,
-    };
+    });
     let ap = AttentionParams::new(hp.n_head, hp.n_head_kv, hd);
     let mut density = vec![0f32; t];
     let mut ffn = FfnScratch::default();
 
     for (l, layer) in model.layers.iter().enumerate() {
-        rms_norm(&x, &layer.attn_norm, eps, &mut cur)?;
-        mm.gemm(&model.weights(&layer.wq)?, &cur, t, &mut q)?;
-        mm.gemm(&model.weights(&layer.wk)?, &cur, t, &mut k)?;
-        mm.gemm(&model.weights(&layer.wv)?, &cur, t, &mut v)?;
-        rope_block(&mut q, hp.n_head, hd, &positions, &rope)?;
-        rope_block(&mut k, hp.n_head_kv, hd, &positions, &rope)?;
+        norm(&x, &layer.attn_norm, eps, &mut cur)?;
+        let attn_in: &[f32] = match &layer.attn_norm_2 {
+            Some(n2) => {
+                cur2.resize(t * ne, 0.0);
+                norm(&x, n2, eps, &mut cur2)?;
+                &cur2
+            }
+            None => &cur,
+        };
+        match &layer.qkv {
+            Qkv::Separate {
+                wq,
+                wk,
+                wv,
+                bq,
+                bk,
+                bv,
+            } => {
+                if t == 1 && fused::enabled() {
+                    // One token: the three products in one dispatch.
+                    let jobs = vec![
+                        GemvJob {
+                            w: model.weights(wq)?,
+                            x: attn_in,
+                            y: &mut q,
+                        },
+                        GemvJob {
+                            w: model.weights(wk)?,
+                            x: attn_in,
+                            y: &mut k,
+                        },
+                        GemvJob {
+                            w: model.weights(wv)?,
+                            x: attn_in,
+                            y: &mut v,
+                        },
+                    ];
+                    gemv_multi(&mm, jobs)?;
+                } else {
+                    mm.gemm(&model.weights(wq)?, attn_in, t, &mut q)?;
+                    mm.gemm(&model.weights(wk)?, attn_in, t, &mut k)?;
+                    mm.gemm(&model.weights(wv)?, attn_in, t, &mut v)?;
+                }
+                add_bias(&mut q, bq.as_deref())?;
+                add_bias(&mut k, bk.as_deref())?;
+                add_bias(&mut v, bv.as_deref())?;
+            }
+            Qkv::Fused(w) => {
+                let width = ne + 2 * nkv;
+                qkv.resize(t * width, 0.0);
+                mm.gemm(&model.weights(w)?, attn_in, t, &mut qkv)?;
+                for (i, row) in qkv.chunks_exact(width).enumerate() {
+                    q[i * ne..(i + 1) * ne].copy_from_slice(&row[..ne]);
+                    k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
+                    v[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne + nkv..]);
+                }
+            }
+        }
+        if let Some(rope) = &rope {
+            rope_block(&mut q, hp.n_head, hd, &positions, rope)?;
+            rope_block(&mut k, hp.n_head_kv, hd, &positions, rope)?;
+        }
         cache.append(seq, l, &k, &v)?;
         let (kc, vc) = cache.layer(seq, l)?;
         attention_block(pool, &q, kc, vc, t, &ap, &mut attn)?;
         mm.gemm(&model.weights(&layer.wo)?, &attn, t, &mut tmp)?;
+        add_bias(&mut tmp, layer.bo.as_deref())?;
+        if parallel {
+            // Falcon: the FFN reads attn_norm(x), the predictor the layer input x.
+            ffn_forward(
+                model,
+                &mm,
+                opts,
+                l,
+                layer,
+                &x,
+                &cur,
+                t,
+                &mut ffn,
+                &mut ffn_out,
+                &mut density,
+                observer.as_deref_mut(),
+            )?;
+            add(&mut ffn_out, &tmp)?;
+            add(&mut x, &ffn_out)?;
+            continue;
+        }
         add(&mut x, &tmp)?; // x = ffn_inp
-        rms_norm(&x, &layer.ffn_norm, eps, &mut cur)?;
+        if let Some(n) = &layer.ffn_norm {
+            norm(&x, n, eps, &mut cur)?;
+        }
         ffn_forward(
             model,
             &mm,
             opts,
+            l,
             layer,
             &x,
             &cur,
@@ -121,6 +244,7 @@ pub fn eval(
             &mut ffn,
             &mut tmp,
             &mut density,
+            observer.as_deref_mut(),
         )?;
         add(&mut x, &tmp)?;
     }
@@ -131,118 +255,26 @@ pub fn eval(
     let first = if all_logits { 0 } else { t - 1 };
     let n_out = t - first;
     let mut normed = vec![0f32; n_out * ne];
-    rms_norm(&x[first * ne..], &model.output_norm, eps, &mut normed)?;
+    norm(&x[first * ne..], &model.output_norm, eps, &mut normed)?;
     let mut logits = vec![0f32; n_out * hp.n_vocab];
     mm.gemm(&model.weights(&model.output)?, &normed, n_out, &mut logits)?;
     Ok(EvalOutput { logits, density })
 }
 
-#[derive(Default)]
-struct FfnScratch {
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    hidden: Vec<f32>,
-    scores: Vec<f32>,
-    active: Vec<u32>,
-}
-
-fn resize(v: &mut Vec<f32>, n: usize) {
-    v.clear();
-    v.resize(n, 0.0);
-}
-
-fn activate(act: FfnAct, gate: &mut [f32], up: &[f32]) -> Result<()> {
-    match act {
-        FfnAct::Reglu => reglu(gate, up)?,
-        FfnAct::Drelu => drelu(gate, up)?,
-        FfnAct::Swiglu => swiglu(gate, up)?,
+/// RMSNorm (a norm without bias) or LayerNorm (with bias) of every row of `x`.
+fn norm(x: &[f32], n: &Norm, eps: f32, out: &mut [f32]) -> Result<()> {
+    match &n.bias {
+        None => rms_norm(x, &n.weight, eps, out)?,
+        Some(b) => layer_norm(x, &n.weight, b, eps, out)?,
     }
     Ok(())
 }
 
-/// `out = FFN(cur)` for `t` tokens (`h` = `ffn_inp`, the predictor input); adds each token's
-/// share of computed neurons (this layer) to `density`.
-#[allow(clippy::too_many_arguments)]
-fn ffn_forward(
-    model: &Model,
-    mm: &MatMul<'_>,
-    opts: ForwardOptions,
-    layer: &Layer,
-    h: &[f32],
-    cur: &[f32],
-    t: usize,
-    s: &mut FfnScratch,
-    out: &mut [f32],
-    density: &mut [f32],
-) -> Result<()> {
-    let nff = model.hparams.n_ff;
-    let ne = model.hparams.n_embd;
-    resize(&mut s.gate, t * nff);
-    resize(&mut s.up, t * nff);
-    match &layer.ffn {
-        Ffn::Dense { gate, up, down } => {
-            mm.gemm(&model.weights(gate)?, cur, t, &mut s.gate)?;
-            mm.gemm(&model.weights(up)?, cur, t, &mut s.up)?;
-            activate(model.ffn_act, &mut s.gate, &s.up)?;
-            mm.gemm(&model.weights(down)?, &s.gate, t, out)?;
-            density.iter_mut().for_each(|d| *d += 1.0);
-        }
-        Ffn::Sparse {
-            gate, up, down_t, ..
-        } if opts.dense => {
-            mm.gemm(&model.weights(gate)?, cur, t, &mut s.gate)?;
-            mm.gemm(&model.weights(up)?, cur, t, &mut s.up)?;
-            activate(model.ffn_act, &mut s.gate, &s.up)?;
-            let all: Vec<u32> = (0..nff as u32).collect();
-            let down = model.weights(down_t)?;
-            out.fill(0.0);
-            for (a, y) in s.gate.chunks_exact_mut(nff).zip(out.chunks_exact_mut(ne)) {
-                a.iter_mut()
-                    .filter(|a| **a == 0.0)
-                    .for_each(|a| *a = DENSE_TOUCH);
-                mm.sparse_axpy_indexed(&down, a, &all, y)?;
-            }
-            density.iter_mut().for_each(|d| *d += 1.0);
-        }
-        Ffn::Sparse {
-            gate,
-            up,
-            down_t,
-            fc1,
-            fc2,
-        } => {
-            let r = fc1.rows;
-            resize(&mut s.hidden, t * r);
-            resize(&mut s.scores, t * nff);
-            mm.gemm(&model.weights(fc1)?, h, t, &mut s.hidden)?;
-            relu(&mut s.hidden);
-            mm.gemm(&model.weights(fc2)?, &s.hidden, t, &mut s.scores)?;
-            out.fill(0.0);
-            if t == 1 {
-                // One token: the active list once, then the indexed kernels (the axpy's
-                // four-row fast path).
-                s.active.clear();
-                s.active
-                    .extend((0..nff as u32).filter(|&i| s.scores[i as usize] >= opts.threshold));
-                mm.sparse_gemv_indexed(&model.weights(gate)?, cur, &s.active, &mut s.gate)?;
-                mm.sparse_gemv_indexed(&model.weights(up)?, cur, &s.active, &mut s.up)?;
-                activate(model.ffn_act, &mut s.gate, &s.up)?;
-                mm.sparse_axpy_indexed(&model.weights(down_t)?, &s.gate, &s.active, out)?;
-            } else {
-                let select = RowSelect {
-                    scores: &s.scores,
-                    threshold: opts.threshold,
-                    skip: None,
-                };
-                mm.sparse_gemm(&model.weights(gate)?, cur, t, &select, &mut s.gate)?;
-                mm.sparse_gemm(&model.weights(up)?, cur, t, &select, &mut s.up)?;
-                activate(model.ffn_act, &mut s.gate, &s.up)?;
-                mm.sparse_axpy_batch(&model.weights(down_t)?, &s.gate, t, &select, out)?;
-            }
-            for (d, p) in density.iter_mut().zip(s.scores.chunks_exact(nff)) {
-                let active = p.iter().filter(|&&p| p >= opts.threshold).count();
-                *d += active as f32 / nff as f32;
-            }
+/// Adds `bias` (if any) to every row of `rows`.
+pub(crate) fn add_bias(rows: &mut [f32], bias: Option<&[f32]>) -> Result<()> {
+    if let Some(b) = bias {
+        for r in rows.chunks_exact_mut(b.len()) {
+            add(r, b)?;
         }
     }
     Ok(())

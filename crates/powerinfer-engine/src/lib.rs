@@ -6,10 +6,10 @@
 //!   matching llama.cpp token for token);
 //! - [`convert`]: Hugging Face checkpoints + predictors to PowerInfer files (`convert.py`);
 //! - [`synth`]: model-file tools (synthetic ReLU-sparse models, quantization);
-//! - [`model`]: loading `llama` / `bamboo` GGUF and PowerInfer files (tensors are views of the
+//! - [`model`]: loading `llama` / `bamboo` / `falcon` / `opt` GGUF and PowerInfer files (tensors are views of the
 //!   memory map);
-//! - [`forward`]: the CPU forward pass (dense or predictor-driven sparse FFN) on
-//!   `powerinfer-kernels-cpu`;
+//! - [`forward`]: the CPU forward pass on `powerinfer-kernels-cpu`, and [`ffn`]: each layer's
+//!   FFN (dense, predictor-driven sparse, or observed for profiling: [`ffn::FfnObserver`]);
 //! - [`kv_cache`]: an F16 KV cache for several sequences;
 //! - [`sampling`]: greedy, temperature, top-k/top-p/min-p, penalties, seeded RNG;
 //! - [`engine`]: the generation API ([`engine::Engine`], [`engine::Session`]).
@@ -20,7 +20,9 @@
 pub mod convert;
 pub mod engine;
 pub mod error;
+pub mod ffn;
 pub mod forward;
+mod fused;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;

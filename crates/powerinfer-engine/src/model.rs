@@ -2,13 +2,40 @@
 //! tensors that are views of the memory map (no tensor byte is copied except the small 1-D norm
 //! weights).
 //!
-//! Supported: `general.architecture` = `llama` and `bamboo`.
+//! Supported: `general.architecture` = `llama`, `bamboo`, `falcon` and `opt`, each as a
+//! PowerInfer file (sparse FFN with predictor) or a dense GGUF file.
 //!
-//! - PowerInfer files (`PWRI` magic, spec §1.3): per layer `ffn_gate`, `ffn_up`, `ffn_down_t`
-//!   all `[n_embd, n_ff]` and the predictor `fc1` `[n_embd, r]`, `fc2` `[r, n_ff]`. FFN =
-//!   ReLU(gate) ⊙ up (`llama`) or ReLU(gate) ⊙ ReLU(up) (`bamboo`), computed sparsely.
-//! - Dense GGUF files: `ffn_gate`, `ffn_up` `[n_embd, n_ff]`, `ffn_down` `[n_ff, n_embd]`. FFN =
-//!   SiLU(gate) ⊙ up for `llama` (as llama.cpp), ReLU(gate) ⊙ ReLU(up) for `bamboo`.
+//! - PowerInfer files (`PWRI` magic, spec §1.3): per layer `ffn_up`, `ffn_down_t` (and
+//!   `ffn_gate` for llama/bamboo) all `[n_embd, n_ff]` and the predictor `fc1` `[n_embd, r]`,
+//!   `fc2` `[r, n_ff]`. FFN = ReLU(gate) ⊙ up (`llama`), ReLU(gate) ⊙ ReLU(up) (`bamboo`) or
+//!   ReLU(up (+ bias)) (`falcon`, `opt`), computed sparsely.
+//! - Dense GGUF files: `ffn_up` (and `ffn_gate`) `[n_embd, n_ff]`, `ffn_down` `[n_ff, n_embd]`.
+//!   FFN = SiLU(gate) ⊙ up for `llama` (as llama.cpp), ReLU(gate) ⊙ ReLU(up) for `bamboo`,
+//!   ReLU(up (+ bias)) for `falcon` and `opt`.
+//!
+//! Per architecture (tensor names without `blk.N.`/`.weight`):
+//!
+//! - `llama`/`bamboo`: RMSNorm `attn_norm`, `ffn_norm`, `output_norm` (weights only),
+//!   `attn_q/k/v/output`, RoPE mode 0, optional `output` (else tied to `token_embd`). Key
+//!   `{arch}.attention.layer_norm_rms_epsilon`.
+//! - `falcon` (ReluFalcon, spec §1.3): LayerNorm with bias `attn_norm.{weight,bias}` and, 40B
+//!   style, `attn_norm_2.{weight,bias}`; fused `attn_qkv` `[n_embd, n_embd + 2·n_embd_kv]` (rows
+//!   = all Q heads, then all K heads, then all V heads: the converter's "jploski" order);
+//!   `attn_output`; no `ffn_norm`, no gate; `output_norm.{weight,bias}`, `output` (tied to
+//!   `token_embd` if absent). NeoX RoPE.
+//!   As llama.cpp's graph: the attention reads `attn_norm_2(x)` when the layer has it, else
+//!   `attn_norm(x)`; the FFN always reads `attn_norm(x)` (for Falcon-40B the converter maps
+//!   HF `ln_mlp` to `attn_norm` and `ln_attn` to `attn_norm_2`). Parallel block:
+//!   `x ← x + attn + ffn`. Key `falcon.attention.layer_norm_epsilon` (required).
+//! - `opt`: `position_embd` `[n_embd, n_pos]` (learned positions, see
+//!   [`Model::position_row`]), LayerNorm with bias `attn_norm`, `ffn_norm`, `output_norm`;
+//!   `attn_{q,k,v,output}.{weight,bias}`; `ffn_up.{weight,bias}`; `ffn_down_t.{weight,bias}`
+//!   (PowerInfer) or `ffn_down.{weight,bias}` (dense); no RoPE; lm head tied to `token_embd`
+//!   (an `output.weight`, if present, is used). Key `opt.attention.layer_norm_epsilon`
+//!   (optional, default 1e-5 as Hugging Face's OPT; PowerInfer reads none).
+//!
+//! A tensor that is missing is [`EngineError::MissingTensor`], one of another shape than the
+//! hyper-parameters imply [`EngineError::TensorShape`].
 
 use std::path::Path;
 
@@ -24,6 +51,11 @@ pub enum Arch {
     Llama,
     /// Bamboo: ReLU(gate) ⊙ ReLU(up).
     Bamboo,
+    /// Falcon (ReluFalcon): parallel attention + FFN, fused QKV, NeoX RoPE, LayerNorm,
+    /// FFN ReLU(up).
+    Falcon,
+    /// OPT: learned positions, LayerNorm, biases everywhere, FFN ReLU(up + b), tied head.
+    Opt,
 }
 
 impl Arch {
@@ -32,6 +64,8 @@ impl Arch {
         match name {
             "llama" => Ok(Arch::Llama),
             "bamboo" => Ok(Arch::Bamboo),
+            "falcon" => Ok(Arch::Falcon),
+            "opt" => Ok(Arch::Opt),
             other => Err(EngineError::UnsupportedArch(other.to_string())),
         }
     }
@@ -41,7 +75,14 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Bamboo => "bamboo",
+            Arch::Falcon => "falcon",
+            Arch::Opt => "opt",
         }
+    }
+
+    /// Whether the norms are LayerNorms with bias (`falcon`, `opt`) rather than RMSNorms.
+    pub fn layer_norm(self) -> bool {
+        matches!(self, Arch::Falcon | Arch::Opt)
     }
 }
 
@@ -54,6 +95,8 @@ pub enum FfnAct {
     Drelu,
     /// SiLU(gate) ⊙ up.
     Swiglu,
+    /// ReLU(up (+ up bias)), no gate (`falcon`, `opt`).
+    Relu,
 }
 
 /// Hyper-parameters read from the metadata.
@@ -79,9 +122,10 @@ pub struct Hparams {
     pub rope_freq_base: f32,
     /// RoPE linear scaling: positions are multiplied by this (`1 / rope.scaling.factor`).
     pub rope_freq_scale: f32,
-    /// RMSNorm epsilon.
+    /// Norm epsilon: RMSNorm's (`llama`, `bamboo`) or LayerNorm's (`falcon`, `opt`).
     pub rms_eps: f32,
-    /// Training context length.
+    /// Training context length (`opt`: the positions the `position_embd` table covers, i.e.
+    /// its rows minus the 2-row offset).
     pub n_ctx_train: usize,
     /// `powerinfer.sparse_threshold` from the file (PowerInfer files only).
     pub file_sparse_threshold: Option<f32>,
@@ -115,7 +159,7 @@ impl Hparams {
         }
         let head_dim = n_embd / n_head;
         let n_rot = opt_uint("rope.dimension_count").map_or(head_dim, |v| v as usize);
-        if n_rot < 2 || n_rot % 2 != 0 || n_rot > head_dim {
+        if arch != Arch::Opt && (n_rot < 2 || n_rot % 2 != 0 || n_rot > head_dim) {
             return Err(EngineError::Hparams(format!(
                 "rope.dimension_count {n_rot} must be even and within 2..={head_dim}"
             )));
@@ -139,7 +183,13 @@ impl Hparams {
         } else {
             1.0
         };
-        let rms_eps = md.get_f32(&format!("{a}.attention.layer_norm_rms_epsilon"))?;
+        let rms_eps = match arch {
+            Arch::Llama | Arch::Bamboo => {
+                md.get_f32(&format!("{a}.attention.layer_norm_rms_epsilon"))?
+            }
+            Arch::Falcon => md.get_f32(&format!("{a}.attention.layer_norm_epsilon"))?,
+            Arch::Opt => opt_f32("attention.layer_norm_epsilon").unwrap_or(1e-5),
+        };
         let file_sparse_threshold = match kind {
             FileKind::PowerInfer => md
                 .get("powerinfer.sparse_threshold")
@@ -178,6 +228,15 @@ pub struct TensorRef {
     info: TensorInfo,
 }
 
+/// A norm's weight and, for LayerNorm, its bias (copied out of the file, f32).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Norm {
+    /// Weight (`n_embd` values).
+    pub weight: Vec<f32>,
+    /// Bias (`n_embd` values): present for the LayerNorms of `falcon` and `opt`.
+    pub bias: Option<Vec<f32>>,
+}
+
 /// The FFN weights of a layer.
 // One per layer, built once: the size difference between the variants does not matter.
 #[allow(clippy::large_enum_variant)]
@@ -185,8 +244,8 @@ pub struct TensorRef {
 pub enum Ffn {
     /// Dense GGUF layout: `down` is `[n_ff, n_embd]` (rows = n_embd).
     Dense {
-        /// `ffn_gate` (rows = n_ff).
-        gate: TensorRef,
+        /// `ffn_gate` (rows = n_ff); `None` for the gate-less `falcon` and `opt`.
+        gate: Option<TensorRef>,
         /// `ffn_up` (rows = n_ff).
         up: TensorRef,
         /// `ffn_down` (rows = n_embd, cols = n_ff).
@@ -194,8 +253,8 @@ pub enum Ffn {
     },
     /// PowerInfer layout: all three with one row per neuron, plus the predictor.
     Sparse {
-        /// `ffn_gate` (rows = n_ff).
-        gate: TensorRef,
+        /// `ffn_gate` (rows = n_ff); `None` for the gate-less `falcon` and `opt`.
+        gate: Option<TensorRef>,
         /// `ffn_up` (rows = n_ff).
         up: TensorRef,
         /// `ffn_down_t` (rows = n_ff, cols = n_embd).
@@ -207,23 +266,68 @@ pub enum Ffn {
     },
 }
 
+impl Ffn {
+    /// `ffn_gate`, if the FFN has one.
+    pub fn gate(&self) -> Option<&TensorRef> {
+        match self {
+            Ffn::Dense { gate, .. } | Ffn::Sparse { gate, .. } => gate.as_ref(),
+        }
+    }
+
+    /// `ffn_up`.
+    pub fn up(&self) -> &TensorRef {
+        match self {
+            Ffn::Dense { up, .. } | Ffn::Sparse { up, .. } => up,
+        }
+    }
+}
+
+/// The Q/K/V projections of a layer.
+// One per layer, built once: the size difference between the variants does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug)]
+pub enum Qkv {
+    /// Separate `attn_q` (rows = n_embd), `attn_k`, `attn_v` (rows = n_embd_kv), with
+    /// optional biases (`opt`).
+    Separate {
+        /// `attn_q`.
+        wq: TensorRef,
+        /// `attn_k`.
+        wk: TensorRef,
+        /// `attn_v`.
+        wv: TensorRef,
+        /// `attn_q.bias`.
+        bq: Option<Vec<f32>>,
+        /// `attn_k.bias`.
+        bk: Option<Vec<f32>>,
+        /// `attn_v.bias`.
+        bv: Option<Vec<f32>>,
+    },
+    /// Fused `attn_qkv` (`falcon`): rows `n_embd + 2·n_embd_kv` = Q, then K, then V.
+    Fused(TensorRef),
+}
+
 /// The weights of one transformer layer.
 #[derive(Clone, Debug)]
 pub struct Layer {
-    /// `attn_norm` weight.
-    pub attn_norm: Vec<f32>,
-    /// `attn_q` (rows = n_embd).
-    pub wq: TensorRef,
-    /// `attn_k` (rows = n_embd_kv).
-    pub wk: TensorRef,
-    /// `attn_v` (rows = n_embd_kv).
-    pub wv: TensorRef,
+    /// `attn_norm` (the FFN's input norm too for `falcon`).
+    pub attn_norm: Norm,
+    /// `attn_norm_2` (`falcon` 40B style: the attention's input norm).
+    pub attn_norm_2: Option<Norm>,
+    /// Q/K/V projections.
+    pub qkv: Qkv,
     /// `attn_output` (rows = n_embd).
     pub wo: TensorRef,
-    /// `ffn_norm` weight.
-    pub ffn_norm: Vec<f32>,
+    /// `attn_output.bias` (`opt`).
+    pub bo: Option<Vec<f32>>,
+    /// `ffn_norm` (`None` for `falcon`, whose FFN reads `attn_norm`).
+    pub ffn_norm: Option<Norm>,
     /// FFN weights.
     pub ffn: Ffn,
+    /// `ffn_up.bias` (`opt`, `n_ff` values).
+    pub up_b: Option<Vec<f32>>,
+    /// `ffn_down_t.bias` / `ffn_down.bias` (`opt`, `n_embd` values).
+    pub down_b: Option<Vec<f32>>,
 }
 
 /// A loaded model: the open file, its hyper-parameters and the tensor bindings.
@@ -233,8 +337,10 @@ pub struct Model {
     pub hparams: Hparams,
     /// `token_embd` (rows = n_vocab).
     pub tok_embd: TensorRef,
-    /// `output_norm` weight.
-    pub output_norm: Vec<f32>,
+    /// `position_embd` (`opt`; rows = `n_ctx_train + 2`).
+    pub pos_embd: Option<TensorRef>,
+    /// `output_norm`.
+    pub output_norm: Norm,
     /// `output` (rows = n_vocab); `token_embd` when the file has no `output` (tied head).
     pub output: TensorRef,
     /// Layers.
@@ -252,6 +358,9 @@ impl std::fmt::Debug for Model {
     }
 }
 
+/// Rows of OPT's `position_embd` before the one of position 0 (see [`Model::position_row`]).
+pub const OPT_POSITION_OFFSET: usize = 2;
+
 impl Model {
     /// Maps `path` and binds every tensor (see the [module docs](self)).
     pub fn load(path: impl AsRef<Path>) -> Result<Model> {
@@ -263,59 +372,151 @@ impl Model {
     pub fn from_file(file: GgufFile) -> Result<Model> {
         let kind = file.kind();
         let mut hp = Hparams::from_metadata(file.metadata(), kind)?;
+        let arch = hp.arch;
+        let ln = arch.layer_norm();
         let n_embd = hp.n_embd;
         let n_ff = hp.n_ff;
         let n_kv = hp.n_embd_kv();
         let bind = |name: &str, cols: usize, rows: usize| tensor(&file, name, cols, rows);
+        let vec = |name: &str, n: usize| vector(&file, name, n);
+        let norm_of = |base: &str| -> Result<Norm> {
+            Ok(Norm {
+                weight: vec(&format!("{base}.weight"), n_embd)?,
+                bias: if ln {
+                    Some(vec(&format!("{base}.bias"), n_embd)?)
+                } else {
+                    None
+                },
+            })
+        };
         let tok_embd = bind("token_embd.weight", n_embd, 0)?;
         hp.n_vocab = tok_embd.rows;
         let n_vocab = hp.n_vocab;
+        let pos_embd = if arch == Arch::Opt {
+            let t = bind("position_embd.weight", n_embd, 0)?;
+            if t.rows <= OPT_POSITION_OFFSET {
+                return Err(EngineError::TensorShape {
+                    name: t.name,
+                    expected: vec![n_embd as u64, (OPT_POSITION_OFFSET + 1) as u64],
+                    got: vec![n_embd as u64, t.rows as u64],
+                });
+            }
+            hp.n_ctx_train = t.rows - OPT_POSITION_OFFSET;
+            Some(t)
+        } else {
+            None
+        };
+        // Optional for every architecture (PowerInfer requires it for falcon and never reads it
+        // for opt; upstream llama.cpp later made falcon's optional too): else the tied head.
         let output = if file.tensor_info("output.weight").is_some() {
             bind("output.weight", n_embd, n_vocab)?
         } else {
             tok_embd.clone()
         };
-        let output_norm = norm(&file, "output_norm.weight", n_embd)?;
+        let output_norm = norm_of("output_norm")?;
         let sparse = kind == FileKind::PowerInfer;
+        let gated = !ln;
         let mut layers = Vec::with_capacity(hp.n_layer);
         for l in 0..hp.n_layer {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
-            let ffn = if sparse {
+            let b = |t: &str| format!("blk.{l}.{t}.bias");
+            let gate = if gated {
+                Some(bind(&n("ffn_gate"), n_embd, n_ff)?)
+            } else {
+                None
+            };
+            let (ffn, down_b) = if sparse {
                 let fc1 = bind(&n("fc1"), n_embd, 0)?;
                 let fc2 = bind(&n("fc2"), fc1.rows, n_ff)?;
-                Ffn::Sparse {
-                    gate: bind(&n("ffn_gate"), n_embd, n_ff)?,
+                let ffn = Ffn::Sparse {
+                    gate,
                     up: bind(&n("ffn_up"), n_embd, n_ff)?,
                     down_t: bind(&n("ffn_down_t"), n_embd, n_ff)?,
                     fc1,
                     fc2,
-                }
+                };
+                let down_b = (arch == Arch::Opt)
+                    .then(|| vec(&b("ffn_down_t"), n_embd))
+                    .transpose()?;
+                (ffn, down_b)
             } else {
-                Ffn::Dense {
-                    gate: bind(&n("ffn_gate"), n_embd, n_ff)?,
+                let ffn = Ffn::Dense {
+                    gate,
                     up: bind(&n("ffn_up"), n_embd, n_ff)?,
                     down: bind(&n("ffn_down"), n_ff, n_embd)?,
-                }
+                };
+                let down_b = (arch == Arch::Opt)
+                    .then(|| vec(&b("ffn_down"), n_embd))
+                    .transpose()?;
+                (ffn, down_b)
             };
-            layers.push(Layer {
-                attn_norm: norm(&file, &n("attn_norm"), n_embd)?,
-                wq: bind(&n("attn_q"), n_embd, n_embd)?,
-                wk: bind(&n("attn_k"), n_embd, n_kv)?,
-                wv: bind(&n("attn_v"), n_embd, n_kv)?,
-                wo: bind(&n("attn_output"), n_embd, n_embd)?,
-                ffn_norm: norm(&file, &n("ffn_norm"), n_embd)?,
-                ffn,
-            });
+            let base = |t: &str| format!("blk.{l}.{t}");
+            let layer = match arch {
+                Arch::Llama | Arch::Bamboo => Layer {
+                    attn_norm: norm_of(&base("attn_norm"))?,
+                    attn_norm_2: None,
+                    qkv: Qkv::Separate {
+                        wq: bind(&n("attn_q"), n_embd, n_embd)?,
+                        wk: bind(&n("attn_k"), n_embd, n_kv)?,
+                        wv: bind(&n("attn_v"), n_embd, n_kv)?,
+                        bq: None,
+                        bk: None,
+                        bv: None,
+                    },
+                    wo: bind(&n("attn_output"), n_embd, n_embd)?,
+                    bo: None,
+                    ffn_norm: Some(norm_of(&base("ffn_norm"))?),
+                    ffn,
+                    up_b: None,
+                    down_b: None,
+                },
+                Arch::Falcon => Layer {
+                    attn_norm: norm_of(&base("attn_norm"))?,
+                    attn_norm_2: if file.tensor_info(&n("attn_norm_2")).is_some() {
+                        Some(norm_of(&base("attn_norm_2"))?)
+                    } else {
+                        None
+                    },
+                    qkv: Qkv::Fused(bind(&n("attn_qkv"), n_embd, n_embd + 2 * n_kv)?),
+                    wo: bind(&n("attn_output"), n_embd, n_embd)?,
+                    bo: None,
+                    ffn_norm: None,
+                    ffn,
+                    up_b: None,
+                    down_b: None,
+                },
+                Arch::Opt => Layer {
+                    attn_norm: norm_of(&base("attn_norm"))?,
+                    attn_norm_2: None,
+                    qkv: Qkv::Separate {
+                        wq: bind(&n("attn_q"), n_embd, n_embd)?,
+                        wk: bind(&n("attn_k"), n_embd, n_kv)?,
+                        wv: bind(&n("attn_v"), n_embd, n_kv)?,
+                        bq: Some(vec(&b("attn_q"), n_embd)?),
+                        bk: Some(vec(&b("attn_k"), n_kv)?),
+                        bv: Some(vec(&b("attn_v"), n_kv)?),
+                    },
+                    wo: bind(&n("attn_output"), n_embd, n_embd)?,
+                    bo: Some(vec(&b("attn_output"), n_embd)?),
+                    ffn_norm: Some(norm_of(&base("ffn_norm"))?),
+                    ffn,
+                    up_b: Some(vec(&b("ffn_up"), n_ff)?),
+                    down_b,
+                },
+            };
+            layers.push(layer);
         }
-        let ffn_act = match (hp.arch, sparse) {
+        let ffn_act = match (arch, sparse) {
             (Arch::Bamboo, _) => FfnAct::Drelu,
             (Arch::Llama, true) => FfnAct::Reglu,
             (Arch::Llama, false) => FfnAct::Swiglu,
+            (Arch::Falcon | Arch::Opt, _) => FfnAct::Relu,
         };
         let model = Model {
             file,
             hparams: hp,
             tok_embd,
+            pos_embd,
             output_norm,
             output,
             layers,
@@ -324,23 +525,34 @@ impl Model {
         // Check every matrix once against the kernels' type and size rules.
         model.weights(&model.output)?;
         for layer in &model.layers {
-            for t in [&layer.wq, &layer.wk, &layer.wv, &layer.wo] {
-                model.weights(t)?;
+            match &layer.qkv {
+                Qkv::Separate { wq, wk, wv, .. } => {
+                    for t in [wq, wk, wv] {
+                        model.weights(t)?;
+                    }
+                }
+                Qkv::Fused(t) => {
+                    model.weights(t)?;
+                }
+            }
+            model.weights(&layer.wo)?;
+            if let Some(g) = layer.ffn.gate() {
+                model.weights(g)?;
             }
             match &layer.ffn {
-                Ffn::Dense { gate, up, down } => {
-                    for t in [gate, up, down] {
+                Ffn::Dense { up, down, .. } => {
+                    for t in [up, down] {
                         model.weights(t)?;
                     }
                 }
                 Ffn::Sparse {
-                    gate,
                     up,
                     down_t,
                     fc1,
                     fc2,
+                    ..
                 } => {
-                    for t in [gate, up, down_t, fc1, fc2] {
+                    for t in [up, down_t, fc1, fc2] {
                         model.weights(t)?;
                     }
                 }
@@ -384,6 +596,40 @@ impl Model {
         powerinfer_gguf::quants::dequantize(t.ty, &data[start..start + row_bytes], out)?;
         Ok(())
     }
+
+    /// The row of OPT's `position_embd` used at (0-based) position `pos`: `pos + 2`.
+    ///
+    /// Hugging Face's `OPTLearnedPositionalEmbedding` has `max_position_embeddings + 2` rows
+    /// and looks up `pos + 2` (its `offset = 2`; rows 0 and 1 are never used without padding).
+    /// The converter stores that table unchanged (2050 rows for OPT's 2048 positions) and
+    /// PowerInfer's llama.cpp adds 2 to every position before `ggml_get_rows`; so do we.
+    /// Positions therefore go up to `rows - 3` (`n_ctx_train = rows - 2`).
+    pub fn position_row(pos: usize) -> usize {
+        pos + OPT_POSITION_OFFSET
+    }
+
+    /// Adds the learned position embedding of position `pos` (`opt`) to `out`; a no-op for the
+    /// other architectures. `scratch` holds `n_embd` values.
+    pub fn add_position(&self, pos: usize, out: &mut [f32], scratch: &mut [f32]) -> Result<()> {
+        let Some(t) = &self.pos_embd else {
+            return Ok(());
+        };
+        let row = Model::position_row(pos);
+        if row >= t.rows {
+            return Err(EngineError::ContextFull {
+                needed: pos + 1,
+                ctx_len: t.rows - OPT_POSITION_OFFSET,
+            });
+        }
+        let data = self.file.data_of(&t.info);
+        let row_bytes = data.len() / t.rows;
+        let start = row * row_bytes;
+        powerinfer_gguf::quants::dequantize(t.ty, &data[start..start + row_bytes], scratch)?;
+        out.iter_mut()
+            .zip(scratch.iter())
+            .for_each(|(o, p)| *o += p);
+        Ok(())
+    }
 }
 
 /// Binds a 2-D tensor of ggml shape `[cols, rows]` (`rows == 0`: any).
@@ -412,8 +658,8 @@ fn tensor(file: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<Tenso
     })
 }
 
-/// Reads a 1-D norm weight of `n` values (any float type) into a vector.
-fn norm(file: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
+/// Reads a 1-D tensor of `n` values (a norm weight or a bias, any float type) into a vector.
+fn vector(file: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     let info = file
         .tensor_info(name)
         .ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;

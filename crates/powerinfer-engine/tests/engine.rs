@@ -348,11 +348,11 @@ fn bad_files_give_typed_errors() {
         Err(EngineError::MissingTensor(name)) => assert_eq!(name, "blk.1.fc2.weight"),
         other => panic!("expected MissingTensor, got {other:?}"),
     }
-    let falcon = dir.path().join("falcon.gguf");
-    write("", "falcon", &falcon);
+    let gptneox = dir.path().join("gptneox.gguf");
+    write("", "gptneox", &gptneox);
     assert!(matches!(
-        Engine::load(&falcon, opts(false)),
-        Err(EngineError::UnsupportedArch(a)) if a == "falcon"
+        Engine::load(&gptneox, opts(false)),
+        Err(EngineError::UnsupportedArch(a)) if a == "gptneox"
     ));
 }
 

@@ -14,11 +14,12 @@ use powerinfer_engine::engine::{Engine, EngineOptions, Stats};
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
 use powerinfer_gguf::GgmlType;
+use powerinfer_placement::{plan_model, IndexSource, PlanOptions};
 
 /// Arguments of `powerinfer run`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file (PowerInfer `PWRI` or dense GGUF, `llama` or `bamboo`). Without it: the demo.
+    /// Model file (PowerInfer `PWRI` or dense GGUF, `llama`, `bamboo`, `falcon` or `opt`). Without it: the demo.
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
     /// Prompt.
@@ -60,13 +61,14 @@ pub struct Args {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
-    /// VRAM budget in GiB (takes effect once the GPU backend lands).
+    /// VRAM budget in GiB: plan the GPU split and write or reuse `<model>.generated.gpuidx`
+    /// (reported; this build computes every neuron on the CPU).
     #[arg(long = "vram-budget")]
     pub vram_budget: Option<f64>,
-    /// Recompute the GPU index (takes effect once the GPU backend lands).
+    /// Rebuild the GPU index even if a cached one is valid.
     #[arg(long = "reset-gpu-index")]
     pub reset_gpu_index: bool,
-    /// Do not use a GPU index (takes effect once the GPU backend lands).
+    /// Do not read or write a GPU index (all FFN neurons on the CPU).
     #[arg(long = "disable-gpu-index")]
     pub disable_gpu_index: bool,
 }
@@ -175,18 +177,75 @@ fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
     v.to_string()
 }
 
+/// PowerInfer's GPU-index lifecycle for `--vram-budget` / `--reset-gpu-index` /
+/// `--disable-gpu-index`: the split is planned (the cached `<model>.generated.gpuidx` reused,
+/// or rebuilt from `activation/` and written) and reported. This build has no GPU backend, so
+/// every neuron is still computed on the CPU; the flags never change the generated text.
+fn gpu_index(model: &std::path::Path, args: &Args, n_ctx: usize) -> Result<(), String> {
+    if args.disable_gpu_index {
+        eprintln!("GPU index: disabled; all FFN neurons on the CPU");
+        return Ok(());
+    }
+    let Some(gib) = args.vram_budget else {
+        if args.reset_gpu_index {
+            eprintln!("note: --reset-gpu-index needs --vram-budget here (no GPU to size it from)");
+        }
+        return Ok(());
+    };
+    let budget = gib * (1u64 << 30) as f64;
+    if !(budget.is_finite() && budget >= 0.0) {
+        return Err(format!("--vram-budget {gib} is not a usable size"));
+    }
+    let opts = PlanOptions {
+        budget_bytes: budget as u64,
+        n_ctx: n_ctx as u64,
+        scratch_bytes: 0,
+        group: 256,
+        balanced: None,
+        min_neurons: 0,
+        cap_neurons: None,
+        activation: None,
+        reset: args.reset_gpu_index,
+        disable: false,
+    };
+    let plan = plan_model(model, &opts).map_err(|e| format!("{}: {e}", model.display()))?;
+    let gpu: usize = plan.split.layers.iter().map(|l| l.bucket.len()).sum();
+    let mass: f64 = plan.split.layers.iter().map(|l| l.gpu_mass).sum();
+    let total_mass: f64 = plan.split.layers.iter().map(|l| l.total_mass).sum();
+    let total: usize = plan.split.layers.iter().map(|l| l.n_ff).sum();
+    let how = match &plan.source {
+        IndexSource::Reused => "reused".to_string(),
+        IndexSource::Built { reason, .. } => format!("built ({reason})"),
+        IndexSource::Disabled => "disabled".to_string(),
+        IndexSource::NoStatistics { looked_in } => format!(
+            "no activation statistics in {}: all FFN neurons on the CPU",
+            looked_in.display()
+        ),
+    };
+    eprintln!(
+        "GPU index: {how}{}; {gpu} of {total} FFN neurons placed on the GPU ({:.1}% of the activation mass)",
+        plan.gpuidx
+            .as_ref()
+            .map_or(String::new(), |p| format!(", {}", p.display())),
+        100.0 * mass / total_mass.max(f64::MIN_POSITIVE)
+    );
+    eprintln!("note: this build has no GPU backend: every neuron is computed on the CPU");
+    Ok(())
+}
+
 /// Runs `powerinfer run`.
 pub fn run(args: Args) -> Result<(), String> {
-    if args.vram_budget.is_some() || args.reset_gpu_index || args.disable_gpu_index {
-        eprintln!(
-            "note: --vram-budget, --reset-gpu-index and --disable-gpu-index take effect once the GPU backend lands; running on the CPU"
-        );
-    }
     let Some(model) = &args.model else {
+        if args.vram_budget.is_some() || args.reset_gpu_index || args.disable_gpu_index {
+            eprintln!("note: the GPU-index flags apply to a model given with -m; ignored");
+        }
         return demo(&args);
     };
     let engine = Engine::load(model, args.options(args.dense))
         .map_err(|e| format!("{}: {e}", model.display()))?;
+    if engine.is_sparse() {
+        gpu_index(model, &args, engine.ctx_len())?;
+    }
     let run = generate(&engine, &args, !args.json)?;
     if args.json {
         println!("{}", json(&run, &[]));
@@ -218,7 +277,9 @@ fn cache_dir() -> PathBuf {
     base.join("powerinfer-rs").join("demo")
 }
 
-fn demo(args: &Args) -> Result<(), String> {
+/// The demo model and its dense twin in the cache directory, written on first use:
+/// `(PowerInfer file, dense GGUF twin)`.
+pub fn demo_files() -> Result<(PathBuf, PathBuf), String> {
     let dir = cache_dir();
     let path = dir.join("demo-v2-l12-e1024-f4096-q4_0.powerinfer.gguf");
     let twin = dir.join("demo-v2-l12-e1024-f4096-q4_0.dense.gguf");
@@ -241,6 +302,11 @@ fn demo(args: &Args) -> Result<(), String> {
         synth::synthesize(&cfg, &out, &mut |_, _| {}).map_err(|e| e.to_string())?;
         eprintln!("done in {:.1} s", t.elapsed().as_secs_f64());
     }
+    Ok((path, twin))
+}
+
+fn demo(args: &Args) -> Result<(), String> {
+    let (path, twin) = demo_files()?;
     eprintln!("================================================================");
     eprintln!(" powerinfer-rs demo: a SYNTHETIC ReLU-sparse model (random weights,");
     eprintln!(" ~10% of FFN neurons fire per token). Its text is meaningless; the");

@@ -8,7 +8,8 @@
 use std::path::PathBuf;
 
 use powerinfer_engine::synth::{
-    synthesize, Arch, PredictorRule, Shape, SynthConfig, SynthOutputs, VocabSource, PRESETS,
+    synthesize, Family, PredictorRule, Shape, SynthConfig, SynthOutputs, VocabSource, ARCHS,
+    PRESETS,
 };
 use powerinfer_gguf::GgmlType;
 
@@ -42,9 +43,14 @@ pub struct Args {
     /// Training context length written to the file.
     #[arg(long)]
     pub ctx: Option<usize>,
-    /// FFN variant: `llama` (ReLU(gate)·up) or `bamboo` (ReLU(gate)·ReLU(up)).
+    /// Architecture: `llama` (ReLU(gate)·up), `bamboo` (ReLU(gate)·ReLU(up)), `falcon`
+    /// (parallel block, fused QKV, LayerNorm, ReLU(up)) or `opt` (learned positions, biases,
+    /// LayerNorm, ReLU(up + b)).
     #[arg(long, default_value = "llama")]
     pub arch: String,
+    /// Falcon-40B style: a separate `attn_norm_2` per layer (falcon only).
+    #[arg(long)]
+    pub attn_norm_2: bool,
     /// Type of the 2-D weights: f32, f16, q8_0, q4_0 (also q4_1, q5_0, q5_1).
     #[arg(long = "type", default_value = "f16")]
     pub ty: String,
@@ -157,11 +163,14 @@ fn shape(args: &Args) -> Result<Shape, String> {
 /// Runs `powerinfer synth`.
 pub fn run(args: Args) -> Result<(), String> {
     let mut cfg = SynthConfig::new(shape(&args)?);
-    cfg.arch = match args.arch.as_str() {
-        "llama" => Arch::Llama,
-        "bamboo" => Arch::Bamboo,
-        other => return Err(format!("--arch {other:?}: use llama or bamboo")),
-    };
+    cfg.set_family(
+        Family::from_name(&args.arch)
+            .ok_or_else(|| format!("--arch {:?}: use one of {}", args.arch, ARCHS.join(", ")))?,
+    );
+    cfg.attn_norm_2 = args.attn_norm_2;
+    if args.attn_norm_2 && cfg.family() != Family::Falcon {
+        return Err("--attn-norm-2 applies to --arch falcon only".into());
+    }
     cfg.ty =
         GgmlType::from_name(&args.ty).ok_or_else(|| format!("--type {:?}: unknown", args.ty))?;
     cfg.seed = args.seed;
@@ -198,7 +207,7 @@ pub fn run(args: Args) -> Result<(), String> {
     println!(
         "wrote {} ({} {} layers, n_embd {}, n_ff {}, vocab {}, {}, predictor rank {} as {}, {:.1} MiB)",
         args.out.display(),
-        cfg.arch.name(),
+        cfg.family().name(),
         s.n_layer,
         s.n_embd,
         s.n_ff,

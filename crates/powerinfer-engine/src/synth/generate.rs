@@ -16,8 +16,9 @@ use super::math::{
     uniform, unit, P_MAX, P_MIN,
 };
 use super::{
-    predictor_type, vocab, Arch, SynthConfig, SynthError, SynthOutputs, VocabSource, ATTN_STEP,
-    ATTN_VARIANCE_SHARE, BAMBOO_UP_BIAS, BIAS_CHANNEL, BIAS_VALUE, EMBD_STD, FFN_STEP, RMS_EPS,
+    predictor_type, vocab, Family, SynthConfig, SynthError, SynthOutputs, VocabSource, ATTN_STEP,
+    ATTN_VARIANCE_SHARE, BAMBOO_UP_BIAS, BIAS_CHANNEL, BIAS_CHANNEL_NEG, BIAS_VALUE, EMBD_STD,
+    FFN_STEP, LN_EPS, OPT_UP_BIAS_MAX, POS_EMBD_STD, RMS_EPS,
 };
 
 /// A folder whose files are written under a temporary sibling folder and moved into place by
@@ -170,6 +171,9 @@ fn validate(cfg: &SynthConfig) -> Result<(), SynthError> {
             s.n_embd
         ));
     }
+    if cfg.attn_norm_2 && cfg.family() != Family::Falcon {
+        return bad("attn_norm_2 is a falcon option".into());
+    }
     if let Some(t) = cfg.sparse_threshold {
         if !t.is_finite() {
             return bad("the sparse threshold must be finite".into());
@@ -178,11 +182,43 @@ fn validate(cfg: &SynthConfig) -> Result<(), SynthError> {
     Ok(())
 }
 
-/// Expected residual standard deviation at the FFN input of layer `l`.
-fn residual_std(l: usize) -> f64 {
+/// Expected residual standard deviation at the FFN input of layer `l` (for `falcon`, the
+/// layer input, which the parallel FFN's norm and the predictor read).
+fn residual_std(arch: Family, l: usize) -> f64 {
     let attn = ATTN_STEP * ATTN_STEP * ATTN_VARIANCE_SHARE;
     let ffn = FFN_STEP * FFN_STEP;
-    (EMBD_STD * EMBD_STD + l as f64 * (attn + ffn) + attn).sqrt()
+    match arch {
+        Family::Llama | Family::Bamboo => {
+            (EMBD_STD * EMBD_STD + l as f64 * (attn + ffn) + attn).sqrt()
+        }
+        Family::Falcon => (EMBD_STD * EMBD_STD + l as f64 * (attn + ffn)).sqrt(),
+        Family::Opt => {
+            (EMBD_STD * EMBD_STD + POS_EMBD_STD * POS_EMBD_STD + l as f64 * (attn + ffn) + attn)
+                .sqrt()
+        }
+    }
+}
+
+/// Bias channels: 1 (`llama`, `bamboo`) or 2 (the LayerNorm architectures).
+fn n_bias_channels(arch: Family) -> usize {
+    if arch.layer_norm() {
+        2
+    } else {
+        1
+    }
+}
+
+/// Name of the norm whose output the FFN of layer `l` reads.
+fn ffn_norm_name(arch: Family, l: usize) -> String {
+    match arch {
+        Family::Falcon => format!("blk.{l}.attn_norm.weight"),
+        _ => format!("blk.{l}.ffn_norm.weight"),
+    }
+}
+
+/// Scale γ of the FFN-input LayerNorm's bias `γ · w ⊙ v` (`v` unit): entries of about 0.1.
+fn ln_bias_scale(n: usize) -> f32 {
+    0.1 * ((n - 2) as f32).sqrt()
 }
 
 fn plan_layers(cfg: &SynthConfig) -> Result<Vec<LayerPlan>, SynthError> {
@@ -209,7 +245,7 @@ fn plan_layers(cfg: &SynthConfig) -> Result<Vec<LayerPlan>, SynthError> {
             }
             LayerPlan {
                 probabilities,
-                residual_std: residual_std(l),
+                residual_std: residual_std(cfg.family(), l),
             }
         })
         .collect())
@@ -234,10 +270,15 @@ struct LayerState {
     down_std: f32,
     /// Standard deviation of a noise element relative to a unit-norm signal row.
     noise_std: f32,
+    /// LayerNorm architectures: the unit direction `v` (zero on the bias channels, orthogonal
+    /// to the ones) the FFN-input norm's bias follows and no `up` row sees; empty otherwise.
+    v: Vec<f32>,
 }
 
 struct Gen<'a> {
     cfg: &'a SynthConfig,
+    /// Bias channels (see [`n_bias_channels`]).
+    nbc: usize,
     n: usize,
     n_ff: usize,
     rank: usize,
@@ -256,23 +297,46 @@ impl Gen<'_> {
     fn layer_state(&self, l: usize) -> LayerState {
         let n = self.n;
         let rs = self.rank - 1;
-        let ffn_norm = format!("blk.{l}.ffn_norm.weight");
+        let nbc = self.nbc;
+        let ln = self.cfg.family().layer_norm();
+        let ffn_norm = ffn_norm_name(self.cfg.family(), l);
         let w: Vec<f32> = (0..n)
             .map(|j| {
-                if j == BIAS_CHANNEL {
+                if j < nbc {
                     1.0
                 } else {
                     self.norm_weight(&ffn_norm, 0.8, 1.2, j)
                 }
             })
             .collect();
-        // M: Gram-Schmidt (modified, f64) of random rows, zero at the bias channel.
+        // LayerNorm: the unit vectors every signal row is orthogonal to (the ones, and `v`).
+        let mut constraints: Vec<Vec<f64>> = Vec::new();
+        if ln {
+            let ones: Vec<f64> = (0..n).map(|j| if j < nbc { 0.0 } else { 1.0 }).collect();
+            let vkey = self.key(&format!("blk.{l}.ln.v"));
+            let mut v: Vec<f64> = (0..n)
+                .map(|j| {
+                    if j < nbc {
+                        0.0
+                    } else {
+                        f64::from(unit(vkey, j as u64))
+                    }
+                })
+                .collect();
+            let mean = v.iter().sum::<f64>() / (n - nbc) as f64;
+            v.iter_mut().skip(nbc).for_each(|x| *x -= mean);
+            for c in [ones, v] {
+                let norm = c.iter().map(|x| x * x).sum::<f64>().sqrt();
+                constraints.push(c.iter().map(|x| x / norm).collect());
+            }
+        }
+        // M: Gram-Schmidt (modified, f64) of random rows, zero at the bias channel(s).
         let mkey = self.key(&format!("blk.{l}.pred.m"));
         let mut m64: Vec<f64> = Vec::with_capacity(rs * n);
         for k in 0..rs {
             let mut row: Vec<f64> = (0..n)
                 .map(|j| {
-                    if j == BIAS_CHANNEL {
+                    if j < nbc {
                         0.0
                     } else {
                         f64::from(unit(mkey, (k * n + j) as u64))
@@ -280,7 +344,11 @@ impl Gen<'_> {
                 })
                 .collect();
             for _pass in 0..2 {
-                for prev in m64.chunks_exact(n) {
+                for prev in constraints
+                    .iter()
+                    .map(Vec::as_slice)
+                    .chain(m64.chunks_exact(n))
+                {
                     let d: f64 = prev.iter().zip(&row).map(|(a, b)| a * b).sum();
                     row.iter_mut().zip(prev).for_each(|(r, p)| *r -= d * p);
                 }
@@ -301,12 +369,17 @@ impl Gen<'_> {
             .iter()
             .map(|&p| (s * normal_ppf(f64::from(p))) as f32)
             .collect();
-        // Down scale: each FFN adds variance FFN_STEP^2 to a residual channel.
-        let rms = ((f64::from(BIAS_VALUE).powi(2) + (n - 1) as f64 * s * s) / n as f64).sqrt();
+        // Down scale: each FFN adds variance FFN_STEP^2 to a residual channel. (For LayerNorm
+        // `rms` is the spread σ: the bias channels ±BIAS_VALUE add nothing to the mean.)
+        let rms = ((nbc as f64 * f64::from(BIAS_VALUE).powi(2) + (n - nbc) as f64 * s * s)
+            / n as f64)
+            .sqrt();
         let t2 = (s / rms).powi(2);
-        let up_moment = match self.cfg.arch {
-            Arch::Llama => t2,
-            Arch::Bamboo => t2 * relu_second_moment(BAMBOO_UP_BIAS),
+        let up_moment = match self.cfg.family() {
+            Family::Llama => t2,
+            Family::Bamboo => t2 * relu_second_moment(BAMBOO_UP_BIAS),
+            // No gate: the activation is ReLU(up) itself.
+            Family::Falcon | Family::Opt => 1.0,
         };
         let sum_a2: f64 = plan
             .probabilities
@@ -315,7 +388,7 @@ impl Gen<'_> {
             .sum();
         let down_std = (FFN_STEP / sum_a2.max(1e-30).sqrt()) as f32;
         let rho = self.cfg.predictor_noise;
-        let noise_std = ((rho / (1.0 - rho)) / (n - 1) as f64).sqrt() as f32;
+        let noise_std = ((rho / (1.0 - rho)) / (n - nbc) as f64).sqrt() as f32;
         LayerState {
             layer: l,
             w,
@@ -326,7 +399,59 @@ impl Gen<'_> {
             s,
             down_std,
             noise_std,
+            v: constraints
+                .get(1)
+                .map(|v| v.iter().map(|&x| x as f32).collect())
+                .unwrap_or_default(),
         }
+    }
+
+    /// `falcon`/`opt`: `ffn_up` row `i` in the gate's role (see the module docs): the signal
+    /// `α_i (u_i M + e_i)` (noise orthogonal to the ones and to `v`) divided by the norm
+    /// weight, and `±b_i / (2·BIAS_VALUE)` on the two bias channels.
+    fn relu_up_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
+        let n = self.n;
+        let nbc = self.nbc;
+        let rs = self.rank - 1;
+        out.fill(0.0);
+        let ui = &st.u[i * rs..(i + 1) * rs];
+        for (k, &c) in ui.iter().enumerate() {
+            let mk = &st.m[k * n..(k + 1) * n];
+            out.iter_mut().zip(mk).for_each(|(o, &x)| *o += c * x);
+        }
+        if st.noise_std > 0.0 {
+            let ekey = self.key(&format!("blk.{}.up.noise", st.layer));
+            let mut e: Vec<f64> = (0..n)
+                .map(|j| {
+                    if j < nbc {
+                        0.0
+                    } else {
+                        f64::from(st.noise_std * unit(ekey, (i * n + j) as u64))
+                    }
+                })
+                .collect();
+            let mean = e.iter().sum::<f64>() / (n - nbc) as f64;
+            e.iter_mut().skip(nbc).for_each(|x| *x -= mean);
+            let d: f64 = e.iter().zip(&st.v).map(|(a, &b)| a * f64::from(b)).sum();
+            e.iter_mut()
+                .zip(&st.v)
+                .for_each(|(x, &b)| *x -= d * f64::from(b));
+            out.iter_mut().zip(&e).for_each(|(o, &x)| *o += x as f32);
+        }
+        out[..nbc].fill(0.0);
+        let norm = out
+            .iter()
+            .map(|&x| f64::from(x).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let alpha = (1.0 / norm.max(1e-30)) as f32;
+        st.alpha[i].store(alpha.to_bits(), Ordering::Relaxed);
+        for (o, &w) in out.iter_mut().zip(&st.w) {
+            *o = *o * alpha / w;
+        }
+        let c = st.bias[i] / (2.0 * BIAS_VALUE);
+        out[BIAS_CHANNEL] = c / st.w[BIAS_CHANNEL];
+        out[BIAS_CHANNEL_NEG] = -c / st.w[BIAS_CHANNEL_NEG];
     }
 
     fn gate_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
@@ -379,14 +504,14 @@ impl Gen<'_> {
         for (o, &w) in out.iter_mut().zip(&st.w) {
             *o = *o * scale / w;
         }
-        out[BIAS_CHANNEL] = match self.cfg.arch {
-            Arch::Llama => 0.0,
-            Arch::Bamboo => (st.s * BAMBOO_UP_BIAS) as f32 / (st.w[BIAS_CHANNEL] * BIAS_VALUE),
+        out[BIAS_CHANNEL] = match self.cfg.family() {
+            Family::Llama | Family::Falcon | Family::Opt => 0.0,
+            Family::Bamboo => (st.s * BAMBOO_UP_BIAS) as f32 / (st.w[BIAS_CHANNEL] * BIAS_VALUE),
         };
     }
 
     fn down_value(&self, st: &LayerState, key: u64, neuron: usize, j: usize) -> f32 {
-        if j == BIAS_CHANNEL {
+        if j < self.nbc {
             0.0
         } else {
             st.down_std * unit(key, (neuron * self.n + j) as u64)
@@ -464,22 +589,46 @@ struct Spec {
 
 #[derive(Clone, Copy)]
 enum Rows {
-    Norm { lo: f32, hi: f32, bias_one: bool },
+    Norm {
+        lo: f32,
+        hi: f32,
+        bias_one: bool,
+    },
     Embd,
     Output,
-    Attn { scale: f32, zero_bias_row: bool },
+    Attn {
+        scale: f32,
+        zero_bias_row: bool,
+    },
     Gate(usize),
     Up(usize),
     DownT(usize),
     Down(usize),
     Fc1(usize),
     Fc2(usize),
+    /// `falcon`/`opt` `ffn_up` row (the gate's construction).
+    ReluUp(usize),
+    /// Bias of the norm the FFN of this layer reads (`γ · w ⊙ v`).
+    FfnNormBias(usize),
+    /// A random 1-D bias, standard deviation `std`, zero on the bias channels if `zero_c`.
+    Bias {
+        std: f32,
+        zero_c: bool,
+    },
+    /// A bias uniform in `[-max, 0]` (OPT's `ffn_up.bias`).
+    NegBias {
+        max: f32,
+    },
+    /// OPT's position embeddings.
+    PosEmbd,
 }
 
 impl Rows {
     fn layer(self) -> Option<usize> {
         match self {
             Rows::Gate(l)
+            | Rows::ReluUp(l)
+            | Rows::FfnNormBias(l)
             | Rows::Up(l)
             | Rows::DownT(l)
             | Rows::Down(l)
@@ -497,6 +646,9 @@ fn specs(
     dense: bool,
     pred_ty: GgmlType,
 ) -> Vec<Spec> {
+    if cfg.family().layer_norm() {
+        return specs_ln(cfg, n_vocab, rank, dense, pred_ty);
+    }
     let s = &cfg.shape;
     let (n, f, kv) = (s.n_embd, s.n_ff, s.n_embd_kv());
     let ty = cfg.ty;
@@ -578,6 +730,117 @@ fn specs(
     v
 }
 
+/// The tensors of a `falcon` or `opt` file (see the module docs).
+fn specs_ln(
+    cfg: &SynthConfig,
+    n_vocab: usize,
+    rank: usize,
+    dense: bool,
+    pred_ty: GgmlType,
+) -> Vec<Spec> {
+    let s = &cfg.shape;
+    let (n, f, kv) = (s.n_embd, s.n_ff, s.n_embd_kv());
+    let ty = cfg.ty;
+    let opt = cfg.family() == Family::Opt;
+    let mut v = Vec::new();
+    let mut push = |name: String, ne0: usize, ne1: Option<usize>, ty: GgmlType, rows: Rows| {
+        v.push(Spec {
+            name,
+            ne0,
+            ne1,
+            ty,
+            rows,
+        })
+    };
+    let f32t = GgmlType::F32;
+    let inv_sqrt_n = 1.0 / (n as f32).sqrt();
+    let norm = |lo, hi, bias_one| Rows::Norm { lo, hi, bias_one };
+    let bias = |std, zero_c| Rows::Bias { std, zero_c };
+    push("token_embd.weight".into(), n, Some(n_vocab), ty, Rows::Embd);
+    if opt {
+        push(
+            "position_embd.weight".into(),
+            n,
+            Some(s.n_ctx + crate::model::OPT_POSITION_OFFSET),
+            ty,
+            Rows::PosEmbd,
+        );
+    }
+    push(
+        "output_norm.weight".into(),
+        n,
+        None,
+        f32t,
+        norm(0.9, 1.1, false),
+    );
+    push("output_norm.bias".into(), n, None, f32t, bias(0.1, false));
+    if !opt {
+        push("output.weight".into(), n, Some(n_vocab), ty, Rows::Output);
+    }
+    let attn = Rows::Attn {
+        scale: inv_sqrt_n,
+        zero_bias_row: false,
+    };
+    let attn_out = Rows::Attn {
+        scale: ATTN_STEP as f32 * inv_sqrt_n,
+        zero_bias_row: true,
+    };
+    for l in 0..s.n_layer {
+        let w = |t: &str| format!("blk.{l}.{t}.weight");
+        let b = |t: &str| format!("blk.{l}.{t}.bias");
+        if opt {
+            push(w("attn_norm"), n, None, f32t, norm(0.8, 1.2, false));
+            push(b("attn_norm"), n, None, f32t, bias(0.1, false));
+            push(w("attn_q"), n, Some(n), ty, attn);
+            push(b("attn_q"), n, None, f32t, bias(0.1, false));
+            push(w("attn_k"), n, Some(kv), ty, attn);
+            push(b("attn_k"), kv, None, f32t, bias(0.1, false));
+            push(w("attn_v"), n, Some(kv), ty, attn);
+            push(b("attn_v"), kv, None, f32t, bias(0.1, false));
+            push(w("attn_output"), n, Some(n), ty, attn_out);
+            push(b("attn_output"), n, None, f32t, bias(0.01, true));
+            push(w("ffn_norm"), n, None, f32t, norm(0.8, 1.2, true));
+            push(b("ffn_norm"), n, None, f32t, Rows::FfnNormBias(l));
+        } else {
+            // attn_norm feeds the FFN (and the attention unless attn_norm_2 is written).
+            push(w("attn_norm"), n, None, f32t, norm(0.8, 1.2, true));
+            push(b("attn_norm"), n, None, f32t, Rows::FfnNormBias(l));
+            if cfg.attn_norm_2 {
+                push(w("attn_norm_2"), n, None, f32t, norm(0.8, 1.2, false));
+                push(b("attn_norm_2"), n, None, f32t, bias(0.1, false));
+            }
+            push(w("attn_qkv"), n, Some(n + 2 * kv), ty, attn);
+            push(w("attn_output"), n, Some(n), ty, attn_out);
+        }
+        push(w("ffn_up"), n, Some(f), ty, Rows::ReluUp(l));
+        if opt {
+            push(
+                b("ffn_up"),
+                f,
+                None,
+                f32t,
+                Rows::NegBias {
+                    max: OPT_UP_BIAS_MAX,
+                },
+            );
+        }
+        let down = if dense { "ffn_down" } else { "ffn_down_t" };
+        if dense {
+            push(w(down), f, Some(n), ty, Rows::Down(l));
+        } else {
+            push(w(down), n, Some(f), ty, Rows::DownT(l));
+        }
+        if opt {
+            push(b(down), n, None, f32t, bias(0.01, true));
+        }
+        if !dense {
+            push(w("fc1"), n, Some(2 * rank), pred_ty, Rows::Fc1(l));
+            push(w("fc2"), 2 * rank, Some(f), pred_ty, Rows::Fc2(l));
+        }
+    }
+    v
+}
+
 /// Fills one row (its index, its values).
 pub(super) type RowFn<'a> = dyn Fn(usize, &mut [f32]) + Sync + 'a;
 
@@ -629,7 +892,7 @@ impl Read for RowReader<'_> {
 
 fn base_metadata(cfg: &SynthConfig, n_vocab: usize, tokenizer: &Metadata) -> Metadata {
     let s = &cfg.shape;
-    let a = cfg.arch.name();
+    let a = cfg.family().name();
     let mut md = Metadata::new();
     md.insert("general.architecture", Value::String(a.into()));
     md.insert(
@@ -641,14 +904,36 @@ fn base_metadata(cfg: &SynthConfig, n_vocab: usize, tokenizer: &Metadata) -> Met
     md.insert(format!("{a}.embedding_length"), u(s.n_embd));
     md.insert(format!("{a}.block_count"), u(s.n_layer));
     md.insert(format!("{a}.feed_forward_length"), u(s.n_ff));
-    md.insert(format!("{a}.rope.dimension_count"), u(s.head_dim()));
-    md.insert(format!("{a}.attention.head_count"), u(s.n_head));
-    md.insert(format!("{a}.attention.head_count_kv"), u(s.n_head_kv));
-    md.insert(
-        format!("{a}.attention.layer_norm_rms_epsilon"),
-        Value::F32(RMS_EPS),
-    );
-    md.insert(format!("{a}.rope.freq_base"), Value::F32(10000.0));
+    if cfg.family().layer_norm() {
+        if cfg.family() == Family::Opt {
+            // The rows of position_embd, as PowerInfer's converter writes 2050 for OPT.
+            md.insert(
+                format!("{a}.context_length"),
+                u(s.n_ctx + crate::model::OPT_POSITION_OFFSET),
+            );
+        }
+        md.insert(format!("{a}.attention.head_count"), u(s.n_head));
+        md.insert(format!("{a}.attention.head_count_kv"), u(s.n_head_kv));
+        md.insert(
+            format!("{a}.attention.layer_norm_epsilon"),
+            Value::F32(LN_EPS),
+        );
+        if cfg.family() == Family::Falcon {
+            md.insert(
+                format!("{a}.tensor_data_layout"),
+                Value::String("jploski".into()),
+            );
+        }
+    } else {
+        md.insert(format!("{a}.rope.dimension_count"), u(s.head_dim()));
+        md.insert(format!("{a}.attention.head_count"), u(s.n_head));
+        md.insert(format!("{a}.attention.head_count_kv"), u(s.n_head_kv));
+        md.insert(
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(RMS_EPS),
+        );
+        md.insert(format!("{a}.rope.freq_base"), Value::F32(10000.0));
+    }
     md.insert(
         "general.file_type",
         Value::U32(super::ftype_of(cfg.ty).unwrap_or(1)),
@@ -722,6 +1007,7 @@ pub fn synthesize(
     let plans = plan_layers(cfg)?;
     let gen = Gen {
         cfg,
+        nbc: n_bias_channels(cfg.family()),
         n: cfg.shape.n_embd,
         n_ff: cfg.shape.n_ff,
         rank,
@@ -790,14 +1076,19 @@ pub fn synthesize(
                 }
             }
             let st = state.as_ref();
-            let key = gen.key(&s.name);
+            // A bias of the down projection has the same values in both layouts.
+            let key = match s.rows {
+                Rows::Bias { .. } => gen.key(&s.name.replace("ffn_down_t.", "ffn_down.")),
+                _ => gen.key(&s.name),
+            };
             let n = gen.n;
+            let nbc = gen.nbc;
             let rows = s.rows;
             let g = &gen;
             let f: Box<RowFn> = match rows {
                 Rows::Norm { lo, hi, bias_one } => Box::new(move |_, out: &mut [f32]| {
                     for (j, o) in out.iter_mut().enumerate() {
-                        *o = if bias_one && j == BIAS_CHANNEL {
+                        *o = if bias_one && j < nbc {
                             1.0
                         } else {
                             lo + (hi - lo) * uniform(key, j as u64)
@@ -809,6 +1100,9 @@ pub fn synthesize(
                         *o = EMBD_STD as f32 * unit(key, (t * n + j) as u64);
                     }
                     out[BIAS_CHANNEL] = BIAS_VALUE;
+                    if nbc > 1 {
+                        out[BIAS_CHANNEL_NEG] = -BIAS_VALUE;
+                    }
                 }),
                 Rows::Output => Box::new(move |t, out: &mut [f32]| {
                     let sc = 1.0 / (n as f32).sqrt();
@@ -820,7 +1114,7 @@ pub fn synthesize(
                     scale,
                     zero_bias_row,
                 } => Box::new(move |r, out: &mut [f32]| {
-                    if zero_bias_row && r == BIAS_CHANNEL {
+                    if zero_bias_row && r < nbc {
                         out.fill(0.0);
                         return;
                     }
@@ -836,6 +1130,42 @@ pub fn synthesize(
                     let st = st.expect("layer state");
                     Box::new(move |i, out: &mut [f32]| g.up_row(st, i, out))
                 }
+                Rows::ReluUp(_) => {
+                    let st = st.expect("layer state");
+                    Box::new(move |i, out: &mut [f32]| g.relu_up_row(st, i, out))
+                }
+                Rows::FfnNormBias(_) => {
+                    let st = st.expect("layer state");
+                    let gamma = ln_bias_scale(n);
+                    Box::new(move |_, out: &mut [f32]| {
+                        for ((o, &w), &v) in out.iter_mut().zip(&st.w).zip(&st.v) {
+                            *o = gamma * w * v;
+                        }
+                    })
+                }
+                Rows::Bias { std, zero_c } => Box::new(move |_, out: &mut [f32]| {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = if zero_c && j < nbc {
+                            0.0
+                        } else {
+                            std * unit(key, j as u64)
+                        };
+                    }
+                }),
+                Rows::NegBias { max } => Box::new(move |_, out: &mut [f32]| {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = -max * uniform(key, j as u64);
+                    }
+                }),
+                Rows::PosEmbd => Box::new(move |r, out: &mut [f32]| {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = if j < nbc {
+                            0.0
+                        } else {
+                            POS_EMBD_STD as f32 * unit(key, (r * n + j) as u64)
+                        };
+                    }
+                }),
                 Rows::DownT(l) | Rows::Down(l) => {
                     let st = st.expect("layer state");
                     // Same stream for both layouts: the dense twin is the exact transpose.
@@ -895,9 +1225,9 @@ pub fn synthesize(
     }
     if let Some(stage) = &activation_stage {
         let dir = &stage.temp;
-        let bamboo_factor = match cfg.arch {
-            Arch::Llama => 1.0,
-            Arch::Bamboo => normal_cdf(BAMBOO_UP_BIAS) as f32,
+        let bamboo_factor = match cfg.family() {
+            Family::Llama | Family::Falcon | Family::Opt => 1.0,
+            Family::Bamboo => normal_cdf(BAMBOO_UP_BIAS) as f32,
         };
         let stats = ActivationStats::new(
             plans

@@ -1,5 +1,6 @@
-//! Model-file tools: a seeded generator of synthetic ReLU-sparse LLaMA-architecture models
-//! ([`synthesize`]) and a quantizer of GGUF / PowerInfer files ([`quantize`]).
+//! Model-file tools: a seeded generator of synthetic ReLU-sparse models (`llama`, `bamboo`,
+//! `falcon`, `opt`; [`synthesize`]) and a quantizer of GGUF / PowerInfer files
+//! ([`quantize`]).
 //!
 //! # The synthetic model
 //!
@@ -39,6 +40,29 @@
 //! The `bamboo` variant (`ReLU(gate) ⊙ ReLU(up)`) also gives every `up` row a bias of
 //! [`BAMBOO_UP_BIAS`] standard deviations, so `up > 0` with probability Φ(4) ≈ 0.99997 and the
 //! activation pattern is the gate's.
+//!
+//! # `falcon` and `opt` (LayerNorm, FFN `ReLU(up)`)
+//!
+//! Same construction with `up` in the gate's role, adapted to LayerNorm with bias, whose mean
+//! subtraction and bias would otherwise break the exact predictor:
+//!
+//! - **Two bias channels**: [`BIAS_CHANNEL`] holds `+BIAS_VALUE` and [`BIAS_CHANNEL_NEG`]
+//!   `-BIAS_VALUE` in every token (so they add nothing to the mean); nothing writes to either
+//!   (`attn_output`/`ffn_down(_t)` rows, OPT's output/down biases and position embeddings are
+//!   0 there). An `up` row's weights `±b_i / (2·BIAS_VALUE)` on them add exactly `b_i / σ`.
+//! - The signal rows `M` and each row's noise are orthogonal to the all-ones vector (on the
+//!   other channels), so subtracting the mean changes nothing, and to a fixed direction `v`;
+//!   the FFN-input LayerNorm's bias is `γ · w ⊙ v` (`w` its weight, entries ≈ 0.1), which the
+//!   `up` rows therefore do not see. So `up_i · LN(x) = (α_i (u_i M + e_i)·x + b_i) / σ(x)`
+//!   and the predictor `α_i u_i M x + b_i` on the pre-norm input is exact with noise 0.
+//! - `opt`'s `ffn_up.bias` is uniform in `[-OPT_UP_BIAS_MAX, 0]`: never positive, so a neuron
+//!   that fires is always predicted (recall stays 1; a few predicted neurons output 0).
+//!   `opt`'s other biases are small random values; `position_embd` has
+//!   `n_ctx + 2` rows (the Hugging Face table with its 2-row offset, `context_length` =
+//!   `n_ctx + 2` as PowerInfer's converter writes 2050) of standard deviation [`POS_EMBD_STD`].
+//! - `falcon` writes the fused `attn_qkv` and, with [`SynthConfig::attn_norm_2`], a 40B-style
+//!   `attn_norm_2` for the attention (the FFN then reads `attn_norm`); `opt` ties its head to
+//!   `token_embd` (no `output.weight`).
 
 mod generate;
 pub mod math;
@@ -57,6 +81,15 @@ use powerinfer_gguf::GgmlType;
 
 /// Residual channel that carries the constant bias input.
 pub const BIAS_CHANNEL: usize = 0;
+/// Residual channel that carries `-BIAS_VALUE` in the LayerNorm architectures (`falcon`,
+/// `opt`).
+pub const BIAS_CHANNEL_NEG: usize = 1;
+/// LayerNorm epsilon written to `falcon`/`opt` files.
+pub const LN_EPS: f32 = 1e-5;
+/// Standard deviation of OPT's position embeddings.
+pub const POS_EMBD_STD: f64 = 0.5;
+/// OPT's `ffn_up.bias` lies in `[-OPT_UP_BIAS_MAX, 0]`.
+pub const OPT_UP_BIAS_MAX: f32 = 0.05;
 /// Value of the bias channel in every token's embedding.
 pub const BIAS_VALUE: f32 = 4.0;
 /// Standard deviation of the other embedding channels.
@@ -98,7 +131,7 @@ pub enum SynthError {
     },
 }
 
-/// The FFN variant.
+/// The FFN variant of the LLaMA family (see [`SynthConfig::ln_arch`] for `falcon` and `opt`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     /// `llama`: ReLU(gate) ⊙ up (ReluLLaMA, ProSparse).
@@ -114,6 +147,60 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Bamboo => "bamboo",
         }
+    }
+}
+
+/// A LayerNorm family with a gate-less ReLU FFN; set in [`SynthConfig::ln_arch`], it replaces
+/// [`SynthConfig::arch`]. (Its own type, so that exhaustive matches on [`Arch`] stay valid.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LnArch {
+    /// `falcon` (ReluFalcon): ReLU(up), fused QKV, parallel attention and FFN.
+    Falcon,
+    /// `opt`: ReLU(up + b), biases, learned positions, tied head.
+    Opt,
+}
+
+/// Every model family the generator writes (`general.architecture`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `llama`.
+    Llama,
+    /// `bamboo`.
+    Bamboo,
+    /// `falcon`.
+    Falcon,
+    /// `opt`.
+    Opt,
+}
+
+/// Names [`Family::from_name`] accepts.
+pub const ARCHS: [&str; 4] = ["llama", "bamboo", "falcon", "opt"];
+
+impl Family {
+    /// `general.architecture`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Bamboo => "bamboo",
+            Family::Falcon => "falcon",
+            Family::Opt => "opt",
+        }
+    }
+
+    /// By `general.architecture` name (see [`ARCHS`]).
+    pub fn from_name(name: &str) -> Option<Family> {
+        Some(match name {
+            "llama" => Family::Llama,
+            "bamboo" => Family::Bamboo,
+            "falcon" => Family::Falcon,
+            "opt" => Family::Opt,
+            _ => return None,
+        })
+    }
+
+    /// LayerNorm with bias and a gate-less FFN (`falcon`, `opt`).
+    pub fn layer_norm(self) -> bool {
+        matches!(self, Family::Falcon | Family::Opt)
     }
 }
 
@@ -190,8 +277,10 @@ pub enum VocabSource {
 /// Everything that defines a synthetic model (the files written are a pure function of it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthConfig {
-    /// FFN variant.
+    /// FFN variant of the LLaMA family (ignored when `ln_arch` is set).
     pub arch: Arch,
+    /// `falcon` or `opt` instead of the LLaMA family (see [`SynthConfig::set_family`]).
+    pub ln_arch: Option<LnArch>,
     /// Dimensions.
     pub shape: Shape,
     /// Type of the 2-D weights: F32, F16, Q8_0 or Q4_0 (1-D tensors are F32; the predictor
@@ -214,6 +303,9 @@ pub struct SynthConfig {
     pub vocab: VocabSource,
     /// How predictor tensors are stored for quantized types.
     pub predictor_rule: PredictorRule,
+    /// `falcon` only: write `attn_norm_2` (Falcon-40B style: the attention reads
+    /// `attn_norm_2`, the FFN `attn_norm`).
+    pub attn_norm_2: bool,
 }
 
 impl SynthConfig {
@@ -222,6 +314,7 @@ impl SynthConfig {
     pub fn new(shape: Shape) -> SynthConfig {
         SynthConfig {
             arch: Arch::Llama,
+            ln_arch: None,
             shape,
             ty: GgmlType::F16,
             seed: 0,
@@ -232,6 +325,27 @@ impl SynthConfig {
             sparse_threshold: None,
             vocab: VocabSource::BuiltIn,
             predictor_rule: PredictorRule::default(),
+            attn_norm_2: false,
+        }
+    }
+
+    /// The model family written.
+    pub fn family(&self) -> Family {
+        match (self.ln_arch, self.arch) {
+            (Some(LnArch::Falcon), _) => Family::Falcon,
+            (Some(LnArch::Opt), _) => Family::Opt,
+            (None, Arch::Llama) => Family::Llama,
+            (None, Arch::Bamboo) => Family::Bamboo,
+        }
+    }
+
+    /// Sets [`arch`](Self::arch) and [`ln_arch`](Self::ln_arch) for `family`.
+    pub fn set_family(&mut self, family: Family) {
+        match family {
+            Family::Llama => (self.arch, self.ln_arch) = (Arch::Llama, None),
+            Family::Bamboo => (self.arch, self.ln_arch) = (Arch::Bamboo, None),
+            Family::Falcon => self.ln_arch = Some(LnArch::Falcon),
+            Family::Opt => self.ln_arch = Some(LnArch::Opt),
         }
     }
 

@@ -1,0 +1,383 @@
+//! The FFN of one layer for a block of tokens: dense (GGUF files, or `--dense`), sparse
+//! (predictor-driven, PowerInfer files) or observed (dense, reporting true activations).
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
+use powerinfer_kernels_cpu::pool::split_range;
+use powerinfer_kernels_cpu::{KernelError, MatMul, RowSelect, Weights};
+
+use crate::error::Result;
+use crate::forward::{add_bias, ForwardOptions};
+use crate::fused::{self, gemv_multi, row_view, run_threads, GemvJob};
+use crate::model::{Ffn, FfnAct, Layer, Model};
+
+/// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
+/// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
+/// dense product would. `1e-30 · w` is below half an ulp of any output larger than ~1e-22 in
+/// magnitude, so the result is unchanged.
+const DENSE_TOUCH: f32 = 1e-30;
+
+/// Sees what each layer's FFN computed, for profiling activations and training or evaluating
+/// predictors ([`crate::forward::eval_observed`], [`crate::engine::Session::eval_observed`]).
+pub trait FfnObserver {
+    /// Called once per layer per evaluated block of `t` tokens, layers in order.
+    ///
+    /// - `h`: the predictor input, `t × n_embd` (the pre-norm residual `ffn_inp`, spec §4; for
+    ///   `falcon` the layer input);
+    /// - `act`: the true FFN hidden values after the activation function, `t × n_ff`, every
+    ///   neuron computed (a neuron fired for a token when its value is non-zero); for the
+    ///   gate-less `falcon` and `opt`, `ReLU(up (+ bias))`;
+    /// - `scores`: the predictor scores `t × n_ff` when the layer has a predictor.
+    fn observe(&mut self, layer: usize, t: usize, h: &[f32], act: &[f32], scores: Option<&[f32]>);
+}
+
+/// Reusable buffers of [`ffn_forward`].
+#[derive(Default)]
+pub(crate) struct FfnScratch {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    hidden: Vec<f32>,
+    scores: Vec<f32>,
+    active: Vec<u32>,
+    /// Per thread, the active neurons of its row range (relative to the range start).
+    parts: Vec<Mutex<Vec<u32>>>,
+}
+fn resize(v: &mut Vec<f32>, n: usize) {
+    v.clear();
+    v.resize(n, 0.0);
+}
+
+fn activate(act: FfnAct, gate: &mut [f32], up: &[f32]) -> Result<()> {
+    Ok(activate_k(act, gate, up)?)
+}
+
+fn activate_k(act: FfnAct, gate: &mut [f32], up: &[f32]) -> std::result::Result<(), KernelError> {
+    match act {
+        FfnAct::Reglu => reglu(gate, up)?,
+        FfnAct::Drelu => drelu(gate, up)?,
+        FfnAct::Swiglu => swiglu(gate, up)?,
+        // Gate-less FFNs are activated in place by their callers.
+        FfnAct::Relu => relu(gate),
+    }
+    Ok(())
+}
+
+/// Predictor scores `t × n_ff` of `h` into `s.scores`.
+fn predict(
+    mm: &MatMul<'_>,
+    model: &Model,
+    layer: &Layer,
+    h: &[f32],
+    t: usize,
+    s: &mut FfnScratch,
+) -> Result<()> {
+    if let Ffn::Sparse { fc1, fc2, .. } = &layer.ffn {
+        resize(&mut s.hidden, t * fc1.rows);
+        resize(&mut s.scores, t * fc2.rows);
+        mm.gemm(&model.weights(fc1)?, h, t, &mut s.hidden)?;
+        relu(&mut s.hidden);
+        mm.gemm(&model.weights(fc2)?, &s.hidden, t, &mut s.scores)?;
+    }
+    Ok(())
+}
+
+/// `out = FFN(cur)` for `t` tokens (`h` = `ffn_inp`, the predictor input); adds each token's
+/// share of computed neurons (this layer) to `density`. With an observer the FFN is computed
+/// densely and reported.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ffn_forward<'o>(
+    model: &Model,
+    mm: &MatMul<'_>,
+    opts: ForwardOptions,
+    index: usize,
+    layer: &Layer,
+    h: &[f32],
+    cur: &[f32],
+    t: usize,
+    s: &mut FfnScratch,
+    out: &mut [f32],
+    density: &mut [f32],
+    observer: Option<&mut (dyn FfnObserver + 'o)>,
+) -> Result<()> {
+    let nff = model.hparams.n_ff;
+    let gate = layer.ffn.gate();
+    let fused_sparse = t == 1
+        && fused::enabled()
+        && observer.is_none()
+        && !opts.dense
+        && matches!(layer.ffn, Ffn::Sparse { .. });
+    if !fused_sparse {
+        resize(&mut s.gate, t * nff);
+        if gate.is_some() {
+            resize(&mut s.up, t * nff);
+        }
+    }
+    if let Some(obs) = observer {
+        predict(mm, model, layer, h, t, s)?;
+        hidden_dense(model, mm, layer, cur, t, s)?;
+        let scores = matches!(layer.ffn, Ffn::Sparse { .. }).then_some(&s.scores[..]);
+        obs.observe(index, t, h, &s.gate, scores);
+        down_dense(model, mm, layer, &mut s.gate, t, out)?;
+        add_bias(out, layer.down_b.as_deref())?;
+        density.iter_mut().for_each(|d| *d += 1.0);
+        return Ok(());
+    }
+    match &layer.ffn {
+        Ffn::Dense { .. } => {
+            hidden_dense(model, mm, layer, cur, t, s)?;
+            down_dense(model, mm, layer, &mut s.gate, t, out)?;
+            density.iter_mut().for_each(|d| *d += 1.0);
+        }
+        Ffn::Sparse { .. } if opts.dense => {
+            hidden_dense(model, mm, layer, cur, t, s)?;
+            down_dense(model, mm, layer, &mut s.gate, t, out)?;
+            density.iter_mut().for_each(|d| *d += 1.0);
+        }
+        Ffn::Sparse {
+            up,
+            down_t,
+            fc1,
+            fc2,
+            ..
+        } if fused_sparse => {
+            // One token: fc1, then fc2 + the active list + gate/up + activation in one
+            // dispatch (each thread its own range of neurons), then the axpy.
+            resize(&mut s.hidden, fc1.rows);
+            mm.gemv(&model.weights(fc1)?, h, &mut s.hidden)?;
+            relu(&mut s.hidden);
+            let gate_w = match gate {
+                Some(g) => Some(model.weights(g)?),
+                None => None,
+            };
+            let up_w = model.weights(up)?;
+            sparse_hidden_fused(
+                mm,
+                &model.weights(fc2)?,
+                gate_w.as_ref(),
+                &up_w,
+                layer.up_b.as_deref(),
+                model.ffn_act,
+                opts.threshold,
+                cur,
+                s,
+            )?;
+            out.fill(0.0);
+            mm.sparse_axpy_indexed(&model.weights(down_t)?, &s.gate, &s.active, out)?;
+            density[0] += s.active.len() as f32 / nff as f32;
+        }
+        Ffn::Sparse { up, down_t, .. } => {
+            predict(mm, model, layer, h, t, s)?;
+            out.fill(0.0);
+            if t == 1 {
+                // One token: the active list once, then the indexed kernels (the axpy's
+                // four-row fast path).
+                s.active.clear();
+                s.active
+                    .extend((0..nff as u32).filter(|&i| s.scores[i as usize] >= opts.threshold));
+                if let Some(gate) = gate {
+                    mm.sparse_gemv_indexed(&model.weights(gate)?, cur, &s.active, &mut s.gate)?;
+                    mm.sparse_gemv_indexed(&model.weights(up)?, cur, &s.active, &mut s.up)?;
+                    activate(model.ffn_act, &mut s.gate, &s.up)?;
+                } else {
+                    // ReLU(up + b) on the active neurons (the axpy reads no other).
+                    mm.sparse_gemv_indexed(&model.weights(up)?, cur, &s.active, &mut s.gate)?;
+                    let b = layer.up_b.as_deref();
+                    for &i in &s.active {
+                        let i = i as usize;
+                        let u = s.gate[i] + b.map_or(0.0, |b| b[i]);
+                        s.gate[i] = if u > 0.0 { u } else { 0.0 };
+                    }
+                }
+                mm.sparse_axpy_indexed(&model.weights(down_t)?, &s.gate, &s.active, out)?;
+            } else {
+                let select = RowSelect {
+                    scores: &s.scores,
+                    threshold: opts.threshold,
+                    skip: None,
+                };
+                if let Some(gate) = gate {
+                    mm.sparse_gemm(&model.weights(gate)?, cur, t, &select, &mut s.gate)?;
+                    mm.sparse_gemm(&model.weights(up)?, cur, t, &select, &mut s.up)?;
+                    activate(model.ffn_act, &mut s.gate, &s.up)?;
+                } else {
+                    // Inactive neurons get ReLU(b): the axpy skips them by their score.
+                    mm.sparse_gemm(&model.weights(up)?, cur, t, &select, &mut s.gate)?;
+                    add_bias(&mut s.gate, layer.up_b.as_deref())?;
+                    relu(&mut s.gate);
+                }
+                mm.sparse_axpy_batch(&model.weights(down_t)?, &s.gate, t, &select, out)?;
+            }
+            for (d, p) in density.iter_mut().zip(s.scores.chunks_exact(nff)) {
+                let active = p.iter().filter(|&&p| p >= opts.threshold).count();
+                *d += active as f32 / nff as f32;
+            }
+        }
+    }
+    add_bias(out, layer.down_b.as_deref())?;
+    Ok(())
+}
+
+/// The FFN hidden values of every neuron into `s.gate`: `act(gate·x, up·x)` for a gated FFN,
+/// `ReLU(up·x + b)` for a gate-less one.
+fn hidden_dense(
+    model: &Model,
+    mm: &MatMul<'_>,
+    layer: &Layer,
+    cur: &[f32],
+    t: usize,
+    s: &mut FfnScratch,
+) -> Result<()> {
+    let up = layer.ffn.up();
+    match layer.ffn.gate() {
+        Some(gate) => {
+            if t == 1 && fused::enabled() {
+                let jobs = vec![
+                    GemvJob {
+                        w: model.weights(gate)?,
+                        x: cur,
+                        y: &mut s.gate,
+                    },
+                    GemvJob {
+                        w: model.weights(up)?,
+                        x: cur,
+                        y: &mut s.up,
+                    },
+                ];
+                gemv_multi(mm, jobs)?;
+            } else {
+                mm.gemm(&model.weights(gate)?, cur, t, &mut s.gate)?;
+                mm.gemm(&model.weights(up)?, cur, t, &mut s.up)?;
+            }
+            activate(model.ffn_act, &mut s.gate, &s.up)?;
+        }
+        None => {
+            mm.gemm(&model.weights(up)?, cur, t, &mut s.gate)?;
+            add_bias(&mut s.gate, layer.up_b.as_deref())?;
+            relu(&mut s.gate);
+        }
+    }
+    Ok(())
+}
+
+/// `out = down · act` for `t` tokens over every neuron: a GEMM for a dense file's `ffn_down`,
+/// an axpy walking all `n_ff` rows of a PowerInfer file's `ffn_down_t` (zeros touched, see
+/// [`DENSE_TOUCH`]). `act` is clobbered.
+fn down_dense(
+    model: &Model,
+    mm: &MatMul<'_>,
+    layer: &Layer,
+    act: &mut [f32],
+    t: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let nff = model.hparams.n_ff;
+    let ne = model.hparams.n_embd;
+    match &layer.ffn {
+        Ffn::Dense { down, .. } => mm.gemm(&model.weights(down)?, act, t, out)?,
+        Ffn::Sparse { down_t, .. } => {
+            let all: Vec<u32> = (0..nff as u32).collect();
+            let down = model.weights(down_t)?;
+            out.fill(0.0);
+            for (a, y) in act.chunks_exact_mut(nff).zip(out.chunks_exact_mut(ne)) {
+                a.iter_mut()
+                    .filter(|a| **a == 0.0)
+                    .for_each(|a| *a = DENSE_TOUCH);
+                mm.sparse_axpy_indexed(&down, a, &all, y)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One token of a sparse FFN, in one dispatch: each thread takes a contiguous range of neurons,
+/// computes their predictor scores (`fc2 · hidden` into `s.scores`), lists its active ones
+/// (`score ≥ threshold`), computes `gate`/`up` for them and applies the activation (gate-less:
+/// `ReLU(up + b)`) into `s.gate`. Afterwards `s.active` holds all active neurons, increasing.
+/// Only the active entries of `s.gate` are meaningful (the axpy reads no other).
+#[allow(clippy::too_many_arguments)]
+fn sparse_hidden_fused(
+    mm: &MatMul<'_>,
+    fc2: &Weights<'_>,
+    gate: Option<&Weights<'_>>,
+    up: &Weights<'_>,
+    up_b: Option<&[f32]>,
+    act: FfnAct,
+    threshold: f32,
+    cur: &[f32],
+    s: &mut FfnScratch,
+) -> Result<()> {
+    let nff = fc2.rows();
+    let n = mm.pool().n_threads();
+    if s.scores.len() != nff {
+        resize(&mut s.scores, nff);
+    }
+    if s.gate.len() != nff {
+        resize(&mut s.gate, nff);
+    }
+    if gate.is_some() && s.up.len() != nff {
+        resize(&mut s.up, nff);
+    }
+    if s.parts.len() != n {
+        s.parts = (0..n).map(|_| Mutex::new(Vec::new())).collect();
+    }
+    // Per thread: its range and disjoint parts of the three buffers.
+    type Part<'b> = (Range<usize>, &'b mut [f32], &'b mut [f32], &'b mut [f32]);
+    let mut parts: Vec<Mutex<Part<'_>>> = Vec::with_capacity(n);
+    {
+        let (mut sc, mut g, mut u) = (&mut s.scores[..], &mut s.gate[..], &mut s.up[..]);
+        for tid in 0..n {
+            let r = split_range(nff, n, tid);
+            let (a, sc_rest) = sc.split_at_mut(r.len());
+            let (b, g_rest) = g.split_at_mut(r.len());
+            let ul = r.len().min(u.len());
+            let (c, u_rest) = u.split_at_mut(ul);
+            sc = sc_rest;
+            g = g_rest;
+            u = u_rest;
+            parts.push(Mutex::new((r, a, b, c)));
+        }
+    }
+    let hidden = &s.hidden[..];
+    let lists = &s.parts;
+    run_threads(mm, |tid, m| {
+        let mut p = parts[tid].lock().unwrap_or_else(|e| e.into_inner());
+        let (r, sc, g, u) = &mut *p;
+        let mut list = lists[tid].lock().unwrap_or_else(|e| e.into_inner());
+        list.clear();
+        if r.start == r.end {
+            return Ok(());
+        }
+        m.gemv(&row_view(fc2, r.clone())?, hidden, sc)?;
+        list.extend((0..r.len() as u32).filter(|&i| sc[i as usize] >= threshold));
+        match gate {
+            Some(gw) => {
+                m.sparse_gemv_indexed(&row_view(gw, r.clone())?, cur, &list, g)?;
+                m.sparse_gemv_indexed(&row_view(up, r.clone())?, cur, &list, u)?;
+                for &i in list.iter() {
+                    let i = i as usize;
+                    activate_k(act, &mut g[i..i + 1], &u[i..i + 1])?;
+                }
+            }
+            None => {
+                // ReLU(up + b) on the active neurons.
+                m.sparse_gemv_indexed(&row_view(up, r.clone())?, cur, &list, g)?;
+                for &i in list.iter() {
+                    let i = i as usize;
+                    let v = g[i] + up_b.map_or(0.0, |b| b[r.start + i]);
+                    g[i] = if v > 0.0 { v } else { 0.0 };
+                }
+            }
+        }
+        Ok(())
+    })?;
+    drop(parts);
+    s.active.clear();
+    for (tid, list) in s.parts.iter().enumerate() {
+        let start = split_range(nff, n, tid).start as u32;
+        let list = list.lock().unwrap_or_else(|e| e.into_inner());
+        s.active.extend(list.iter().map(|&i| i + start));
+    }
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! Single-token decode helpers that put several row-parallel products into one thread-pool
+//! dispatch (`ThreadPool::run`): the Q/K/V products, the gate and up products of a dense FFN,
+//! and the predictor's second layer together with the sparse gate/up products of a PowerInfer
+//! FFN. Each thread runs the ordinary kernels on a one-thread pool over a row-range view of each
+//! matrix, so every output row is computed by the same kernel code as the multi-threaded call
+//! (results are bit-identical to it); only the number of dispatches changes.
+//!
+//! Setting the environment variable `POWERINFER_NOFUSE` turns these paths off (one dispatch per
+//! product, as for a block of tokens), for A/B measurements.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use powerinfer_kernels_cpu::pool::split_range;
+use powerinfer_kernels_cpu::{KernelError, MatMul, ThreadPool, Weights};
+
+use crate::error::Result;
+
+/// Whether the fused single-token paths are used (`POWERINFER_NOFUSE` unset; A/B switch).
+pub(crate) fn enabled() -> bool {
+    #[cfg(test)]
+    if tests::FORCE_OFF.with(|c| c.get()) {
+        return false;
+    }
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("POWERINFER_NOFUSE").is_none())
+}
+
+/// Rows `r` of `w` as a view.
+pub(crate) fn row_view<'a>(
+    w: &Weights<'a>,
+    r: Range<usize>,
+) -> std::result::Result<Weights<'a>, KernelError> {
+    let rb = w.row_bytes();
+    Weights::new(
+        w.ty(),
+        r.len(),
+        w.cols(),
+        &w.data()[r.start * rb..r.end * rb],
+    )
+}
+
+/// Runs `f(tid, &single_thread_matmul)` on every thread of `mm`'s pool in one dispatch and
+/// returns the first error any call returned.
+pub(crate) fn run_threads<F>(mm: &MatMul<'_>, f: F) -> Result<()>
+where
+    F: Fn(usize, &MatMul<'_>) -> std::result::Result<(), KernelError> + Sync,
+{
+    let backend = mm.backend();
+    let err: Mutex<Option<KernelError>> = Mutex::new(None);
+    mm.pool().run(|tid| {
+        let single = ThreadPool::single();
+        let r = MatMul::with_backend(&single, backend).and_then(|m| f(tid, &m));
+        if let Err(e) = r {
+            let mut g = err.lock().unwrap_or_else(|e| e.into_inner());
+            g.get_or_insert(e);
+        }
+    });
+    match err.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}
+
+/// One product `y = W x` of [`gemv_multi`].
+pub(crate) struct GemvJob<'a> {
+    pub w: Weights<'a>,
+    pub x: &'a [f32],
+    pub y: &'a mut [f32],
+}
+
+/// `y = W x` for every job, in one dispatch: the rows of all jobs, concatenated, are split into
+/// one contiguous near-equal part per thread.
+pub(crate) fn gemv_multi<'a>(mm: &MatMul<'_>, jobs: Vec<GemvJob<'a>>) -> Result<()> {
+    let n = mm.pool().n_threads();
+    if n == 1 {
+        for j in jobs {
+            mm.gemv(&j.w, j.x, j.y)?;
+        }
+        return Ok(());
+    }
+    let total: usize = jobs.iter().map(|j| j.w.rows()).sum();
+    // (thread, (weights view, x, y part)); each piece is locked by its own thread only.
+    type Piece<'a> = (Weights<'a>, &'a [f32], &'a mut [f32]);
+    let mut pieces: Vec<(usize, Mutex<Piece<'a>>)> = Vec::with_capacity(jobs.len() + n);
+    let mut offset = 0;
+    for j in jobs {
+        let rows = j.w.rows();
+        if j.y.len() != rows || j.x.len() != j.w.cols() {
+            // Let the kernel report the shape error.
+            mm.gemv(&j.w, j.x, j.y)?;
+            continue;
+        }
+        let mut rest: &'a mut [f32] = j.y;
+        for tid in 0..n {
+            let t = split_range(total, n, tid);
+            let s = t.start.max(offset);
+            let e = t.end.min(offset + rows);
+            if s >= e {
+                continue;
+            }
+            let (part, tail) = rest.split_at_mut(e - s);
+            rest = tail;
+            let w = row_view(&j.w, s - offset..e - offset)?;
+            pieces.push((tid, Mutex::new((w, j.x, part))));
+        }
+        offset += rows;
+    }
+    run_threads(mm, |tid, m| {
+        for (_, p) in pieces.iter().filter(|(owner, _)| *owner == tid) {
+            let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
+            let (w, x, y) = &mut *g;
+            m.gemv(w, x, y)?;
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use crate::engine::{Engine, EngineOptions};
+    use crate::synth::{self, Arch, LnArch, Shape, SynthConfig, SynthOutputs};
+    use powerinfer_gguf::GgmlType;
+
+    thread_local! {
+        /// Turns the fused paths off on this thread (the pool's workers only run jobs).
+        pub(super) static FORCE_OFF: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Logits of a prompt block followed by single-token decode steps.
+    fn decode(path: &std::path::Path, dense: bool, threads: usize, fused: bool) -> Vec<Vec<f32>> {
+        FORCE_OFF.with(|c| c.set(!fused));
+        let engine = Engine::load(
+            path,
+            EngineOptions {
+                threads,
+                sparse_threshold: Some(0.0),
+                dense,
+                ctx_len: 64,
+                batch: 64,
+            },
+        )
+        .unwrap();
+        let mut s = engine.session();
+        let mut out = vec![s.eval(&[1, 300, 301, 77]).unwrap()];
+        for t in [5u32, 260, 400, 33, 90, 270] {
+            out.push(s.eval(&[t]).unwrap());
+        }
+        FORCE_OFF.with(|c| c.set(false));
+        out
+    }
+
+    #[test]
+    fn fused_decode_is_bit_identical() {
+        for (ty, arch, ln) in [
+            (GgmlType::Q4_0, Arch::Llama, None),
+            (GgmlType::F16, Arch::Bamboo, None),
+            (GgmlType::Q8_0, Arch::Llama, Some(LnArch::Opt)),
+            (GgmlType::Q4_0, Arch::Llama, Some(LnArch::Falcon)),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let sparse = dir.path().join("m.powerinfer.gguf");
+            let dense = dir.path().join("m.gguf");
+            let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
+            cfg.ty = ty;
+            cfg.arch = arch;
+            cfg.ln_arch = ln;
+            cfg.seed = 5;
+            let out = SynthOutputs {
+                model: sparse.clone(),
+                dense: Some(dense.clone()),
+                activation_dir: None,
+                predictor_dir: None,
+            };
+            synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
+            for threads in [1, 2, 3] {
+                for (path, dense_mode) in [(&sparse, false), (&sparse, true), (&dense, false)] {
+                    let a = decode(path, dense_mode, threads, true);
+                    let b = decode(path, dense_mode, threads, false);
+                    let bits = |v: &Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+                        v.iter()
+                            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                            .collect()
+                    };
+                    assert_eq!(
+                        bits(&a),
+                        bits(&b),
+                        "{ty:?} {arch:?} {ln:?} threads {threads} {path:?} dense {dense_mode}"
+                    );
+                }
+            }
+        }
+    }
+}
