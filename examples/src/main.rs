@@ -33,6 +33,11 @@ enum Command {
     Plan(cmd::plan::Args),
     /// Convert a Hugging Face LLaMA/Bamboo checkpoint and its predictors to a PowerInfer file.
     Convert(cmd::convert::Args),
+    /// Count how often each FFN neuron fires on a text (writes activation statistics); with
+    /// --eval-predictor, measure the model's predictor (recall, precision, density).
+    Profile(cmd::profile::Args),
+    /// Train per-layer activation predictors on a text (writes model_N.safetensors for convert).
+    TrainPredictor(Box<cmd::train_predictor::Args>),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +52,8 @@ fn main() -> ExitCode {
         Command::Logits(args) => cmd::logits::run(args),
         Command::Plan(args) => cmd::plan::run(args),
         Command::Convert(args) => cmd::convert::run(args),
+        Command::Profile(args) => cmd::profile::run(args),
+        Command::TrainPredictor(args) => cmd::train_predictor::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -23,6 +23,9 @@ pub struct Args {
 enum What {
     /// Dense and sparse matrix kernels on LLaMA-7B shapes, against measured memory bandwidth.
     Kernels(KernelArgs),
+    /// Decode speed of the engine (dense and sparse), bytes read per token against memory
+    /// bandwidth, optionally side by side with llama.cpp's `llama-bench`.
+    Decode(super::bench_decode::DecodeArgs),
 }
 
 /// Arguments of `powerinfer bench kernels`.
@@ -64,6 +67,7 @@ struct KernelArgs {
 pub fn run(args: Args) -> Result<(), String> {
     match args.what {
         What::Kernels(a) => kernels(a),
+        What::Decode(a) => super::bench_decode::run(a),
     }
 }
 
@@ -136,7 +140,7 @@ fn best_time(budget: Duration, min_iters: usize, mut f: impl FnMut(usize)) -> f6
 }
 
 /// Best read bandwidth (bytes/s) of `pool`'s threads summing a `bytes`-long buffer.
-fn read_bandwidth(pool: &ThreadPool, bytes: usize, passes: usize) -> f64 {
+pub(crate) fn read_bandwidth(pool: &ThreadPool, bytes: usize, passes: usize) -> f64 {
     let n = bytes / 8;
     let mut buf = vec![0u64; n];
     for (i, v) in buf.iter_mut().enumerate() {

@@ -2,12 +2,15 @@
 //! an `Err` is printed as a one-line error and the process exits with status 1.
 
 pub mod bench;
+pub mod bench_decode;
 pub mod convert;
 pub mod inspect;
 pub mod logits;
 pub mod plan;
+pub mod profile;
 pub mod progress;
 pub mod quantize;
 pub mod run;
 pub mod synth;
 pub mod tokenize;
+pub mod train_predictor;

@@ -1,0 +1,340 @@
+//! `powerinfer bench decode [-m FILE]... [--threads N] [--json] [--llama-bench PATH]`: decode
+//! speed of the CPU engine, and the bytes it reads per token against this machine's measured
+//! memory read bandwidth.
+//!
+//! For each model: the engine is loaded, a fixed prompt is evaluated, then `--tokens` tokens
+//! are decoded greedily one at a time; the best of `--repeats` runs is kept. A PowerInfer file
+//! is run twice: with its predictor (`sparse`) and with every neuron computed (`dense`, the
+//! same file through the axpy over all rows); a dense GGUF file once (`dense`). Without `-m`
+//! the demo model and its dense twin are used (written once, as `powerinfer run` does).
+//!
+//! Bytes per token are counted from the tensor directory: every 2-D weight read by a decode
+//! step (attention, output head, predictor, dense FFN), the FFN rows of the neurons the
+//! predictor selected (`ffn_gate`, `ffn_up`, `ffn_down_t` rows × the measured mean density),
+//! one embedding row, and the F16 KV cache read by attention at the mean decode position.
+//! `ratio` = bytes per token × tokens/s over the bandwidth; `ceiling_tps` = bandwidth over bytes
+//! per token, the speed of a decode that did nothing but stream its bytes.
+//!
+//! With `--llama-bench PATH` (llama.cpp's `llama-bench`), each dense GGUF file is also run by
+//! llama.cpp in the same invocation (`-p 0 -n TOKENS -t THREADS -r REPEATS -o json`) and its
+//! tokens/s is printed beside ours, with the ratio.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use powerinfer_engine::engine::{Engine, EngineOptions};
+use powerinfer_gguf::{FileKind, GgufFile};
+use powerinfer_kernels_cpu::ThreadPool;
+use serde_json::json;
+
+/// Arguments of `powerinfer bench decode`.
+#[derive(clap::Args)]
+pub struct DecodeArgs {
+    /// Model files (PowerInfer or dense GGUF); repeat the flag for several. Default: the demo
+    /// model and its dense twin.
+    #[arg(short = 'm', long = "model")]
+    models: Vec<PathBuf>,
+    /// Threads (0: all cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    threads: usize,
+    /// Tokens decoded per run.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    tokens: usize,
+    /// Prompt tokens evaluated before decoding.
+    #[arg(long, default_value_t = 8)]
+    prompt: usize,
+    /// Runs per model and mode (the best is kept).
+    #[arg(short = 'r', long, default_value_t = 3)]
+    repeats: usize,
+    /// Predictor threshold (default: as `powerinfer run`).
+    #[arg(long)]
+    sparse_threshold: Option<f32>,
+    /// Only the sparse mode of PowerInfer files (skip their dense mode).
+    #[arg(long)]
+    sparse_only: bool,
+    /// llama.cpp's `llama-bench` binary: also run every dense GGUF file with it.
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// Print a JSON array of result objects instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One measured configuration.
+struct Row {
+    model: String,
+    mode: &'static str,
+    tps: f64,
+    density: f64,
+    bytes_per_token: f64,
+    load_ms: f64,
+    prompt_ms: f64,
+}
+
+/// Per-token byte counts of a file, split by how they scale.
+struct ByteModel {
+    /// Bytes read by every decode step whatever the sparsity.
+    fixed: f64,
+    /// Bytes of all sparse FFN rows (`ffn_gate`, `ffn_up`, `ffn_down_t`): read × density.
+    sparse_rows: f64,
+    /// Bytes of the predictor tensors (read only in sparse mode).
+    predictor: f64,
+    /// KV cache bytes per position (K and V, F16, all layers).
+    kv_per_pos: f64,
+    is_powerinfer: bool,
+}
+
+fn byte_model(path: &Path) -> Result<ByteModel, String> {
+    let f = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let md = f.metadata();
+    let arch = md
+        .get_str("general.architecture")
+        .map_err(|e| e.to_string())?
+        .to_string();
+    let uint = |k: &str| md.get(&format!("{arch}.{k}")).and_then(|v| v.to_u64());
+    let n_embd = uint("embedding_length").unwrap_or(0) as f64;
+    let n_head = uint("attention.head_count").unwrap_or(1).max(1) as f64;
+    let n_head_kv = uint("attention.head_count_kv").map_or(n_head, |v| v as f64);
+    let n_layer = uint("block_count").unwrap_or(0) as f64;
+    let kv_per_pos = 2.0 * 2.0 * n_layer * n_embd / n_head * n_head_kv;
+    let mut m = ByteModel {
+        fixed: 0.0,
+        sparse_rows: 0.0,
+        predictor: 0.0,
+        kv_per_pos,
+        is_powerinfer: f.kind() == FileKind::PowerInfer,
+    };
+    for t in f.tensors() {
+        let name = t.name();
+        let bytes = t.n_bytes() as f64;
+        if t.shape().len() < 2 {
+            m.fixed += bytes;
+        } else if name == "token_embd.weight" {
+            // One row per token.
+            m.fixed += bytes / t.shape()[1].max(1) as f64;
+        } else if name.ends_with(".fc1.weight") || name.ends_with(".fc2.weight") {
+            m.predictor += bytes;
+        } else if m.is_powerinfer
+            && (name.ends_with(".ffn_gate.weight")
+                || name.ends_with(".ffn_up.weight")
+                || name.ends_with(".ffn_down_t.weight"))
+        {
+            m.sparse_rows += bytes;
+        } else {
+            m.fixed += bytes;
+        }
+    }
+    Ok(m)
+}
+
+impl ByteModel {
+    fn per_token(&self, sparse: bool, density: f64, mean_pos: f64) -> f64 {
+        let ffn = if sparse {
+            self.predictor + self.sparse_rows * density
+        } else {
+            self.sparse_rows
+        };
+        self.fixed + ffn + self.kv_per_pos * mean_pos
+    }
+}
+
+fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
+    let opts = EngineOptions {
+        threads: a.threads,
+        sparse_threshold: a.sparse_threshold,
+        dense,
+        ctx_len: (a.prompt + a.tokens + 8).max(64),
+        batch: 64,
+    };
+    let t0 = Instant::now();
+    let engine = Engine::load(path, opts).map_err(|e| format!("{}: {e}", path.display()))?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let n_vocab = engine.model().hparams.n_vocab as u32;
+    // A fixed prompt of ordinary token ids (BOS first).
+    let prompt: Vec<u32> = std::iter::once(1)
+        .chain((0..a.prompt.saturating_sub(1) as u32).map(|i| (100 + 37 * i) % n_vocab))
+        .collect();
+    let mut best: Option<(f64, f64, f64)> = None;
+    for _ in 0..a.repeats.max(1) {
+        let mut cache = engine.new_cache();
+        let seq = cache.add_sequence();
+        let t = Instant::now();
+        let out = engine
+            .eval(&mut cache, seq, &prompt, false)
+            .map_err(|e| e.to_string())?;
+        let prompt_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut tok = argmax(&out.logits);
+        let mut density = 0.0;
+        let t = Instant::now();
+        for _ in 0..a.tokens {
+            let out = engine
+                .eval(&mut cache, seq, &[tok], false)
+                .map_err(|e| e.to_string())?;
+            density += out.density.iter().map(|&d| d as f64).sum::<f64>();
+            tok = argmax(&out.logits);
+        }
+        let tps = a.tokens as f64 / t.elapsed().as_secs_f64();
+        let density = density / a.tokens.max(1) as f64;
+        if best.is_none_or(|b| tps > b.0) {
+            best = Some((tps, density, prompt_ms));
+        }
+    }
+    let (tps, density, prompt_ms) = best.expect("at least one run");
+    let bm = byte_model(path)?;
+    let sparse = bm.is_powerinfer && !dense;
+    let mean_pos = a.prompt as f64 + a.tokens as f64 / 2.0;
+    Ok(Row {
+        model: path.display().to_string(),
+        mode: if sparse { "sparse" } else { "dense" },
+        tps,
+        density,
+        bytes_per_token: bm.per_token(sparse, density, mean_pos),
+        load_ms,
+        prompt_ms,
+    })
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Tokens/s of llama.cpp's text generation test on `path`.
+fn llama_bench(bin: &Path, path: &Path, a: &DecodeArgs, threads: usize) -> Result<f64, String> {
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(path)
+        .args(["-p", "0", "-n"])
+        .arg(a.tokens.to_string())
+        .arg("-t")
+        .arg(threads.to_string())
+        .arg("-r")
+        .arg(a.repeats.max(1).to_string())
+        .args(["-o", "json"])
+        .output()
+        .map_err(|e| format!("{}: {e}", bin.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "llama-bench failed on {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        ));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("llama-bench output is not JSON: {e}"))?;
+    v.as_array()
+        .and_then(|a| a.iter().find(|r| r["n_gen"].as_u64().unwrap_or(0) > 0))
+        .and_then(|r| r["avg_ts"].as_f64())
+        .ok_or_else(|| "llama-bench printed no text-generation result".to_string())
+}
+
+/// Runs `powerinfer bench decode`.
+pub fn run(a: DecodeArgs) -> Result<(), String> {
+    let models = if a.models.is_empty() {
+        let (sparse, twin) = super::run::demo_files()?;
+        vec![twin, sparse]
+    } else {
+        a.models.clone()
+    };
+    let threads = if a.threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        a.threads
+    };
+    let pool = ThreadPool::new(threads);
+    let bw = super::bench::read_bandwidth(&pool, 1 << 30, 5);
+    drop(pool);
+    if !a.json {
+        eprintln!(
+            "memory read bandwidth ({threads} threads): {:.1} GB/s",
+            bw / 1e9
+        );
+    }
+    let mut rows = Vec::new();
+    let mut llama = Vec::new();
+    for path in &models {
+        let bm = byte_model(path)?;
+        if bm.is_powerinfer {
+            rows.push(measure(path, &a, false)?);
+            if !a.sparse_only {
+                rows.push(measure(path, &a, true)?);
+            }
+        } else {
+            rows.push(measure(path, &a, true)?);
+            if let Some(bin) = &a.llama_bench {
+                llama.push((
+                    path.display().to_string(),
+                    llama_bench(bin, path, &a, threads)?,
+                ));
+            }
+        }
+        if !a.json {
+            let r = rows.last().expect("a row was pushed");
+            eprintln!("measured {} ({}): {:.2} tok/s", r.model, r.mode, r.tps);
+        }
+    }
+    let llama_of = |m: &str| llama.iter().find(|(p, _)| p == m).map(|&(_, t)| t);
+    let objects: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            let gbps = r.bytes_per_token * r.tps / 1e9;
+            let mut o = json!({
+                "model": r.model,
+                "mode": r.mode,
+                "threads": threads,
+                "tokens": a.tokens,
+                "decode_tps": r.tps,
+                "ffn_density": r.density,
+                "bytes_per_token": r.bytes_per_token,
+                "gbps": gbps,
+                "bandwidth_gbps": bw / 1e9,
+                "ratio": gbps / (bw / 1e9),
+                "ceiling_tps": bw / r.bytes_per_token,
+                "load_ms": r.load_ms,
+                "prompt_ms": r.prompt_ms,
+            });
+            if let Some(l) = llama_of(&r.model) {
+                o["llama_cpp_tps"] = l.into();
+                o["vs_llama_cpp"] = (r.tps / l).into();
+            }
+            o
+        })
+        .collect();
+    if a.json {
+        println!("{}", serde_json::Value::Array(objects));
+        return Ok(());
+    }
+    println!(
+        "{:<44} {:>6} {:>8} {:>7} {:>9} {:>7} {:>6} {:>8} {:>10}",
+        "model", "mode", "tok/s", "density", "MB/token", "GB/s", "ratio", "ceiling", "llama.cpp"
+    );
+    for (r, o) in rows.iter().zip(&objects) {
+        let name = Path::new(&r.model)
+            .file_name()
+            .map_or(r.model.clone(), |n| n.to_string_lossy().into_owned());
+        let llama =
+            llama_of(&r.model).map_or(String::from("-"), |l| format!("{l:.2} ({:.2}x)", r.tps / l));
+        println!(
+            "{:<44} {:>6} {:>8.2} {:>7.3} {:>9.1} {:>7.1} {:>6.2} {:>8.1} {:>10}",
+            name,
+            r.mode,
+            r.tps,
+            r.density,
+            r.bytes_per_token / 1e6,
+            o["gbps"].as_f64().unwrap_or(0.0),
+            o["ratio"].as_f64().unwrap_or(0.0),
+            o["ceiling_tps"].as_f64().unwrap_or(0.0),
+            llama
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,264 @@
+//! `powerinfer train-predictor -m MODEL -f TEXT --rank R --out DIR`: runs a text through the
+//! model (every FFN neuron computed), collects per layer the predictor input `h` (the pre-norm
+//! residual) and the true active set (activation `!= 0`) of every token, trains one predictor
+//! per layer (`powerinfer_predictor::train`), calibrates each layer's threshold to the target
+//! recall on the training tokens and writes `DIR/model_N.safetensors` + `DIR/config.json`
+//! (`sparse_threshold`), the predictor folder `powerinfer convert` takes.
+//!
+//! The last `--holdout` share of the tokens is held out; the report gives recall, precision and
+//! predicted density there per layer, next to the model file's own predictor (when it has one)
+//! at its threshold on the same tokens.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use powerinfer_engine::forward::FfnObserver;
+use powerinfer_engine::model::Ffn;
+use powerinfer_kernels_cpu::{MatMul, ThreadPool};
+use powerinfer_predictor::predictor::{FileDtype, Predictor};
+use powerinfer_predictor::quality::Confusion;
+use powerinfer_predictor::train::{
+    evaluate, train_layer, write_predictor_dir, LayerSamples, TrainConfig,
+};
+use serde_json::json;
+
+use super::profile::{confusion_json, load, observe_text};
+
+/// Arguments of `powerinfer train-predictor`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model file (PowerInfer or dense GGUF of a ReLU-family model).
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// Text file to train on.
+    #[arg(short = 'f', long = "file")]
+    pub file: PathBuf,
+    /// Hidden width of each predictor.
+    #[arg(long)]
+    pub rank: usize,
+    /// Output predictor folder (`model_N.safetensors`, `config.json`).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Recall each layer's threshold is calibrated to on the training tokens.
+    #[arg(long, default_value_t = 0.99)]
+    pub target_recall: f64,
+    /// Training epochs.
+    #[arg(long, default_value_t = 20)]
+    pub epochs: usize,
+    /// Tokens per minibatch.
+    #[arg(long, default_value_t = 128)]
+    pub batch_size: usize,
+    /// Adam step size relative to the initial weight scale.
+    #[arg(long, default_value_t = 0.2)]
+    pub lr: f32,
+    /// Share of the tokens held out (the last ones).
+    #[arg(long, default_value_t = 0.1)]
+    pub holdout: f64,
+    /// Seed of the initialisation and batch order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// The model-wide threshold θ the per-layer thresholds are folded onto (negative).
+    #[arg(long, default_value_t = -1.0, allow_hyphen_values = true)]
+    pub threshold: f32,
+    /// Tensor type of the written files: f32 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Threads (0 = all cores).
+    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    pub threads: usize,
+    /// Tokens per chunk (each chunk is a fresh sequence).
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Use at most this many tokens of the text (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub max_tokens: usize,
+    /// Print a JSON report on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Collector {
+    layers: Vec<LayerSamples>,
+    error: Option<String>,
+}
+
+impl FfnObserver for Collector {
+    fn observe(&mut self, layer: usize, t: usize, h: &[f32], act: &[f32], _: Option<&[f32]>) {
+        let r = match self.layers.get_mut(layer) {
+            Some(s) => s.push(t, h, act).map_err(|e| e.to_string()),
+            None => Err(format!("layer {layer} out of range")),
+        };
+        if let Err(e) = r {
+            self.error.get_or_insert(e);
+        }
+    }
+}
+
+/// Runs `powerinfer train-predictor`.
+pub fn run(args: Args) -> Result<(), String> {
+    let dtype = match args.dtype.as_str() {
+        "f32" => FileDtype::F32,
+        "f16" => FileDtype::F16,
+        d => return Err(format!("--dtype {d}: expected f32 or f16")),
+    };
+    if args.rank == 0 {
+        return Err("--rank must be positive".into());
+    }
+    if args.threshold.is_nan() || args.threshold >= 0.0 {
+        return Err("--threshold must be negative".into());
+    }
+    if !(0.0..1.0).contains(&args.holdout) {
+        return Err("--holdout must be in [0, 1)".into());
+    }
+    let (engine, tokens) = load(
+        &args.model,
+        &args.file,
+        args.threads,
+        args.ctx,
+        args.max_tokens,
+        None,
+    )?;
+    let hp = &engine.model().hparams;
+    let (n_layer, n_embd, n_ff) = (hp.n_layer, hp.n_embd, hp.n_ff);
+    let mut c = Collector {
+        layers: (0..n_layer)
+            .map(|_| LayerSamples::new(n_embd, n_ff))
+            .collect(),
+        error: None,
+    };
+    let collect_time = observe_text(&engine, &tokens, args.ctx, &mut c)?;
+    if let Some(e) = c.error {
+        return Err(e);
+    }
+    eprintln!(
+        "collected {} tokens × {n_layer} layers in {:.1} s",
+        tokens.len(),
+        collect_time.as_secs_f64()
+    );
+
+    let cfg = TrainConfig {
+        rank: args.rank,
+        epochs: args.epochs,
+        batch_size: args.batch_size,
+        learning_rate: args.lr,
+        target_recall: args.target_recall,
+        holdout: args.holdout,
+        threshold: args.threshold,
+        seed: args.seed,
+        ..TrainConfig::default()
+    };
+    let pool = ThreadPool::new(engine.threads());
+    let mm = MatMul::new(&pool);
+    let file_theta = engine.threshold();
+    let mut trained = Vec::with_capacity(n_layer);
+    let mut report = Vec::with_capacity(n_layer);
+    let (mut tot_new, mut tot_file) = (Confusion::default(), Confusion::default());
+    let mut has_file = true;
+    if !args.json {
+        println!(
+            "{} tokens ({} held out), rank {}, target recall {} (training tokens)",
+            tokens.len(),
+            c.layers[0].split(args.holdout).1.len(),
+            args.rank,
+            args.target_recall
+        );
+        println!("layer  true_dens  | trained: recall  precision  density | file's: recall  precision  density");
+    }
+    for (l, samples) in c.layers.iter().enumerate() {
+        let start = Instant::now();
+        let t = train_layer(samples, &cfg, &mm).map_err(|e| format!("layer {l}: {e}"))?;
+        let secs = start.elapsed().as_secs_f64();
+        let (_, hold) = samples.split(args.holdout);
+        let file_q = match &engine.model().layers[l].ffn {
+            Ffn::Sparse { fc1, fc2, .. } => {
+                let m = engine.model();
+                let p = Predictor::new(
+                    m.weights(fc1).map_err(|e| e.to_string())?,
+                    m.weights(fc2).map_err(|e| e.to_string())?,
+                )
+                .map_err(|e| e.to_string())?;
+                Some(evaluate(&p, &mm, samples, hold, file_theta).map_err(|e| e.to_string())?)
+            }
+            Ffn::Dense { .. } => None,
+        };
+        tot_new.merge(&t.holdout);
+        match &file_q {
+            Some(q) => tot_file.merge(q),
+            None => has_file = false,
+        }
+        let h = &t.holdout;
+        if !args.json {
+            let file_cols = file_q.map_or("      -          -         -".to_string(), |q| {
+                format!(
+                    "{:7.4}  {:9.4}  {:7.4}",
+                    q.recall(),
+                    q.precision(),
+                    q.predicted_density()
+                )
+            });
+            println!(
+                "{l:5}  {:9.4}  |          {:7.4}  {:9.4}  {:7.4} |         {file_cols}   ({secs:.1} s, loss {:.4} -> {:.4})",
+                h.true_density(),
+                h.recall(),
+                h.precision(),
+                h.predicted_density(),
+                t.loss.0,
+                t.loss.1
+            );
+        }
+        let mut v = json!({
+            "layer": l,
+            "layer_threshold": t.layer_threshold,
+            "loss_first_epoch": t.loss.0,
+            "loss_last_epoch": t.loss.1,
+            "train": confusion_json(&t.train),
+            "holdout": confusion_json(&t.holdout),
+            "seconds": secs,
+        });
+        if let Some(q) = &file_q {
+            v["file_predictor_holdout"] = confusion_json(q);
+        }
+        report.push(v);
+        trained.push(t.predictor);
+    }
+    write_predictor_dir(&args.out, &trained, args.threshold, dtype).map_err(|e| e.to_string())?;
+    if args.json {
+        let mut v = json!({
+            "model": args.model.display().to_string(),
+            "tokens": tokens.len(),
+            "rank": args.rank,
+            "threshold": args.threshold,
+            "target_recall": args.target_recall,
+            "out": args.out.display().to_string(),
+            "layers": report,
+            "holdout_total": confusion_json(&tot_new),
+        });
+        if has_file {
+            v["file_threshold"] = json!(file_theta);
+            v["file_predictor_holdout_total"] = confusion_json(&tot_file);
+        }
+        println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
+    } else {
+        println!(
+            "total  {:9.4}  |          {:7.4}  {:9.4}  {:7.4} |",
+            tot_new.true_density(),
+            tot_new.recall(),
+            tot_new.precision(),
+            tot_new.predicted_density()
+        );
+        if has_file {
+            println!(
+                "file's predictor at θ = {file_theta}: recall {:.4}, precision {:.4}, density {:.4}",
+                tot_file.recall(),
+                tot_file.precision(),
+                tot_file.predicted_density()
+            );
+        }
+    }
+    eprintln!(
+        "wrote {n_layer} model_N.safetensors and config.json (sparse_threshold {}) to {}",
+        args.threshold,
+        args.out.display()
+    );
+    Ok(())
+}
