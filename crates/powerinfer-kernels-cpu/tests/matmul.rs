@@ -466,3 +466,121 @@ fn degenerate_shapes() {
         }
     }
 }
+
+/// The GEMM micro-kernel (two rows × four tokens), the four-row GEMV kernel and the one-row
+/// kernels compute every (row, token) the same way: a GEMM equals one GEMV per token bit for
+/// bit, for odd row counts (a row left over after the pairs, parts of odd length per thread),
+/// token counts that are not a multiple of 4, row lengths that are not a multiple of the SIMD
+/// width (float types) or of two blocks (Q4_0 pairs), on every backend and 1, 2 and 3 threads.
+#[test]
+fn gemm_equals_gemv_per_token_bitwise() {
+    let mut rng = Rng(4242);
+    for &ty in supported_types() {
+        for &(rows, units, n_tokens) in &[(7usize, 4096 + 37, 9usize), (5, 133, 6), (2, 61, 4)] {
+            let cols = match ty.block_size() {
+                1 => units,
+                32 => 32 * ((units / 32) | 1),
+                _ => 256 * (1 + units / 2048),
+            };
+            let c = make_case(ty, rows, cols, &mut rng);
+            let x = random_vec(cols * n_tokens, &mut rng);
+            let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+            for backend in Backend::available() {
+                let mut first: Option<Vec<f32>> = None;
+                for threads in [1, 2, 3] {
+                    let pool = ThreadPool::new(threads);
+                    let mm = MatMul::with_backend(&pool, backend).unwrap();
+                    let what = format!("{ty:?} {backend} {threads}t {rows}x{cols} T={n_tokens}");
+                    let mut y = vec![f32::NAN; rows * n_tokens];
+                    mm.gemm(&wv, &x, n_tokens, &mut y).unwrap();
+                    for t in 0..n_tokens {
+                        let mut yt = vec![f32::NAN; rows];
+                        mm.gemv(&wv, &x[t * cols..(t + 1) * cols], &mut yt).unwrap();
+                        assert_eq!(
+                            bits(&yt),
+                            bits(&y[t * rows..(t + 1) * rows]),
+                            "{what}: gemm != gemv at t={t}"
+                        );
+                    }
+                    match &first {
+                        None => first = Some(y),
+                        Some(f) => assert_eq!(bits(f), bits(&y), "{what}: thread counts differ"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The sparse kernels on LLaMA-like lengths at ~10% density (the four-row GEMV over scattered
+/// active rows and the column-split four-row axpy): against the reference, and 1 vs 2 threads
+/// bit-identical; also an active count that is not a multiple of 4.
+#[test]
+fn sparse_long_rows_low_density() {
+    let mut rng = Rng(777);
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16, GgmlType::F32] {
+        let (rows, cols) = (83, 4096 + 96);
+        let c = make_case(ty, rows, cols, &mut rng);
+        let x = random_vec(cols, &mut rng);
+        let xq = quantized_acts(ty, &x, cols);
+        let active: Vec<u32> = (0..rows as u32).filter(|_| rng.below(10) == 0).collect();
+        let active = if active.len() % 4 == 0 {
+            &active[1..]
+        } else {
+            &active[..]
+        };
+        let a: Vec<f32> = (0..rows).map(|_| rng.f32()).collect();
+        let y0 = random_vec(cols, &mut rng);
+        let scores: Vec<f32> = (0..rows)
+            .map(|i| {
+                if active.contains(&(i as u32)) {
+                    1.0
+                } else {
+                    -1.0
+                }
+            })
+            .collect();
+        let want = r::sparse_gemm(&c.w, rows, cols, &xq, 1, &scores, 0.0, None);
+        let (tight, _) = product_bounds(ty, &c.abs_w, rows, cols, &x, &xq, 1);
+        let want_axpy = r::sparse_axpy(
+            &c.w,
+            rows,
+            cols,
+            &to_f64(&a),
+            1,
+            &scores,
+            0.0,
+            None,
+            &to_f64(&y0),
+        );
+        let bound: Vec<f64> = (0..cols)
+            .map(|col| {
+                let s: f64 = active
+                    .iter()
+                    .map(|&i| (a[i as usize] as f64).abs() * c.abs_w[i as usize * cols + col])
+                    .sum();
+                (rows + 4) as f64 * U * (s + (y0[col] as f64).abs()) + 1e-30
+            })
+            .collect();
+        let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+        for backend in Backend::available() {
+            let mut prev: Option<(Vec<f32>, Vec<f32>)> = None;
+            for threads in [1, 2] {
+                let pool = ThreadPool::new(threads);
+                let mm = MatMul::with_backend(&pool, backend).unwrap();
+                let what = format!("{ty:?} {backend} {threads}t");
+                let mut y = vec![f32::NAN; rows];
+                mm.sparse_gemv_indexed(&wv, &x, active, &mut y).unwrap();
+                assert_close(&format!("{what} sparse_gemv"), &y, &want, &tight);
+                let mut ya = y0.clone();
+                mm.sparse_axpy_indexed(&wv, &a, active, &mut ya).unwrap();
+                assert_close(&format!("{what} sparse_axpy"), &ya, &want_axpy, &bound);
+                if let Some((py, pa)) = &prev {
+                    assert_eq!(bits(py), bits(&y), "{what}: gemv 1 vs 2 threads");
+                    assert_eq!(bits(pa), bits(&ya), "{what}: axpy 1 vs 2 threads");
+                }
+                prev = Some((y, ya));
+            }
+        }
+    }
+}

@@ -22,7 +22,11 @@
 //! (or the list of active rows) into contiguous near-equal parts, one per thread; axpy splits
 //! the *output* columns (block-aligned), each thread walking every active row over its columns,
 //! so no reduction between threads is needed and the summation order never changes. GEMM walks
-//! tokens in cache-sized blocks and computes four tokens per pass over a weight row.
+//! tokens in blocks sized to the last-level cache; dense products run a two-row × four-token
+//! micro-kernel, sparse ones four tokens per pass over a weight row. Every kernel variant (one
+//! row, four rows, four tokens, the 2 × 4 tile) computes each (row, token) with the same
+//! operations in the same order, so GEMM == per-token GEMV == sparse with zeroed rows, bit for
+//! bit.
 //!
 //! The f64 definitions of every kernel are in [`crate::reference::matmul`].
 
@@ -189,6 +193,41 @@ fn check_active(active: &[u32], rows: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// The rows `i` with `scores[i] >= threshold`, `skip[i]` false (when given) and `nonzero[i] !=
+/// 0` (when given), in increasing order. Branch-free per row (a 64-row mask, then its set bits):
+/// at ~10% random density a branch per row mispredicts often enough to cost several µs per call
+/// on an 11008-row matrix, a noticeable part of a sparse GEMV.
+fn select_rows(
+    scores: &[f32],
+    threshold: f32,
+    skip: Option<&[bool]>,
+    nonzero: Option<&[f32]>,
+) -> Vec<u32> {
+    let mut out = Vec::with_capacity(scores.len());
+    for (c, chunk) in scores.chunks(64).enumerate() {
+        let base = c * 64;
+        let mut m = 0u64;
+        for (j, &s) in chunk.iter().enumerate() {
+            m |= ((s >= threshold) as u64) << j;
+        }
+        if let Some(skip) = skip {
+            for (j, &k) in skip[base..base + chunk.len()].iter().enumerate() {
+                m &= !((k as u64) << j);
+            }
+        }
+        if let Some(a) = nonzero {
+            for (j, &v) in a[base..base + chunk.len()].iter().enumerate() {
+                m &= !(((v == 0.0) as u64) << j);
+            }
+        }
+        while m != 0 {
+            out.push((base + m.trailing_zeros() as usize) as u32);
+            m &= m - 1;
+        }
+    }
+    out
+}
+
 /// Asks the CPU to start loading a row the kernel will visit soon (a hint: no effect on
 /// results). Used for the rows a sparse kernel will visit next, which the hardware prefetchers
 /// cannot guess: without it, short quantized rows at random places are read at DRAM latency,
@@ -231,6 +270,9 @@ const PREFETCH_WHOLE_AXPY: usize = 2560;
 /// Bytes prefetched at the start of a longer row.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const PREFETCH_HEAD: usize = 512;
+
+/// Activation bytes per GEMM token block (see `gemm_core`).
+const GEMM_BLOCK_BYTES: usize = 8 << 20;
 
 /// How many rows ahead the sparse kernels prefetch: enough rows to cover ~4 KiB, at least 2 and
 /// at most 8.
@@ -327,7 +369,18 @@ impl<'p> MatMul<'p> {
             // SAFETY: `for_chunks` hands out disjoint row ranges within `0..rows == y.len()`.
             let y = unsafe { out.slice(r.clone()) };
             let mut done = 0;
-            if let Some(rows4) = ops.rows4 {
+            // Four rows per pass for float weights (whose long f32 activation would otherwise
+            // be reloaded from L2 per row). Quantized rows go one at a time as before: their
+            // activation stays in L1, the dense GEMV is DRAM-bound with the one-row kernel, and
+            // four interleaved streams per thread showed no gain here (noisy machine; one run
+            // looked 2× slower). The sparse GEMV, whose scattered rows are software-prefetched
+            // and partly compute-bound, does use four rows per pass.
+            let rows4 = if ops.act == act::ActFormat::F32 {
+                ops.rows4
+            } else {
+                None
+            };
+            if let Some(rows4) = rows4 {
                 for (k, yq) in y.chunks_exact_mut(4).enumerate() {
                     let i = r.start + 4 * k;
                     let v = rows4([w.row(i), w.row(i + 1), w.row(i + 2), w.row(i + 3)], &act);
@@ -383,10 +436,12 @@ impl<'p> MatMul<'p> {
         check_len("x", w.cols, x.len())?;
         check_len("y", w.rows, y.len())?;
         select.check(w.rows, 1)?;
-        let active: Vec<u32> = (0..w.rows)
-            .filter(|&i| select.selected(w.rows, 0, i))
-            .map(|i| i as u32)
-            .collect();
+        let active = select_rows(
+            &select.scores[..w.rows],
+            select.threshold,
+            select.skip,
+            None,
+        );
         self.gemv_indexed_unchecked(w, x, &active, y)
     }
 
@@ -421,7 +476,11 @@ impl<'p> MatMul<'p> {
         let acts = ActBuf::new(ops.act, x, w.cols);
         let act = acts.get(0);
         let out = OutPtr::new(y);
-        let ahead = prefetch_ahead(w.row_bytes);
+        // With four rows per pass, rows `k + 1..k + 4` are computed together with row `k`: the
+        // look-ahead counts from the end of the current group, plus one more group (measured
+        // at 10% density, 2 threads: +3 rows ~1.07× faster than none for Q4_0/Q8_0, +7 about
+        // the same for Q4_0 and ~1.08× more for Q8_0).
+        let ahead = prefetch_ahead(w.row_bytes) + if ops.rows4.is_some() { 7 } else { 0 };
         self.pool.for_chunks(active.len(), |r| {
             let part = &active[r];
             for &i in part.iter().take(ahead) {
@@ -500,7 +559,9 @@ impl<'p> MatMul<'p> {
     }
 
     /// The GEMM frame: each thread takes a contiguous part of the row list; tokens go in blocks
-    /// that keep their activations in L2, four tokens per pass over a row.
+    /// whose activations stay in the last-level cache ([`GEMM_BLOCK_BYTES`]); dense products
+    /// run two rows × four tokens per micro-kernel call, sparse ones four tokens per pass over
+    /// a row.
     #[allow(clippy::too_many_arguments)]
     fn gemm_core(
         &self,
@@ -517,18 +578,64 @@ impl<'p> MatMul<'p> {
             RowList::All(n) => n,
             RowList::Listed => rows.len(),
         };
-        let block = (256 * 1024 / acts.bytes_per_token().max(1)).clamp(4, 64) / 4 * 4;
+        // Token blocks sized to the last-level cache, not L2: every block streams all of the
+        // thread's weight rows from DRAM again, and with L2-sized blocks (4–16 tokens of f32
+        // activations) a 128-token F16 GEMM re-read its weights 8–32 times, ~2× slower
+        // (measured on Zen 4, 2 threads; the quantized types, with 4× smaller activations,
+        // gained little). The activations of a block are re-read from L3 per row pair
+        // instead, which the 2 × 4 micro-kernel keeps cheap.
+        let block = (GEMM_BLOCK_BYTES / acts.bytes_per_token().max(1)).clamp(4, 128) / 4 * 4;
         let out = OutPtr::new(y);
         let wr = w.rows;
+        let index = |k: usize| match list {
+            RowList::All(_) => k,
+            RowList::Listed => rows[k] as usize,
+        };
+        // The two-row micro-kernel serves dense products (every row takes every token); each
+        // result is the same as the one-row kernels give, so sparse == zeroed dense still holds.
+        let tile = if select.is_none() { ops.tile } else { None };
         self.pool.for_chunks(n_rows, |part| {
             let mut t0 = 0;
             while t0 < n_tokens {
                 let t1 = (t0 + block).min(n_tokens);
-                for k in part.clone() {
-                    let i = match list {
-                        RowList::All(_) => k,
-                        RowList::Listed => rows[k] as usize,
-                    };
+                let mut first = part.start;
+                if let Some(tile) = tile {
+                    while first + 2 <= part.end {
+                        let i = [index(first), index(first + 1)];
+                        let pair = [w.row(i[0]), w.row(i[1])];
+                        let mut t = t0;
+                        while t + 4 <= t1 {
+                            let a = [
+                                acts.get(t),
+                                acts.get(t + 1),
+                                acts.get(t + 2),
+                                acts.get(t + 3),
+                            ];
+                            let mut r = [[0f32; 4]; 2];
+                            tile(pair, &a, &mut r);
+                            for (&i, r) in i.iter().zip(&r) {
+                                for (j, &v) in r.iter().enumerate() {
+                                    // SAFETY: rows `i` belong to this thread only (disjoint
+                                    // parts of a strictly increasing row list), so
+                                    // `(t + j) * wr + i < n_tokens * rows` is written by this
+                                    // thread only.
+                                    unsafe { out.write((t + j) * wr + i, v) };
+                                }
+                            }
+                            t += 4;
+                        }
+                        for t in t..t1 {
+                            let a = acts.get(t);
+                            for (&i, row) in i.iter().zip(pair) {
+                                // SAFETY: as above.
+                                unsafe { out.write(t * wr + i, (ops.dot)(row, &a)) };
+                            }
+                        }
+                        first += 2;
+                    }
+                }
+                for k in first..part.end {
+                    let i = index(k);
                     let row = w.row(i);
                     let mut pending = [0usize; 4];
                     let mut np = 0;
@@ -581,10 +688,12 @@ impl<'p> MatMul<'p> {
         check_len("a", w_t.rows, a.len())?;
         check_len("y", w_t.cols, y.len())?;
         select.check(w_t.rows, 1)?;
-        let active: Vec<u32> = (0..w_t.rows)
-            .filter(|&i| a[i] != 0.0 && select.selected(w_t.rows, 0, i))
-            .map(|i| i as u32)
-            .collect();
+        let active = select_rows(
+            &select.scores[..w_t.rows],
+            select.threshold,
+            select.skip,
+            Some(a),
+        );
         self.axpy_core(w_t, a, 1, &active, None, y)
     }
 
@@ -671,7 +780,8 @@ impl<'p> MatMul<'p> {
             if n_tokens == 1 && select.is_none() {
                 // SAFETY: threads own disjoint column ranges `c0..c1 <= cols == y.len()`.
                 let yo = unsafe { out.slice(c0..c1) };
-                let ahead = prefetch_ahead(b1 - b0);
+                // Four rows per pass: count the look-ahead from the end of the current group.
+                let ahead = prefetch_ahead(b1 - b0) + if ops.axpy4.is_some() { 4 } else { 0 };
                 for &i in active.iter().take(ahead) {
                     prefetch(&w.row(i as usize)[b0..b1], PREFETCH_WHOLE_AXPY);
                 }

@@ -11,6 +11,10 @@ pub(crate) type DotFn = fn(&[u8], &Act<'_>) -> f32;
 pub(crate) type Dot4Fn = fn(&[u8], &[Act<'_>; 4], &mut [f32; 4]);
 /// Dot products of four weight rows with one activation, each exactly as [`DotFn`] computes it.
 pub(crate) type Rows4Fn = fn([&[u8]; 4], &Act<'_>) -> [f32; 4];
+/// Dot products of two weight rows with four activations (`out[r][t]`), each exactly as
+/// [`DotFn`] computes it: the GEMM micro-kernel (weights decoded once per 4 tokens, activations
+/// loaded once per 2 rows).
+pub(crate) type TileFn = fn([&[u8]; 2], &[Act<'_>; 4], &mut [[f32; 4]; 2]);
 /// `out += a · row` (row bytes and `out` cover the same columns).
 pub(crate) type AxpyFn = fn(&[u8], f32, &mut [f32]);
 /// `out += a[0]·rows[0] + … + a[3]·rows[3]`, with the roundings of four [`AxpyFn`] calls in order.
@@ -23,6 +27,8 @@ pub(crate) struct RowOps {
     pub dot4: Dot4Fn,
     /// Four rows at once (same results as four `dot` calls), where the backend has it.
     pub rows4: Option<Rows4Fn>,
+    /// Two rows × four tokens (same results as eight `dot` calls), where the backend has it.
+    pub tile: Option<TileFn>,
     pub axpy: AxpyFn,
     /// Four rows at once, where the backend has such a kernel.
     pub axpy4: Option<Axpy4Fn>,
@@ -51,6 +57,7 @@ fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
         dot,
         dot4,
         rows4: None,
+        tile: None,
         axpy,
         axpy4: None,
         act,

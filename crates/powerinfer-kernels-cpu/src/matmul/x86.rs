@@ -29,6 +29,7 @@ pub(crate) fn override_avx2(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
             ops.dot = dot_f32;
             ops.dot4 = dot4_f32;
             ops.rows4 = Some(rows4_f32);
+            ops.tile = Some(tile_f32);
             ops.axpy = axpy_f32;
             ops.axpy4 = Some(axpy4_f32);
         }
@@ -36,6 +37,7 @@ pub(crate) fn override_avx2(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
             ops.dot = dot_f16;
             ops.dot4 = dot4_f16;
             ops.rows4 = Some(rows4_f16);
+            ops.tile = Some(tile_f16);
             ops.axpy = axpy_f16;
             ops.axpy4 = Some(axpy4_f16);
         }
@@ -43,6 +45,7 @@ pub(crate) fn override_avx2(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
             ops.dot = dot_bf16;
             ops.dot4 = dot4_bf16;
             ops.rows4 = Some(rows4_bf16);
+            ops.tile = Some(tile_bf16);
             ops.axpy = axpy_bf16;
             ops.axpy4 = Some(axpy4_bf16);
         }
@@ -150,96 +153,50 @@ impl FloatLoad for LBF16 {
 // ---------------------------------------------------------------------------------------------
 // Float weights × f32 activations.
 
-/// `N` dot products of one float row with `N` activations: per token two 8-lane accumulators
-/// over 16-element steps, one more 8-element step into the first, a fixed-order horizontal sum,
-/// then the last `n % 8` elements with scalar FMAs.
+/// Dot products of `R` float rows with `N` activations (`out[r][t]`): one 8-lane accumulator
+/// per (row, token) over 8-element steps, a fixed-order horizontal sum, then the last `n % 8`
+/// elements with scalar FMAs. Every (row, token) result is the same for any `R` and `N`; a
+/// step loads each row's 8 weights once for all tokens and each token's 8 activations once for
+/// all rows (GEMM: fewer activation reloads from L2 per FMA; GEMV: `R` independent FMA chains).
 ///
 /// # Safety
-/// `row` holds `n` elements of `L`, every `xs[k]` has `n` values; AVX2/FMA/F16C available.
+/// Every row holds `n` elements of `L`, every `xs[k]` has `n` values; AVX2/FMA/F16C available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_float<L: FloatLoad, const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+unsafe fn dot_float_tile<L: FloatLoad, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    xs: [&[f32]; N],
+) -> [[f32; N]; R] {
     let n = xs[0].len();
-    debug_assert!(row.len() >= n * L::SIZE && xs.iter().all(|x| x.len() == n));
-    let w = row.as_ptr();
-    let mut acc0 = [_mm256_setzero_ps(); N];
-    let mut acc1 = [_mm256_setzero_ps(); N];
-    let mut i = 0;
-    // SAFETY (all loads below): `i + 16 <= n` (or `i + 8 <= n`, or `i < n`) elements, in
-    // bounds of `row` (n elements of L::SIZE bytes) and of every `xs[k]` (n values).
-    unsafe {
-        while i + 16 <= n {
-            let w0 = L::load8(w.add(i * L::SIZE));
-            let w1 = L::load8(w.add((i + 8) * L::SIZE));
-            for k in 0..N {
-                let x = xs[k].as_ptr().add(i);
-                acc0[k] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc0[k]);
-                acc1[k] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), acc1[k]);
-            }
-            i += 16;
-        }
-        if i + 8 <= n {
-            let w0 = L::load8(w.add(i * L::SIZE));
-            for k in 0..N {
-                acc0[k] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[k].as_ptr().add(i)), acc0[k]);
-            }
-            i += 8;
-        }
-        let mut out = [0f32; N];
-        for k in 0..N {
-            let mut s = hsum(_mm256_add_ps(acc0[k], acc1[k]));
-            for j in i..n {
-                s = L::load1(w.add(j * L::SIZE)).mul_add(*xs[k].get_unchecked(j), s);
-            }
-            out[k] = s;
-        }
-        out
-    }
-}
-
-/// `R` dot products of `R` float rows with one activation, computing each row exactly as
-/// [`dot_float`] does (same accumulators, same order) while loading each activation vector once
-/// for all rows: for long rows (11008 f32 = 44 KB) the activation does not fit in L1, and this
-/// cuts its reloads from L2 by `R`.
-///
-/// # Safety
-/// Every row holds `x.len()` elements of `L`; AVX2/FMA/F16C available.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_float_rows<L: FloatLoad, const R: usize>(rows: [&[u8]; R], x: &[f32]) -> [f32; R] {
-    let n = x.len();
-    debug_assert!(rows.iter().all(|r| r.len() >= n * L::SIZE));
+    debug_assert!(rows.iter().all(|r| r.len() >= n * L::SIZE) && xs.iter().all(|x| x.len() == n));
     let w = rows.map(|r| r.as_ptr());
-    let xp = x.as_ptr();
-    let mut acc0 = [_mm256_setzero_ps(); R];
-    let mut acc1 = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     let mut i = 0;
-    // SAFETY (all loads below): indices below `n`, in bounds of every row (n elements of
-    // L::SIZE bytes) and of `x`.
+    // SAFETY (all loads below): `i + 8 <= n` (or `j < n`) elements, in bounds of every row (n
+    // elements of L::SIZE bytes) and of every `xs[k]` (n values).
     unsafe {
-        while i + 16 <= n {
-            let x0 = _mm256_loadu_ps(xp.add(i));
-            let x1 = _mm256_loadu_ps(xp.add(i + 8));
+        while i + 8 <= n {
+            let mut wv = [_mm256_setzero_ps(); R];
             for r in 0..R {
-                acc0[r] = _mm256_fmadd_ps(L::load8(w[r].add(i * L::SIZE)), x0, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(L::load8(w[r].add((i + 8) * L::SIZE)), x1, acc1[r]);
+                wv[r] = L::load8(w[r].add(i * L::SIZE));
             }
-            i += 16;
-        }
-        if i + 8 <= n {
-            let x0 = _mm256_loadu_ps(xp.add(i));
-            for r in 0..R {
-                acc0[r] = _mm256_fmadd_ps(L::load8(w[r].add(i * L::SIZE)), x0, acc0[r]);
+            for k in 0..N {
+                let x = _mm256_loadu_ps(xs[k].as_ptr().add(i));
+                for r in 0..R {
+                    acc[r][k] = _mm256_fmadd_ps(wv[r], x, acc[r][k]);
+                }
             }
             i += 8;
         }
-        let mut out = [0f32; R];
+        let mut out = [[0f32; N]; R];
         for r in 0..R {
-            let mut s = hsum(_mm256_add_ps(acc0[r], acc1[r]));
-            for j in i..n {
-                s = L::load1(w[r].add(j * L::SIZE)).mul_add(*x.get_unchecked(j), s);
+            for k in 0..N {
+                let mut s = hsum(acc[r][k]);
+                for j in i..n {
+                    s = L::load1(w[r].add(j * L::SIZE)).mul_add(*xs[k].get_unchecked(j), s);
+                }
+                out[r][k] = s;
             }
-            out[r] = s;
         }
         out
     }
@@ -328,20 +285,28 @@ unsafe fn axpy4_float<L: FloatLoad>(rows: [&[u8]; 4], a: [f32; 4], out: &mut [f3
 }
 
 macro_rules! float_wrappers {
-    ($l:ty, $dot:ident, $dot4:ident, $rows4:ident, $axpy:ident, $axpy4:ident) => {
+    ($l:ty, $dot:ident, $dot4:ident, $rows4:ident, $tile:ident, $axpy:ident, $axpy4:ident) => {
         fn $rows4(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
             // SAFETY: installed only when AVX2/FMA/F16C were detected; the frame passes four
             // whole rows and an activation of the row length.
-            unsafe { dot_float_rows::<$l, 4>(rows, a.f) }
+            unsafe { dot_float_tile::<$l, 4, 1>(rows, [a.f]) }.map(|r| r[0])
+        }
+        fn $tile(rows: [&[u8]; 2], acts: &[Act<'_>; 4], out: &mut [[f32; 4]; 2]) {
+            // SAFETY: as above, two whole rows and four activations of the row length.
+            *out = unsafe {
+                dot_float_tile::<$l, 2, 4>(rows, [acts[0].f, acts[1].f, acts[2].f, acts[3].f])
+            };
         }
         fn $dot(row: &[u8], a: &Act<'_>) -> f32 {
             // SAFETY: installed only when AVX2/FMA/F16C were detected; the frame passes a whole
             // row (`a.f.len()` elements) and an activation of the same length.
-            unsafe { dot_float::<$l, 1>(row, [a.f])[0] }
+            unsafe { dot_float_tile::<$l, 1, 1>([row], [a.f])[0][0] }
         }
         fn $dot4(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
             // SAFETY: as above, four activations of the row's length.
-            *out = unsafe { dot_float::<$l, 4>(row, [acts[0].f, acts[1].f, acts[2].f, acts[3].f]) };
+            *out = unsafe {
+                dot_float_tile::<$l, 1, 4>([row], [acts[0].f, acts[1].f, acts[2].f, acts[3].f])[0]
+            };
         }
         fn $axpy(row: &[u8], a: f32, out: &mut [f32]) {
             // SAFETY: as above; the frame passes row bytes covering exactly `out`'s columns.
@@ -353,9 +318,9 @@ macro_rules! float_wrappers {
         }
     };
 }
-float_wrappers!(LF32, dot_f32, dot4_f32, rows4_f32, axpy_f32, axpy4_f32);
-float_wrappers!(LF16, dot_f16, dot4_f16, rows4_f16, axpy_f16, axpy4_f16);
-float_wrappers!(LBF16, dot_bf16, dot4_bf16, rows4_bf16, axpy_bf16, axpy4_bf16);
+float_wrappers!(LF32, dot_f32, dot4_f32, rows4_f32, tile_f32, axpy_f32, axpy4_f32);
+float_wrappers!(LF16, dot_f16, dot4_f16, rows4_f16, tile_f16, axpy_f16, axpy4_f16);
+float_wrappers!(LBF16, dot_bf16, dot4_bf16, rows4_bf16, tile_bf16, axpy_bf16, axpy4_bf16);
 
 // ---------------------------------------------------------------------------------------------
 // Q8_0 and Q4_0 weights × Q8_0 activations.
@@ -394,45 +359,112 @@ unsafe fn axpy_q8_0_n<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [
     }
 }
 
-/// `out += Σ_k a[k] · rows[k]` for `N` Q4_0 rows, row after row per element: per block,
-/// nibbles − 8 → f32, times `a·d_w`.
+/// `out += Σ_k a[k] · rows[k]` for `N` Q4_0 rows, row after row per element (the roundings of
+/// `N` one-row calls): per block `y = fma(a·d_w, q − 8, y)` with `q − 8` exact in f32.
+///
+/// The kernel is bound by vector ALU work, not memory, so the decoding is lean: bytes 0..8 and
+/// 8..16 of a block zero-extended to dwords hold elements 0..16 in their low nibbles and 16..32
+/// in their high ones; a nibble `q` ORed into the bits of 2²³ is the float 2²³ + q, and
+/// subtracting 2²³ + 8 leaves `q − 8` exactly (no int→float conversion, no sign handling). The
+/// `N` scales `a·d_w` of a block are converted from f16 and multiplied together. Pairs of
+/// blocks are interleaved so that the out-of-order core sees independent FMA chains.
 ///
 /// # Safety
 /// Every row is whole blocks covering `out`; AVX2/FMA/F16C available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy_q4_0_n<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    const { assert!(N >= 1 && N <= 4) };
     let nb = out.len() / 32;
     debug_assert!(rows.iter().all(|r| r.len() >= nb * 18));
     let o = out.as_mut_ptr();
-    let mask = _mm_set1_epi8(0x0F);
-    let eight = _mm_set1_epi8(8);
-    for b in 0..nb {
-        // SAFETY: block `b` < nb is within every row, outputs `32b..32b+32` within `out`.
-        unsafe {
-            let mut y = [_mm256_setzero_ps(); 4];
-            for (g, yg) in y.iter_mut().enumerate() {
-                *yg = _mm256_loadu_ps(o.add(b * 32 + 8 * g));
-            }
+    let ak = |k: usize| if k < N { a[k] } else { 0.0 };
+    let av = _mm256_setr_ps(ak(0), ak(1), ak(2), ak(3), 0.0, 0.0, 0.0, 0.0);
+    let p = rows.map(|r| r.as_ptr());
+    let mut b = 0;
+    while b < nb {
+        if b + 2 <= nb {
+            // SAFETY: blocks `b`, `b + 1` < nb are within every row, outputs within `out`.
+            unsafe { q4_0_axpy_blocks::<N, 2>(p, b, av, o) };
+            b += 2;
+        } else {
+            // SAFETY: block `b` < nb is within every row, outputs within `out`.
+            unsafe { q4_0_axpy_blocks::<N, 1>(p, b, av, o) };
+            b += 1;
+        }
+    }
+}
+
+/// Blocks `b..b + G` of [`axpy_q4_0_n`] (`av` holds the `N` activations in its first lanes).
+///
+/// # Safety
+/// Blocks `b..b + G` exist in every row at `p[k]` and outputs `32b..32(b + G)` at `o`;
+/// AVX2/FMA/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_axpy_blocks<const N: usize, const G: usize>(
+    p: [*const u8; N],
+    b: usize,
+    av: __m256,
+    o: *mut f32,
+) {
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        let low = _mm256_set1_epi32(0x0F);
+        // 2²³ + q as f32 bits; minus 2²³ + 8 leaves q − 8 exactly.
+        let magic = _mm256_set1_epi32(0x4B00_0000);
+        let magic_8 = _mm256_set1_ps(8_388_616.0);
+        let mut sv = [_mm256_setzero_ps(); G];
+        for j in 0..G {
+            // The N scales a[k]·d_k of block b + j as one vector (lanes ≥ N unused).
+            let mut h = [0i32; 4];
             for k in 0..N {
-                let blk = rows[k].as_ptr().add(b * 18);
-                let s = _mm256_set1_ps(a[k] * f16_scalar(blk));
-                let raw = _mm_loadu_si128(blk.add(2) as *const __m128i);
-                let lo = _mm_sub_epi8(_mm_and_si128(raw, mask), eight);
-                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(raw), mask), eight);
+                h[k] = std::ptr::read_unaligned(p[k].add((b + j) * 18) as *const u16) as i32;
+            }
+            let mut hv = _mm_cvtsi32_si128(h[0]);
+            if N > 1 {
+                hv = _mm_insert_epi16::<1>(hv, h[1]);
+            }
+            if N > 2 {
+                hv = _mm_insert_epi16::<2>(hv, h[2]);
+            }
+            if N > 3 {
+                hv = _mm_insert_epi16::<3>(hv, h[3]);
+            }
+            sv[j] = _mm256_mul_ps(av, _mm256_cvtph_ps(hv));
+        }
+        let mut y = [[_mm256_setzero_ps(); 4]; G];
+        for j in 0..G {
+            for g in 0..4 {
+                y[j][g] = _mm256_loadu_ps(o.add((b + j) * 32 + 8 * g));
+            }
+        }
+        for k in 0..N {
+            for j in 0..G {
+                let s = _mm256_permutevar8x32_ps(sv[j], _mm256_set1_epi32(k as i32));
+                let q = p[k].add((b + j) * 18 + 2);
+                // Bytes 0..8 and 8..16 zero-extended to dwords: the low nibbles are elements
+                // 0..16, the high ones 16..32.
+                let d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i));
+                let d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.add(8) as *const __m128i));
                 let parts = [
-                    lo,
-                    _mm_unpackhi_epi64(lo, lo),
-                    hi,
-                    _mm_unpackhi_epi64(hi, hi),
+                    _mm256_and_si256(d0, low),
+                    _mm256_and_si256(d1, low),
+                    _mm256_srli_epi32::<4>(d0),
+                    _mm256_srli_epi32::<4>(d1),
                 ];
-                for (yg, part) in y.iter_mut().zip(parts) {
-                    let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
-                    *yg = _mm256_fmadd_ps(s, v, *yg);
+                for g in 0..4 {
+                    let v = _mm256_sub_ps(
+                        _mm256_castsi256_ps(_mm256_or_si256(parts[g], magic)),
+                        magic_8,
+                    );
+                    y[j][g] = _mm256_fmadd_ps(s, v, y[j][g]);
                 }
             }
-            for (g, yg) in y.iter().enumerate() {
-                _mm256_storeu_ps(o.add(b * 32 + 8 * g), *yg);
+        }
+        for j in 0..G {
+            for g in 0..4 {
+                _mm256_storeu_ps(o.add((b + j) * 32 + 8 * g), y[j][g]);
             }
         }
     }

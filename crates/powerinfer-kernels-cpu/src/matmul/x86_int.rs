@@ -19,9 +19,14 @@ pub(crate) fn override_int(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
     macro_rules! set {
         ($m:ident) => {
             match ty {
-                T::Q8_0 => (ops.dot, ops.dot4) = ($m::dot_q8_0, $m::dot4_q8_0),
+                T::Q8_0 => {
+                    (ops.dot, ops.dot4) = ($m::dot_q8_0, $m::dot4_q8_0);
+                    ops.rows4 = Some($m::rows4_q8_0);
+                }
                 T::Q4_0 => {
                     (ops.dot, ops.dot4) = ($m::dot_q4_0, $m::dot4_q4_0);
+                    ops.rows4 = Some($m::rows4_q4_0);
+                    ops.tile = Some($m::tile_q4_0);
                     ops.act = ActFormat::Q8_0Pairs;
                 }
                 T::Q4_1 => (ops.dot, ops.dot4) = ($m::dot_q4_1, $m::dot4_q4_1),
@@ -52,191 +57,252 @@ macro_rules! int_kernels {
 
         $($helpers)*
 
-        /// Adds block `b` of a Q8_0 row (`blk` points at it) to the `N` accumulators.
+        /// Adds block `b` of `R` Q8_0 rows (`blk[r]` points at row r's block) to the `R × N`
+        /// accumulators; each (row, token) pair takes the same operations for any `R` and `N`.
         ///
         /// # Safety
-        /// 34 readable bytes at `blk`; act entries for block `b` exist; features available.
-        #[inline]
-        #[target_feature(enable = $feat)]
-        unsafe fn q8_0_block<const N: usize>(
-            blk: *const u8,
-            b: usize,
-            acts: &[&Act<'_>; N],
-            acc: &mut [__m256; N],
-        ) {
-            // SAFETY: guaranteed by the caller.
-            unsafe {
-                let dw = f16_scalar(blk);
-                let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                for k in 0..N {
-                    let x = _mm256_loadu_si256(acts[k].q.as_ptr().add(b * 32) as *const __m256i);
-                    let s = _mm256_cvtepi32_ps(dot_i8(w, x));
-                    let d = _mm256_set1_ps(dw * *acts[k].d.get_unchecked(b));
-                    acc[k] = _mm256_fmadd_ps(s, d, acc[k]);
-                }
-            }
-        }
-
-        /// Adds block `b` of a Q4_0 row to the `N` accumulators: nibbles unsigned (0..15), the
-        /// −8 offset subtracted exactly in the integer sums (`dot_u_off`).
-        ///
-        /// # Safety
-        /// 18 readable bytes at `blk`; act entries for block `b` exist; features available.
-        #[inline]
-        #[target_feature(enable = $feat)]
-        unsafe fn q4_0_block<const N: usize>(
-            blk: *const u8,
-            b: usize,
-            acts: &[&Act<'_>; N],
-            acc: &mut [__m256; N],
-        ) {
-            // SAFETY: guaranteed by the caller.
-            unsafe {
-                let dw = f16_scalar(blk);
-                let u = nibbles32(blk.add(2));
-                for k in 0..N {
-                    let x = _mm256_loadu_si256(acts[k].q.as_ptr().add(b * 32) as *const __m256i);
-                    let s = _mm256_cvtepi32_ps(dot_u_off::<8>(u, x));
-                    let d = _mm256_set1_ps(dw * *acts[k].d.get_unchecked(b));
-                    acc[k] = _mm256_fmadd_ps(s, d, acc[k]);
-                }
-            }
-        }
-
-        /// Adds blocks `b` and `b + 1` of a Q4_0 row (`blk` points at block `b`) to the `N`
-        /// accumulators, with activations in [`ActFormat::Q8_0Pairs`] order: one vector holds
-        /// both blocks' low nibbles, one both high nibbles; i32 lanes 0..4 sum block `b`, lanes
-        /// 4..8 block `b + 1`, starting from the pair's offset vector (the −8 term).
-        ///
-        /// # Safety
-        /// 36 readable bytes at `blk`; `b` even; act entries for the pair exist; features
+        /// 34 readable bytes at every `blk[r]`; act entries for block `b` exist; features
         /// available.
         #[inline]
         #[target_feature(enable = $feat)]
-        unsafe fn q4_0_pair<const N: usize>(
-            blk: *const u8,
+        unsafe fn q8_0_block<const R: usize, const N: usize>(
+            blk: [*const u8; R],
             b: usize,
             acts: &[&Act<'_>; N],
-            acc: &mut [__m256; N],
+            acc: &mut [[__m256; N]; R],
         ) {
             // SAFETY: guaranteed by the caller.
             unsafe {
-                let raw = _mm256_loadu2_m128i(
-                    blk.add(18 + 2) as *const __m128i,
-                    blk.add(2) as *const __m128i,
-                );
+                let mut dw = [_mm256_setzero_ps(); R];
+                let mut w = [_mm256_setzero_si256(); R];
+                for r in 0..R {
+                    dw[r] = _mm256_set1_ps(f16_scalar(blk[r]));
+                    w[r] = _mm256_loadu_si256(blk[r].add(2) as *const __m256i);
+                }
+                for k in 0..N {
+                    let x = _mm256_loadu_si256(acts[k].q.as_ptr().add(b * 32) as *const __m256i);
+                    let dx = _mm256_broadcast_ss(acts[k].d.get_unchecked(b));
+                    for r in 0..R {
+                        let s = _mm256_cvtepi32_ps(dot_i8(w[r], x));
+                        // d_w·d_x in every lane: the same product as in scalar code.
+                        acc[r][k] = _mm256_fmadd_ps(s, _mm256_mul_ps(dw[r], dx), acc[r][k]);
+                    }
+                }
+            }
+        }
+
+        /// Adds block `b` of `R` Q4_0 rows (`blk[r]` points at row r's block) to the `R × N`
+        /// accumulators: nibbles unsigned (0..15), the −8 offset subtracted exactly in the
+        /// integer sums (`dot_u_off`). Each (row, token) pair takes the same operations as
+        /// with `R = N = 1`.
+        ///
+        /// # Safety
+        /// 18 readable bytes at every `blk[r]`; act entries for block `b` exist; features
+        /// available.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn q4_0_block<const R: usize, const N: usize>(
+            blk: [*const u8; R],
+            b: usize,
+            acts: &[&Act<'_>; N],
+            acc: &mut [[__m256; N]; R],
+        ) {
+            // SAFETY: guaranteed by the caller.
+            unsafe {
+                let mut dw = [0f32; R];
+                let mut u = [_mm256_setzero_si256(); R];
+                for r in 0..R {
+                    dw[r] = f16_scalar(blk[r]);
+                    u[r] = nibbles32(blk[r].add(2));
+                }
+                for k in 0..N {
+                    let x = _mm256_loadu_si256(acts[k].q.as_ptr().add(b * 32) as *const __m256i);
+                    let dx = *acts[k].d.get_unchecked(b);
+                    for r in 0..R {
+                        let s = _mm256_cvtepi32_ps(dot_u_off::<8>(u[r], x));
+                        let d = _mm256_set1_ps(dw[r] * dx);
+                        acc[r][k] = _mm256_fmadd_ps(s, d, acc[r][k]);
+                    }
+                }
+            }
+        }
+
+        /// Adds blocks `b` and `b + 1` of `R` Q4_0 rows (`blk[r]` points at row r's block `b`)
+        /// to the `R × N` accumulators, with activations in [`ActFormat::Q8_0Pairs`] order: one
+        /// vector holds both blocks' low nibbles, one both high nibbles; i32 lanes 0..4 sum
+        /// block `b`, lanes 4..8 block `b + 1`, starting from the pair's offset vector (the −8
+        /// term). Each (row, token) pair takes the same operations as with `R = N = 1`; the
+        /// activation loads are shared by the rows, the weight decoding by the tokens.
+        ///
+        /// # Safety
+        /// 36 readable bytes at every `blk[r]`; `b` even; act entries for the pair exist;
+        /// features available.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn q4_0_pair<const R: usize, const N: usize>(
+            blk: [*const u8; R],
+            b: usize,
+            acts: &[&Act<'_>; N],
+            acc: &mut [[__m256; N]; R],
+        ) {
+            // SAFETY: guaranteed by the caller.
+            unsafe {
                 let mask = _mm256_set1_epi8(0x0F);
-                let lo = _mm256_and_si256(raw, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-                let h0 = std::ptr::read_unaligned(blk as *const u16) as i32;
-                let h1 = std::ptr::read_unaligned(blk.add(18) as *const u16) as i32;
-                let dw = _mm_cvtph_ps(_mm_insert_epi16::<1>(_mm_cvtsi32_si128(h0), h1));
+                let mut lo = [_mm256_setzero_si256(); R];
+                let mut hi = [_mm256_setzero_si256(); R];
                 let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+                let mut dw = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    let p = blk[r];
+                    let raw = _mm256_loadu2_m128i(
+                        p.add(18 + 2) as *const __m128i,
+                        p.add(2) as *const __m128i,
+                    );
+                    lo[r] = _mm256_and_si256(raw, mask);
+                    hi[r] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                    let h0 = std::ptr::read_unaligned(p as *const u16) as i32;
+                    let h1 = std::ptr::read_unaligned(p.add(18) as *const u16) as i32;
+                    // Lanes 0..4: block b's scale, lanes 4..8: block b + 1's.
+                    dw[r] = _mm256_permutevar8x32_ps(
+                        _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
+                            _mm_cvtsi32_si128(h0),
+                            h1,
+                        ))),
+                        spread,
+                    );
+                }
                 for k in 0..N {
                     let a = acts[k];
                     let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
-                    let sc = _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(_mm_mul_ps(dw, dx)),
-                        spread,
-                    );
+                    let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
                     let xq = a.q.as_ptr().add(b * 32);
                     let x0 = _mm256_loadu_si256(xq as *const __m256i);
                     let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
                     let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
-                    let si = dot_pair(init, lo, x0, hi, x1);
-                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[k]);
+                    for r in 0..R {
+                        // d_w·d_x per lane: the same products as in scalar code.
+                        let sc = _mm256_mul_ps(dw[r], dx);
+                        let si = dot_pair(init, lo[r], x0, hi[r], x1);
+                        acc[r][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[r][k]);
+                    }
                 }
             }
         }
 
-        /// Q4_0 row · `N` activations in [`ActFormat::Q8_0Pairs`] order: pairs of blocks
-        /// ([`q4_0_pair`]) into one accumulator per token, an odd last block as in
-        /// [`q4_0_block`]; fixed-order horizontal sum.
+        /// `R` Q4_0 rows · `N` activations in [`ActFormat::Q8_0Pairs`] order: pairs of blocks
+        /// ([`q4_0_pair`]) into one accumulator per (row, token), an odd last block as in
+        /// [`q4_0_block`]; fixed-order horizontal sum. Every (row, token) result is the same
+        /// for any `R` and `N`.
         ///
         /// # Safety
-        /// `row` is whole 18-byte blocks; every act has values, scales and pair offsets for
-        /// them; this module's CPU features available.
+        /// Every row is the same number of whole 18-byte blocks; every act has values, scales
+        /// and pair offsets for them; this module's CPU features available.
         #[inline]
         #[target_feature(enable = $feat)]
-        unsafe fn dot_q4_0_pairs<const N: usize>(row: &[u8], acts: [&Act<'_>; N]) -> [f32; N] {
-            let nb = row.len() / 18;
+        unsafe fn dot_q4_0_tile<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            acts: [&Act<'_>; N],
+        ) -> [[f32; N]; R] {
+            let nb = rows[0].len() / 18;
+            debug_assert!(rows.iter().all(|r| r.len() == nb * 18));
             debug_assert!(acts
                 .iter()
                 .all(|a| a.q.len() >= nb * 32 && a.d.len() >= nb && a.po.len() >= nb / 2 * 8));
-            let mut acc = [_mm256_setzero_ps(); N];
-            let p = row.as_ptr();
+            let mut acc = [[_mm256_setzero_ps(); N]; R];
+            let p = rows.map(|r| r.as_ptr());
             let mut b = 0;
-            // SAFETY: blocks `b`, `b + 1` < nb lie within `row`, and the acts have entries for
-            // them (the frame prepared them for this row length).
+            // SAFETY: blocks `b`, `b + 1` < nb lie within every row, and the acts have entries
+            // for them (the frame prepared them for this row length).
             unsafe {
                 while b + 2 <= nb {
-                    q4_0_pair(p.add(b * 18), b, &acts, &mut acc);
+                    q4_0_pair(p.map(|p| p.add(b * 18)), b, &acts, &mut acc);
                     b += 2;
                 }
                 if b < nb {
-                    q4_0_block(p.add(b * 18), b, &acts, &mut acc);
+                    q4_0_block(p.map(|p| p.add(b * 18)), b, &acts, &mut acc);
                 }
             }
-            let mut out = [0f32; N];
-            for k in 0..N {
-                // SAFETY: this function's CPU features are available (its contract).
-                out[k] = unsafe { hsum(acc[k]) };
+            let mut out = [[0f32; N]; R];
+            for r in 0..R {
+                for k in 0..N {
+                    // SAFETY: this function's CPU features are available (its contract).
+                    out[r][k] = unsafe { hsum(acc[r][k]) };
+                }
             }
             out
         }
 
-        /// Q8_0 row · `N` Q8_0 activations: per block an exact i32 dot, converted and scaled by
-        /// `d_w·d_x`; even and odd blocks go to two accumulators per token (to hide the FMA
-        /// latency), summed in a fixed order at the end.
+        /// `R` Q8_0 rows · `N` Q8_0 activations: per block an exact i32 dot, converted and
+        /// scaled by `d_w·d_x`; even and odd blocks go to two accumulators per (row, token) (to
+        /// hide the FMA latency), summed in a fixed order at the end. Every (row, token) result
+        /// is the same for any `R` and `N` (`R·N ≤ 4` keeps the 8 accumulators in registers).
         ///
         /// # Safety
-        /// `row` is whole 34-byte blocks; every act has `32·blocks` values and one scale per
-        /// block; this module's CPU features available.
+        /// Every row is the same number of whole 34-byte blocks; every act has `32·blocks`
+        /// values and one scale per block; this module's CPU features available.
         #[inline]
         #[target_feature(enable = $feat)]
-        unsafe fn dot_q8_0_n<const N: usize>(row: &[u8], acts: [&Act<'_>; N]) -> [f32; N] {
-            let nb = row.len() / 34;
+        unsafe fn dot_q8_0_tile<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            acts: [&Act<'_>; N],
+        ) -> [[f32; N]; R] {
+            let nb = rows[0].len() / 34;
+            debug_assert!(rows.iter().all(|r| r.len() == nb * 34));
             debug_assert!(acts.iter().all(|a| a.q.len() >= nb * 32 && a.d.len() >= nb));
-            let mut acc0 = [_mm256_setzero_ps(); N];
-            let mut acc1 = [_mm256_setzero_ps(); N];
-            let p = row.as_ptr();
+            let mut acc0 = [[_mm256_setzero_ps(); N]; R];
+            let mut acc1 = [[_mm256_setzero_ps(); N]; R];
+            let p = rows.map(|r| r.as_ptr());
             let mut b = 0;
-            // SAFETY: blocks `b`, `b + 1` < nb lie within `row`, and the acts have entries for
-            // them (the frame prepared them for this row length).
+            // SAFETY: blocks `b`, `b + 1` < nb lie within every row, and the acts have entries
+            // for them (the frame prepared them for this row length).
             unsafe {
                 while b + 2 <= nb {
-                    q8_0_block(p.add(b * 34), b, &acts, &mut acc0);
-                    q8_0_block(p.add((b + 1) * 34), b + 1, &acts, &mut acc1);
+                    q8_0_block(p.map(|p| p.add(b * 34)), b, &acts, &mut acc0);
+                    q8_0_block(p.map(|p| p.add((b + 1) * 34)), b + 1, &acts, &mut acc1);
                     b += 2;
                 }
                 if b < nb {
-                    q8_0_block(p.add(b * 34), b, &acts, &mut acc0);
+                    q8_0_block(p.map(|p| p.add(b * 34)), b, &acts, &mut acc0);
                 }
             }
-            let mut out = [0f32; N];
-            for k in 0..N {
-                // SAFETY: this function's CPU features are available (its contract).
-                out[k] = unsafe { hsum(_mm256_add_ps(acc0[k], acc1[k])) };
+            let mut out = [[0f32; N]; R];
+            for r in 0..R {
+                for k in 0..N {
+                    // SAFETY: this function's CPU features are available (its contract).
+                    out[r][k] = unsafe { hsum(_mm256_add_ps(acc0[r][k], acc1[r][k])) };
+                }
             }
             out
         }
 
         pub(crate) fn dot_q8_0(row: &[u8], a: &Act<'_>) -> f32 {
-            // SAFETY: installed only when this module's CPU features were detected; the frame passes whole rows and
-            // activations prepared for the row length.
-            unsafe { dot_q8_0_n::<1>(row, [a])[0] }
+            // SAFETY: installed only when this module's CPU features were detected; the frame
+            // passes whole rows and activations prepared for the row length.
+            unsafe { dot_q8_0_tile::<1, 1>([row], [a])[0][0] }
         }
         pub(crate) fn dot4_q8_0(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
             // SAFETY: as in `dot_q8_0`.
-            *out = unsafe { dot_q8_0_n::<4>(row, [&acts[0], &acts[1], &acts[2], &acts[3]]) };
+            *out = unsafe { dot_q8_0_tile::<1, 4>([row], [&acts[0], &acts[1], &acts[2], &acts[3]])[0] };
+        }
+        pub(crate) fn rows4_q8_0(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
+            // SAFETY: as in `dot_q8_0`, four rows of the same length.
+            unsafe { dot_q8_0_tile::<4, 1>(rows, [a]) }.map(|r| r[0])
         }
         pub(crate) fn dot_q4_0(row: &[u8], a: &Act<'_>) -> f32 {
             // SAFETY: as in `dot_q8_0`.
-            unsafe { dot_q4_0_pairs::<1>(row, [a])[0] }
+            unsafe { dot_q4_0_tile::<1, 1>([row], [a])[0][0] }
         }
         pub(crate) fn dot4_q4_0(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
             // SAFETY: as in `dot_q8_0`.
-            *out = unsafe { dot_q4_0_pairs::<4>(row, [&acts[0], &acts[1], &acts[2], &acts[3]]) };
+            *out = unsafe { dot_q4_0_tile::<1, 4>([row], [&acts[0], &acts[1], &acts[2], &acts[3]])[0] };
+        }
+        pub(crate) fn rows4_q4_0(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
+            // SAFETY: as in `dot_q8_0`, four rows of the same length.
+            unsafe { dot_q4_0_tile::<4, 1>(rows, [a]) }.map(|r| r[0])
+        }
+        pub(crate) fn tile_q4_0(rows: [&[u8]; 2], acts: &[Act<'_>; 4], out: &mut [[f32; 4]; 2]) {
+            // SAFETY: as in `dot_q8_0`, two rows of the same length.
+            *out = unsafe { dot_q4_0_tile::<2, 4>(rows, [&acts[0], &acts[1], &acts[2], &acts[3]]) };
         }
         // ---------------------------------------------------------------------------------------------
         // Q4_1 / Q5_0 / Q5_1 × Q8_0 / Q8_1.
