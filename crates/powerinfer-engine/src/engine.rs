@@ -17,6 +17,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use powerinfer_gguf::GgufFile;
 use powerinfer_kernels_cpu::ThreadPool;
 
 use crate::error::{EngineError, Result};
@@ -43,6 +44,12 @@ pub struct EngineOptions {
     pub ctx_len: usize,
     /// Prompt tokens evaluated per block.
     pub batch: usize,
+    /// Map the file (`true`: fast load, the weights stay in the OS page cache) instead of
+    /// reading it into anonymous memory with transparent huge pages requested (`false`, the
+    /// default: a copy at load time, but decode reads the weights faster; measured on
+    /// TinyLlama-shaped models, 2 threads, interleaved runs on a noisy machine: Q4_0 sparse
+    /// decode +3-13%, F16 dense decode up to +33%).
+    pub mmap: bool,
 }
 
 impl Default for EngineOptions {
@@ -53,6 +60,7 @@ impl Default for EngineOptions {
             dense: false,
             ctx_len: 0,
             batch: 64,
+            mmap: false,
         }
     }
 }
@@ -89,10 +97,16 @@ fn resolve_threshold(option: Option<f32>, file: Option<f32>) -> f32 {
 }
 
 impl Engine {
-    /// Maps the model file, binds its tensors, builds its tokenizer and starts the thread pool.
+    /// Reads or maps the model file ([`EngineOptions::mmap`]), binds its tensors, builds its tokenizer and starts the thread pool.
     pub fn load(path: impl AsRef<Path>, options: EngineOptions) -> Result<Engine> {
         let start = Instant::now();
-        let model = Model::load(path)?;
+        let path = path.as_ref();
+        let file = if options.mmap {
+            GgufFile::open(path)?
+        } else {
+            GgufFile::open_in_memory(path)?
+        };
+        let model = Model::from_file(file)?;
         let tokenizer = Tokenizer::from_gguf(model.file())?;
         let threads = if options.threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())

@@ -140,6 +140,7 @@ mod tests {
                 dense,
                 ctx_len: 64,
                 batch: 64,
+                mmap: false,
             },
         )
         .unwrap();

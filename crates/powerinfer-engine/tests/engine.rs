@@ -44,6 +44,7 @@ fn opts(dense: bool) -> EngineOptions {
         dense,
         ctx_len: 256,
         batch: 64,
+        mmap: false,
     }
 }
 

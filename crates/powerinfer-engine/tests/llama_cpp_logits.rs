@@ -90,6 +90,7 @@ fn check(ty: GgmlType, file: &str, bound: f64, target: f64) {
             dense: true,
             ctx_len: 64,
             batch: 64,
+            mmap: false,
         },
     )
     .unwrap();

@@ -68,6 +68,7 @@ fn observed_eval_reports_every_layer_and_equals_dense() {
                 dense,
                 ctx_len: 128,
                 batch: 8,
+                mmap: false,
             },
         )
         .unwrap()

@@ -188,6 +188,33 @@ impl GgufFile<Mmap> {
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| GgufError::io(path, e))?;
         GgufFile::from_bytes(mmap)
     }
+
+    /// Reads the whole of `path` into anonymous memory (transparent huge pages requested where
+    /// the OS offers them) instead of mapping the file, like llama.cpp's `--no-mmap`: loading
+    /// costs a copy, but the weights no longer live in 4 KiB page-cache pages.
+    pub fn open_in_memory(path: impl AsRef<Path>) -> Result<GgufFile<Mmap>> {
+        use std::io::Read;
+        let path = path.as_ref();
+        let mut file = File::open(path).map_err(|e| GgufError::io(path, e))?;
+        let len = file.metadata().map_err(|e| GgufError::io(path, e))?.len();
+        let len = usize::try_from(len).map_err(|_| {
+            GgufError::io(
+                path,
+                std::io::Error::other("file larger than the address space"),
+            )
+        })?;
+        let mut anon =
+            memmap2::MmapMut::map_anon(len.max(1)).map_err(|e| GgufError::io(path, e))?;
+        #[cfg(target_os = "linux")]
+        {
+            // Only a hint: without transparent huge pages the memory is still correct.
+            let _ = anon.advise(memmap2::Advice::HugePage);
+        }
+        file.read_exact(&mut anon[..len])
+            .map_err(|e| GgufError::io(path, e))?;
+        let map = anon.make_read_only().map_err(|e| GgufError::io(path, e))?;
+        GgufFile::from_bytes(map)
+    }
 }
 
 impl<B: AsRef<[u8]>> GgufFile<B> {

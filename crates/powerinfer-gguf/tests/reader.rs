@@ -220,6 +220,12 @@ fn open_maps_a_file() {
     let f = GgufFile::open(&path).unwrap();
     assert_eq!(f.kind(), FileKind::PowerInfer);
     assert_eq!(f.tensor_f32("w").unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    // Read into anonymous memory instead: the same header and bytes.
+    let m = GgufFile::open_in_memory(&path).unwrap();
+    assert_eq!(m.tensors(), f.tensors());
+    assert_eq!(m.version(), f.version());
+    assert_eq!(m.tensor_f32("w").unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(m.bytes(), std::fs::read(&path).unwrap());
 
     // An abandoned writer leaves nothing behind.
     let other = dir.path().join("n.gguf");
@@ -229,6 +235,10 @@ fn open_maps_a_file() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     assert!(matches!(
         GgufFile::open(dir.path().join("absent")),
+        Err(GgufError::Io { .. })
+    ));
+    assert!(matches!(
+        GgufFile::open_in_memory(dir.path().join("absent")),
         Err(GgufError::Io { .. })
     ));
 }

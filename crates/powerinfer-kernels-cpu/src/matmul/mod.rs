@@ -46,7 +46,6 @@ use powerinfer_gguf::GgmlType;
 use std::ops::Range;
 use table::RowOps;
 
-
 /// Quantized rows up to this many bytes are computed four per pass by the dense GEMV (see
 /// [`MatMul::gemv`]).
 const SHORT_ROW_BYTES: usize = 512;
