@@ -44,11 +44,12 @@ pub struct EngineOptions {
     pub ctx_len: usize,
     /// Prompt tokens evaluated per block.
     pub batch: usize,
-    /// Map the file (`true`: fast load, the weights stay in the OS page cache) instead of
-    /// reading it into anonymous memory with transparent huge pages requested (`false`, the
-    /// default: a copy at load time, but decode reads the weights faster; measured on
-    /// TinyLlama-shaped models, 2 threads, interleaved runs on a noisy machine: Q4_0 sparse
-    /// decode +3-13%, F16 dense decode up to +33%).
+    /// Map the file (`true`, the default: loading is nearly free and the weights stay in the
+    /// OS page cache) or read it into anonymous memory with transparent huge pages requested
+    /// (`false`, llama.cpp's `--no-mmap`): decode then reads the weights faster (TinyLlama
+    /// shape, 2 threads, interleaved runs on a noisy machine: Q4_0 sparse decode +3-13%, F16
+    /// dense up to +33%) but loading costs a copy and huge-page compaction (7B Q4_0: 5-10 s
+    /// instead of 20 ms).
     pub mmap: bool,
 }
 
@@ -60,7 +61,7 @@ impl Default for EngineOptions {
             dense: false,
             ctx_len: 0,
             batch: 64,
-            mmap: false,
+            mmap: true,
         }
     }
 }

@@ -50,9 +50,9 @@ pub struct DecodeArgs {
     /// Predictor threshold (default: as `powerinfer run`).
     #[arg(long)]
     sparse_threshold: Option<f32>,
-    /// Map the model files instead of reading them into memory (llama-bench maps by default).
-    #[arg(long)]
-    mmap: bool,
+    /// Read the model files into memory (huge pages requested) instead of mapping them.
+    #[arg(long = "no-mmap")]
+    no_mmap: bool,
     /// Only the sparse mode of PowerInfer files (skip their dense mode).
     #[arg(long)]
     sparse_only: bool,
@@ -149,7 +149,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         dense,
         ctx_len: (a.prompt + a.tokens + 8).max(64),
         batch: 64,
-        mmap: a.mmap,
+        mmap: !a.no_mmap,
     };
     let t0 = Instant::now();
     let engine = Engine::load(path, opts).map_err(|e| format!("{}: {e}", path.display()))?;

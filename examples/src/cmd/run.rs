@@ -68,11 +68,8 @@ pub struct Args {
     /// Rebuild the GPU index even if a cached one is valid.
     #[arg(long = "reset-gpu-index")]
     pub reset_gpu_index: bool,
-    /// Map the model file instead of reading it into memory: faster load and no copy, but
-    /// decode reads the weights from 4 KiB page-cache pages (slower; see `EngineOptions::mmap`).
-    #[arg(long, conflicts_with = "no_mmap")]
-    pub mmap: bool,
-    /// Read the model into memory (the default; accepted for llama.cpp users).
+    /// Read the model into memory (huge pages requested) instead of mapping it: slower load,
+    /// faster decode (see `EngineOptions::mmap`).
     #[arg(long = "no-mmap")]
     pub no_mmap: bool,
     /// Do not read or write a GPU index (all FFN neurons on the CPU).
@@ -100,7 +97,7 @@ impl Args {
             sparse_threshold: self.sparse_threshold,
             dense,
             ctx_len: self.ctx_size,
-            mmap: self.mmap,
+            mmap: !self.no_mmap,
             ..Default::default()
         }
     }
