@@ -17,7 +17,8 @@ struct Cli {
 enum Command {
     /// List a GGUF or PowerInfer file's header, metadata and tensors.
     Inspect(cmd::inspect::Args),
-    /// Benchmarks (`bench kernels`: CPU kernel throughput against memory bandwidth).
+    /// Benchmarks (`bench kernels`: CPU kernel throughput against memory bandwidth; `bench
+    /// decode`: engine decode speed, bytes per token, llama.cpp side by side).
     Bench(cmd::bench::Args),
     /// Print the token ids of a text under a GGUF file's tokenizer.
     Tokenize(cmd::tokenize::Args),
@@ -40,7 +41,31 @@ enum Command {
     TrainPredictor(Box<cmd::train_predictor::Args>),
 }
 
+/// Exit status of a command whose standard output was closed under it, as a shell reports a
+/// process killed by SIGPIPE (128 + 13).
+const BROKEN_PIPE_STATUS: i32 = 141;
+
+/// `println!` panics when standard output is a closed pipe (`powerinfer inspect F | head`): end
+/// the process quietly with [`BROKEN_PIPE_STATUS`] instead, as C tools do; any other panic is
+/// reported as usual.
+fn exit_quietly_on_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(BROKEN_PIPE_STATUS);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    exit_quietly_on_broken_pipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => cmd::inspect::run(args),

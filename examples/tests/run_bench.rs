@@ -138,3 +138,22 @@ fn bench_decode_reports_bytes_and_ratios() {
     assert!(b(sparse) < b(dense_pwri));
     assert!((b(dense_twin) - b(dense_pwri)).abs() <= 1e-6 * b(dense_pwri));
 }
+
+#[test]
+fn closed_stdout_ends_quietly() {
+    // `tokenize` prints with `println!`, which panics on a closed pipe without the hook.
+    use std::process::Stdio;
+    let f = synth();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .args(["tokenize", "-m", s(&f.sparse), "hello world"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the read end before the command prints (as `| head -0` would).
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(141), "{err}");
+}
