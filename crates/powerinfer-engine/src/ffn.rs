@@ -10,7 +10,7 @@ use powerinfer_kernels_cpu::{KernelError, MatMul, RowSelect, Weights};
 
 use crate::error::Result;
 use crate::forward::{add_bias, ForwardOptions};
-use crate::fused::{self, gemv_multi, row_view, run_threads, GemvJob};
+use crate::fused::{self, gemv_multi, run_threads, GemvJob};
 use crate::model::{Ffn, FfnAct, Layer, Model};
 
 /// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
@@ -183,12 +183,7 @@ pub(crate) fn ffn_forward<'o>(
                 } else {
                     // ReLU(up + b) on the active neurons (the axpy reads no other).
                     mm.sparse_gemv_indexed(&model.weights(up)?, cur, &s.active, &mut s.gate)?;
-                    let b = layer.up_b.as_deref();
-                    for &i in &s.active {
-                        let i = i as usize;
-                        let u = s.gate[i] + b.map_or(0.0, |b| b[i]);
-                        s.gate[i] = if u > 0.0 { u } else { 0.0 };
-                    }
+                    relu_bias_active(&mut s.gate, &s.active, layer.up_b.as_deref());
                 }
                 mm.sparse_axpy_indexed(&model.weights(down_t)?, &s.gate, &s.active, out)?;
             } else {
@@ -349,12 +344,12 @@ fn sparse_hidden_fused(
         if r.start == r.end {
             return Ok(());
         }
-        m.gemv(&row_view(fc2, r.clone())?, hidden, sc)?;
+        m.gemv(&fc2.row_range(r.clone())?, hidden, sc)?;
         list.extend((0..r.len() as u32).filter(|&i| sc[i as usize] >= threshold));
         match gate {
             Some(gw) => {
-                m.sparse_gemv_indexed(&row_view(gw, r.clone())?, cur, &list, g)?;
-                m.sparse_gemv_indexed(&row_view(up, r.clone())?, cur, &list, u)?;
+                m.sparse_gemv_indexed(&gw.row_range(r.clone())?, cur, &list, g)?;
+                m.sparse_gemv_indexed(&up.row_range(r.clone())?, cur, &list, u)?;
                 for &i in list.iter() {
                     let i = i as usize;
                     activate_k(act, &mut g[i..i + 1], &u[i..i + 1])?;
@@ -362,12 +357,8 @@ fn sparse_hidden_fused(
             }
             None => {
                 // ReLU(up + b) on the active neurons.
-                m.sparse_gemv_indexed(&row_view(up, r.clone())?, cur, &list, g)?;
-                for &i in list.iter() {
-                    let i = i as usize;
-                    let v = g[i] + up_b.map_or(0.0, |b| b[r.start + i]);
-                    g[i] = if v > 0.0 { v } else { 0.0 };
-                }
+                m.sparse_gemv_indexed(&up.row_range(r.clone())?, cur, &list, g)?;
+                relu_bias_active(g, &list, up_b.map(|b| &b[r.clone()]));
             }
         }
         Ok(())
@@ -380,4 +371,14 @@ fn sparse_hidden_fused(
         s.active.extend(list.iter().map(|&i| i + start));
     }
     Ok(())
+}
+
+/// `h[i] = ReLU(h[i] + b[i])` for the listed neurons (the gate-less FFN's activation; `bias`
+/// indexed like `h`).
+fn relu_bias_active(h: &mut [f32], active: &[u32], bias: Option<&[f32]>) {
+    for &i in active {
+        let i = i as usize;
+        let v = h[i] + bias.map_or(0.0, |b| b[i]);
+        h[i] = if v > 0.0 { v } else { 0.0 };
+    }
 }

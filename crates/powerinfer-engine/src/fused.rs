@@ -8,7 +8,6 @@
 //! Setting the environment variable `POWERINFER_NOFUSE` turns these paths off (one dispatch per
 //! product, as for a block of tokens), for A/B measurements.
 
-use std::ops::Range;
 use std::sync::Mutex;
 
 use powerinfer_kernels_cpu::pool::split_range;
@@ -24,20 +23,6 @@ pub(crate) fn enabled() -> bool {
     }
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("POWERINFER_NOFUSE").is_none())
-}
-
-/// Rows `r` of `w` as a view.
-pub(crate) fn row_view<'a>(
-    w: &Weights<'a>,
-    r: Range<usize>,
-) -> std::result::Result<Weights<'a>, KernelError> {
-    let rb = w.row_bytes();
-    Weights::new(
-        w.ty(),
-        r.len(),
-        w.cols(),
-        &w.data()[r.start * rb..r.end * rb],
-    )
 }
 
 /// Runs `f(tid, &single_thread_matmul)` on every thread of `mm`'s pool in one dispatch and
@@ -101,7 +86,7 @@ pub(crate) fn gemv_multi<'a>(mm: &MatMul<'_>, jobs: Vec<GemvJob<'a>>) -> Result<
             }
             let (part, tail) = rest.split_at_mut(e - s);
             rest = tail;
-            let w = row_view(&j.w, s - offset..e - offset)?;
+            let w = j.w.row_range(s - offset..e - offset)?;
             pieces.push((tid, Mutex::new((w, j.x, part))));
         }
         offset += rows;

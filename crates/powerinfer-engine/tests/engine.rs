@@ -9,6 +9,9 @@ use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter};
 
+mod common;
+use common::{opts, rel_diff, PROMPT};
+
 struct Files {
     _dir: tempfile::TempDir,
     sparse: PathBuf,
@@ -35,32 +38,6 @@ fn make(ty: GgmlType, arch: Arch, seed: u64) -> Files {
         sparse,
         dense,
     }
-}
-
-fn opts(dense: bool) -> EngineOptions {
-    EngineOptions {
-        threads: 2,
-        sparse_threshold: Some(0.0),
-        dense,
-        ctx_len: 256,
-        batch: 64,
-        mmap: false,
-    }
-}
-
-const PROMPT: [u32; 12] = [1, 300, 301, 77, 120, 5, 260, 400, 33, 90, 270, 11];
-
-/// max |a - b| / std(b).
-fn rel_diff(a: &[f32], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let mean = b.iter().sum::<f64>() / b.len() as f64;
-    let var = b.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / b.len() as f64;
-    let max = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as f64 - y).abs())
-        .fold(0.0, f64::max);
-    max / var.sqrt()
 }
 
 #[test]

@@ -584,3 +584,31 @@ fn sparse_long_rows_low_density() {
         }
     }
 }
+
+#[test]
+fn row_range_views_give_the_same_rows() {
+    let mut rng = Rng(91);
+    let pool = ThreadPool::single();
+    let mm = MatMul::new(&pool);
+    for &ty in &[GgmlType::F16, GgmlType::Q4_0, GgmlType::Q8_0] {
+        let (rows, cols) = (37, cols_for(ty, 3));
+        let data = random_weights(ty, rows, cols, &mut rng);
+        let w = Weights::new(ty, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+            .collect();
+        let mut full = vec![0f32; rows];
+        mm.gemv(&w, &x, &mut full).unwrap();
+        for r in [0..0, 0..5, 5..37, 11..12] {
+            let v = w.row_range(r.clone()).unwrap();
+            assert_eq!((v.rows(), v.cols(), v.ty()), (r.len(), cols, ty));
+            let mut part = vec![0f32; r.len()];
+            mm.gemv(&v, &x, &mut part).unwrap();
+            assert_eq!(bits(&part), bits(&full[r]), "{ty:?}");
+        }
+        assert!(matches!(w.row_range(30..38), Err(KernelError::Shape(_))));
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = 5..4;
+        assert!(matches!(w.row_range(reversed), Err(KernelError::Shape(_))));
+    }
+}

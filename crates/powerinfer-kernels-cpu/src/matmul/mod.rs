@@ -120,6 +120,21 @@ impl<'a> Weights<'a> {
     pub fn data(&self) -> &'a [u8] {
         self.data
     }
+    /// Rows `r` as a view of the same data (for splitting products across callers' own
+    /// threads). An out-of-range `r` is an error; an empty one gives a view of no rows.
+    pub fn row_range(&self, r: Range<usize>) -> Result<Weights<'a>, KernelError> {
+        if r.start > r.end || r.end > self.rows {
+            return Err(KernelError::Shape(format!(
+                "rows {}..{} of a {}-row matrix",
+                r.start, r.end, self.rows
+            )));
+        }
+        Ok(Weights {
+            rows: r.len(),
+            data: &self.data[r.start * self.row_bytes..r.end * self.row_bytes],
+            ..*self
+        })
+    }
     #[inline]
     fn row(&self, i: usize) -> &'a [u8] {
         &self.data[i * self.row_bytes..(i + 1) * self.row_bytes]
