@@ -144,8 +144,12 @@ fn closed_stdout_ends_quietly() {
     // `tokenize` prints with `println!`, which panics on a closed pipe without the hook.
     use std::process::Stdio;
     let f = synth();
+    // More output than a pipe buffer holds (~16k lines, ~160 KB; 64 KiB buffers): even if a
+    // process forked by a parallel test briefly holds a copy of the read end, the command
+    // cannot finish writing before every read end is closed.
+    let text = "hello world ".repeat(8000);
     let mut child = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
-        .args(["tokenize", "-m", s(&f.sparse), "hello world"])
+        .args(["tokenize", "--pieces", "-m", s(&f.sparse), &text])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -347,6 +347,8 @@ pub struct Model {
     pub layers: Vec<Layer>,
     /// The FFN activation.
     pub ffn_act: FfnAct,
+    /// Names of the file's tensors that no part of the model reads, in file order.
+    unused: Vec<String>,
 }
 
 impl std::fmt::Debug for Model {
@@ -377,8 +379,16 @@ impl Model {
         let n_embd = hp.n_embd;
         let n_ff = hp.n_ff;
         let n_kv = hp.n_embd_kv();
-        let bind = |name: &str, cols: usize, rows: usize| tensor(&file, name, cols, rows);
-        let vec = |name: &str, n: usize| vector(&file, name, n);
+        // Every tensor name looked up, to report the ones the graph never reads.
+        let used = std::cell::RefCell::new(std::collections::HashSet::<String>::new());
+        let bind = |name: &str, cols: usize, rows: usize| {
+            used.borrow_mut().insert(name.to_string());
+            tensor(&file, name, cols, rows)
+        };
+        let vec = |name: &str, n: usize| {
+            used.borrow_mut().insert(name.to_string());
+            vector(&file, name, n)
+        };
         let norm_of = |base: &str| -> Result<Norm> {
             Ok(Norm {
                 weight: vec(&format!("{base}.weight"), n_embd)?,
@@ -512,6 +522,13 @@ impl Model {
             (Arch::Llama, false) => FfnAct::Swiglu,
             (Arch::Falcon | Arch::Opt, _) => FfnAct::Relu,
         };
+        let used = used.into_inner();
+        let unused = file
+            .tensors()
+            .iter()
+            .filter(|t| !used.contains(t.name()))
+            .map(|t| t.name().to_string())
+            .collect();
         let model = Model {
             file,
             hparams: hp,
@@ -521,6 +538,7 @@ impl Model {
             output,
             layers,
             ffn_act,
+            unused,
         };
         // Check every matrix once against the kernels' type and size rules.
         model.weights(&model.output)?;
@@ -559,6 +577,14 @@ impl Model {
             }
         }
         Ok(model)
+    }
+
+    /// Names of the file's tensors that the model does not read (in file order): empty for a
+    /// file that matches its architecture exactly. PowerInfer's and llama.cpp's loaders refuse
+    /// such files; this engine loads them and leaves the decision to the caller (the
+    /// `powerinfer` command prints a warning).
+    pub fn unused_tensors(&self) -> &[String] {
+        &self.unused
     }
 
     /// The open file.

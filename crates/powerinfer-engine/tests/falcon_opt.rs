@@ -663,6 +663,46 @@ fn loader_errors_are_typed() {
     ));
 }
 
+#[test]
+fn unused_tensors_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    for family in [Family::Llama, Family::Bamboo, Family::Falcon, Family::Opt] {
+        let m = make(family, GgmlType::Q8_0, 3);
+        // The generator writes exactly what each architecture reads, sparse and dense.
+        for path in [&m.sparse, &m.dense] {
+            let e = Engine::load(path, opts(false)).unwrap();
+            assert!(
+                e.model().unused_tensors().is_empty(),
+                "{family:?} {path:?}: {:?}",
+                e.model().unused_tensors()
+            );
+        }
+        // A stray tensor (PowerInfer's loader would refuse the file) is named, not fatal.
+        let src = GgufFile::open(&m.sparse).unwrap();
+        let mut w = GgufWriter::new(Vec::new(), src.kind());
+        w.add_metadata(src.metadata()).unwrap();
+        for t in src.tensors() {
+            w.add_tensor(t.name(), t.shape(), t.ggml_type()).unwrap();
+        }
+        w.add_tensor("blk.0.stray.weight", &[4], GgmlType::F32)
+            .unwrap();
+        w.write_header().unwrap();
+        for t in src.tensors() {
+            w.write_tensor_data(t.name(), src.data_of(t)).unwrap();
+        }
+        w.write_tensor_data("blk.0.stray.weight", &[0u8; 16])
+            .unwrap();
+        let path = dir.path().join(format!("{family:?}-stray.gguf"));
+        std::fs::write(&path, w.finish().unwrap()).unwrap();
+        let e = Engine::load(&path, opts(false)).unwrap();
+        assert_eq!(
+            e.model().unused_tensors(),
+            ["blk.0.stray.weight"],
+            "{family:?}"
+        );
+    }
+}
+
 /// Writes Q4_0 falcon, opt and llama models (and dense twins) of one small shape (8 layers, n_embd 1024, n_ff
 /// 4096, 16 heads) into `$FALCON_OPT_BENCH_DIR`, for timing with `powerinfer run`:
 /// `FALCON_OPT_BENCH_DIR=/tmp/b cargo test --release --test falcon_opt -- --ignored`. Also

@@ -186,6 +186,15 @@ impl GgufFile<Mmap> {
         // bytes under us or raise SIGBUS. Model files are written once (our writer renames a
         // complete temporary file into place) and then only read.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| GgufError::io(path, e))?;
+        #[cfg(target_os = "linux")]
+        {
+            // Only a hint. Where the file system keeps large folios (ext4 and XFS on recent
+            // kernels), pages read in through a huge-page mapping land in the page cache as
+            // 2 MiB folios, and every later mapping of them (by any process) gets 2 MiB TLB
+            // entries: weight streaming during decode then pays far fewer TLB misses and the
+            // first touch far fewer page faults. Files already cached in small pages stay so.
+            let _ = mmap.advise(memmap2::Advice::HugePage);
+        }
         GgufFile::from_bytes(mmap)
     }
 

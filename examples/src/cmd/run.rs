@@ -248,6 +248,7 @@ pub fn run(args: Args) -> Result<(), String> {
     };
     let engine = Engine::load(model, args.options(args.dense))
         .map_err(|e| format!("{}: {e}", model.display()))?;
+    warn_unused(&engine);
     if engine.is_sparse() {
         gpu_index(model, &args, engine.ctx_len())?;
     }
@@ -258,6 +259,28 @@ pub fn run(args: Args) -> Result<(), String> {
         summary("", &engine, &run.stats);
     }
     Ok(())
+}
+
+/// Prints a warning naming the file's tensors that the model does not read (PowerInfer and
+/// llama.cpp refuse such files; a stray tensor usually means a converter mismatch).
+pub(crate) fn warn_unused(engine: &Engine) {
+    let unused = engine.model().unused_tensors();
+    if unused.is_empty() {
+        return;
+    }
+    let shown: Vec<&str> = unused.iter().take(5).map(String::as_str).collect();
+    let more = unused.len().saturating_sub(shown.len());
+    eprintln!(
+        "warning: {} tensor(s) in the file are not used by the {} model: {}{}",
+        unused.len(),
+        engine.model().hparams.arch.name(),
+        shown.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        }
+    );
 }
 
 /// Shape of the demo model: 12 layers of width 1024 and 4096 neurons (~180 M weights, ~100 MB
