@@ -14,7 +14,8 @@ pub enum Backend {
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
     /// x86-64 AVX-512 F/BW/VL/VNNI on top of [`Backend::Avx2`]: the quantized dot products use
-    /// VNNI's `vpdpbusd` on 256-bit vectors; everything else runs the AVX2 code.
+    /// VNNI's `vpdpbusd` on 256-bit vectors; dense GEMMs of F32/F16/BF16/Q8_0 weights use
+    /// cache-blocked AVX-512 kernels (with Rust ≥ 1.89); everything else runs the AVX2 code.
     Avx512,
     /// aarch64 NEON. At present the matrix kernels run the scalar code for this backend.
     Neon,

@@ -23,10 +23,11 @@
 //! the *output* columns (block-aligned), each thread walking every active row over its columns,
 //! so no reduction between threads is needed and the summation order never changes. GEMM walks
 //! tokens in blocks sized to the last-level cache; dense products run a two-row × four-token
-//! micro-kernel, sparse ones four tokens per pass over a weight row. Every kernel variant (one
-//! row, four rows, four tokens, the 2 × 4 tile) computes each (row, token) with the same
-//! operations in the same order, so GEMM == per-token GEMV == sparse with zeroed rows, bit for
-//! bit.
+//! micro-kernel, sparse ones four tokens per pass over a weight row. On AVX-512, dense GEMMs of
+//! F32/F16/BF16/Q8_0 weights run cache-blocked 4 × 6 / 4 × 4 tiles instead (`x86_gemm`). Every
+//! kernel variant (one row, four rows, four tokens, the 2 × 4 tile, the blocked tiles) computes
+//! each (row, token) with the same operations in the same order, so GEMM == per-token GEMV ==
+//! sparse with zeroed rows, bit for bit.
 //!
 //! The f64 definitions of every kernel are in [`crate::reference::matmul`].
 
@@ -35,8 +36,12 @@ pub(crate) mod scalar;
 pub(crate) mod table;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+pub(crate) mod x86_gemm;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_int;
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+pub(crate) mod x86_sparse;
 
 use crate::backend::Backend;
 use crate::error::KernelError;
@@ -44,7 +49,7 @@ use crate::pool::{split_range, ThreadPool};
 use act::{Act, ActBuf};
 use powerinfer_gguf::GgmlType;
 use std::ops::Range;
-use table::RowOps;
+use table::{ListedRows, RowOps};
 
 /// Quantized rows up to this many bytes are computed four per pass by the dense GEMV (see
 /// [`MatMul::gemv`]).
@@ -215,7 +220,8 @@ fn check_active(active: &[u32], rows: usize) -> Result<(), KernelError> {
 /// The rows `i` with `scores[i] >= threshold`, `skip[i]` false (when given) and `nonzero[i] !=
 /// 0` (when given), in increasing order. Branch-free per row (a 64-row mask, then its set bits):
 /// at ~10% random density a branch per row mispredicts often enough to cost several µs per call
-/// on an 11008-row matrix, a noticeable part of a sparse GEMV.
+/// on an 11008-row matrix, a noticeable part of a sparse GEMV. With AVX-512, sixteen rows per
+/// step with mask compares (`x86_sparse::select_rows_avx512`, the same rows).
 fn select_rows(
     scores: &[f32],
     threshold: f32,
@@ -223,6 +229,15 @@ fn select_rows(
     nonzero: Option<&[f32]>,
 ) -> Vec<u32> {
     let mut out = Vec::with_capacity(scores.len());
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    if Backend::Avx512.is_available()
+        && skip.is_none_or(|k| k.len() >= scores.len())
+        && nonzero.is_none_or(|a| a.len() >= scores.len())
+    {
+        // SAFETY: AVX-512 F/BW/VL were detected; `skip` and `nonzero` are long enough.
+        unsafe { x86_sparse::select_rows_avx512(scores, threshold, skip, nonzero, &mut out) };
+        return out;
+    }
     for (c, chunk) in scores.chunks(64).enumerate() {
         let base = c * 64;
         let mut m = 0u64;
@@ -429,6 +444,11 @@ impl<'p> MatMul<'p> {
             return self.gemv(w, x, y);
         }
         let ops = self.ops(w)?;
+        // Prompt-sized products of some types have their own cache-blocked kernels.
+        #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+        if x86_gemm::dense_gemm(self.pool, self.backend, w, x, n_tokens, y) {
+            return Ok(());
+        }
         let acts = ActBuf::new(ops.act, x, w.cols);
         let rows: Vec<u32> = Vec::new();
         self.gemm_core(
@@ -496,6 +516,26 @@ impl<'p> MatMul<'p> {
         let acts = ActBuf::new(ops.act, x, w.cols);
         let act = acts.get(0);
         let out = OutPtr::new(y);
+        if let Some(dot_list) = ops.dot_list {
+            self.pool.for_chunks(active.len(), |r| {
+                let part = &active[r];
+                let mut res = vec![0f32; part.len()];
+                let rows = ListedRows {
+                    data: w.data,
+                    row_bytes: w.row_bytes,
+                    start: 0,
+                    end: w.row_bytes,
+                    list: part,
+                };
+                dot_list(&rows, &act, &mut res);
+                for (&i, &v) in part.iter().zip(&res) {
+                    // SAFETY: `active` is strictly increasing and below `rows == y.len()`, and
+                    // `for_chunks` gives each thread a disjoint part of it: one writer per index.
+                    unsafe { out.write(i as usize, v) };
+                }
+            });
+            return Ok(());
+        }
         // With four rows per pass, rows `k + 1..k + 4` are computed together with row `k`: the
         // look-ahead counts from the end of the current group, plus one more group (measured
         // at 10% density, 2 threads: +3 rows ~1.07× faster than none for Q4_0/Q8_0, +7 about
@@ -800,6 +840,18 @@ impl<'p> MatMul<'p> {
             if n_tokens == 1 && select.is_none() {
                 // SAFETY: threads own disjoint column ranges `c0..c1 <= cols == y.len()`.
                 let yo = unsafe { out.slice(c0..c1) };
+                if let Some(axpy_list) = ops.axpy_list {
+                    // Every listed row has a nonzero activation (filtered by the callers).
+                    let rows = ListedRows {
+                        data: w.data,
+                        row_bytes: w.row_bytes,
+                        start: b0,
+                        end: b1,
+                        list: active,
+                    };
+                    axpy_list(&rows, a, yo);
+                    return;
+                }
                 // Four rows per pass: count the look-ahead from the end of the current group.
                 let ahead = prefetch_ahead(b1 - b0) + if ops.axpy4.is_some() { 4 } else { 0 };
                 for &i in active.iter().take(ahead) {

@@ -20,6 +20,31 @@ pub(crate) type AxpyFn = fn(&[u8], f32, &mut [f32]);
 /// `out += a[0]·rows[0] + … + a[3]·rows[3]`, with the roundings of four [`AxpyFn`] calls in order.
 pub(crate) type Axpy4Fn = fn([&[u8]; 4], [f32; 4], &mut [f32]);
 
+/// Rows of a weight matrix picked by a list (strictly increasing, as the sparse frames build
+/// it), each cut to the byte range `start..end` (whole blocks).
+#[derive(Clone, Copy)]
+#[cfg_attr(
+    not(all(target_arch = "x86_64", powerinfer_avx512)),
+    allow(dead_code) // only the AVX-512 list kernels read the fields
+)]
+pub(crate) struct ListedRows<'a> {
+    /// The whole matrix (`rows · row_bytes` bytes).
+    pub data: &'a [u8],
+    /// Bytes per row.
+    pub row_bytes: usize,
+    /// The byte range of every row to read (a thread's columns, for axpy).
+    pub start: usize,
+    pub end: usize,
+    /// The row indices, in the order to visit them.
+    pub list: &'a [u32],
+}
+/// Dot products of every listed (whole) row with one activation into `res`, in list order,
+/// each exactly as [`DotFn`] computes it: the row-sparse GEMV of one thread.
+pub(crate) type DotListFn = fn(&ListedRows<'_>, &Act<'_>, &mut [f32]);
+/// `out += Σ a[i] · row_i[start..end]` over the listed rows (every `a[i]` nonzero), with the
+/// roundings of one [`AxpyFn`] call per row in list order: the sparse axpy of one thread.
+pub(crate) type AxpyListFn = fn(&ListedRows<'_>, &[f32], &mut [f32]);
+
 /// The row kernels of one weight type on one backend.
 #[derive(Clone, Copy)]
 pub(crate) struct RowOps {
@@ -32,6 +57,10 @@ pub(crate) struct RowOps {
     pub axpy: AxpyFn,
     /// Four rows at once, where the backend has such a kernel.
     pub axpy4: Option<Axpy4Fn>,
+    /// A whole thread's row-sparse GEMV, where the backend has such a kernel.
+    pub dot_list: Option<DotListFn>,
+    /// A whole thread's sparse axpy, where the backend has such a kernel.
+    pub axpy_list: Option<AxpyListFn>,
     pub act: ActFormat,
 }
 
@@ -60,6 +89,8 @@ fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
         tile: None,
         axpy,
         axpy4: None,
+        dot_list: None,
+        axpy_list: None,
         act,
     };
     Some(match ty {

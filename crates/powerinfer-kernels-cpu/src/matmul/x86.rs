@@ -24,6 +24,10 @@ use std::arch::x86_64::*;
 pub(crate) fn override_avx2(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
     use GgmlType as T;
     super::x86_int::override_int(ty, ops, vnni);
+    #[cfg(powerinfer_avx512)]
+    if vnni {
+        super::x86_sparse::override_sparse(ty, ops);
+    }
     match ty {
         T::F32 => {
             ops.dot = dot_f32;

@@ -1,0 +1,701 @@
+//! Neuron-sparse list kernels for Q4_0 and Q8_0 weights (x86-64, AVX-512 F/VL/BW/VNNI).
+//!
+//! A sparse product visits a list of scattered rows (or row slices, for axpy), which the
+//! hardware prefetchers cannot guess. These kernels take the whole list of one thread and run a
+//! software prefetch *stream* over it: the rows of the list, in list order, are treated as one
+//! byte stream, and the kernel keeps a fixed number of bytes ([`LEAD_DOT`], [`LEAD_AXPY`])
+//! requested ahead of what it consumes, issuing a few line prefetches per step of its inner
+//! loop. That keeps a steady number of misses in flight (like a hardware stream prefetcher),
+//! instead of bursts of whole-row prefetches between rows.
+//!
+//! * `dot_list_*`: the row-sparse product. Each row's result is computed with exactly the
+//!   operations of the dense GEMV's VNNI kernel ([`super::x86_int`]), so sparse == dense with
+//!   zeroed rows, bit for bit.
+//! * `axpy_list_*`: `out += Σ a_i · row_i` over a thread's column slice, eight rows per pass
+//!   with 512-bit vectors. Each element takes `fma(a_i·d, q, y)` row after row in list order,
+//!   the same roundings as the AVX2 and scalar one-row kernels. The scales `a_i·d` of the
+//!   eight rows are converted together (eight f16 gathered in general registers, one
+//!   `vcvtph2ps`) and read back as broadcast loads, and Q4_0 nibbles become `q − 8` as f32
+//!   with one 16-entry `vpermps` lookup per 16 weights: ~1.35× less vector work than the
+//!   four-row AVX2 kernel (measured with the weights in L2).
+//!
+//! Installed by [`override_sparse`] only for [`Backend::Avx512`](crate::Backend), which is
+//! what makes calling the `#[target_feature]` functions from the safe wrappers sound. Built
+//! only by compilers that have the AVX-512 intrinsics (Rust ≥ 1.89, `cfg(powerinfer_avx512)`);
+//! older ones run the four-row kernels of [`super::x86`] and [`super::x86_int`].
+
+// Block formats are defined by element index; indexed loops read closest to the format.
+#![allow(clippy::needless_range_loop)]
+// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace MSRV: this module is
+// compiled only with such compilers (`cfg(powerinfer_avx512)`, set by the crate's build.rs).
+#![allow(clippy::incompatible_msrv)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use super::act::Act;
+use super::table::{ListedRows, RowOps};
+use powerinfer_gguf::GgmlType;
+use std::arch::x86_64::*;
+
+/// Bytes the row-sparse products keep requested beyond the rows of the current pass. Measured
+/// on Zen 4 (2 threads, Q4_0 at 10%, weights not in cache): 32 KiB ~1.2× faster than 4 KiB,
+/// 64 KiB about the same as 32 KiB.
+const LEAD_DOT: usize = 32 << 10;
+/// Bytes the axpy kernels keep requested beyond the rows of the current pass (as above).
+const LEAD_AXPY: usize = 32 << 10;
+
+/// Rows per pass of the row-sparse products (sharing each activation load).
+const DOT_ROWS: usize = 4;
+/// Rows per pass of the axpy kernels (sharing each load and store of the output).
+const AXPY_ROWS: usize = 8;
+
+/// Installs the list kernels of `ty` (Q4_0, Q8_0) in `ops`. The caller has checked that
+/// [`Backend::Avx512`](crate::Backend) is available.
+pub(crate) fn override_sparse(ty: GgmlType, ops: &mut RowOps) {
+    match ty {
+        GgmlType::Q4_0 => {
+            ops.dot_list = Some(dot_list_q4_0);
+            ops.axpy_list = Some(axpy_list_q4_0);
+        }
+        GgmlType::Q8_0 => {
+            ops.dot_list = Some(dot_list_q8_0);
+            ops.axpy_list = Some(axpy_list_q8_0);
+        }
+        _ => {}
+    }
+}
+
+/// Checks what the kernels rely on: every listed row slice lies inside `rows.data`, and the
+/// slice is `blocks` whole blocks of `block_bytes`. Panics otherwise (a frame bug).
+fn check_rows(rows: &ListedRows<'_>, block_bytes: usize, blocks: usize) {
+    let (s, e) = (rows.start, rows.end);
+    assert!(s <= e && e <= rows.row_bytes && e - s == blocks * block_bytes);
+    // Rows of no bytes (no columns) are never read.
+    if let Some(n_rows) = rows.data.len().checked_div(rows.row_bytes) {
+        assert!(rows.list.iter().all(|&i| (i as usize) < n_rows));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The prefetch stream.
+
+/// A software prefetch stream over the listed row slices, in list order (see the module docs).
+struct Stream<'a> {
+    base: usize,
+    row_bytes: usize,
+    start: usize,
+    len: usize,
+    list: &'a [u32],
+    /// Next list entry to open.
+    k: usize,
+    /// Next line address to prefetch, and the end of the open slice.
+    cur: usize,
+    end: usize,
+    /// Bytes that may still be requested before the consumer catches up.
+    credit: isize,
+}
+
+impl<'a> Stream<'a> {
+    /// A stream over `rows`, with `lead` bytes requested at once.
+    #[inline(always)]
+    fn new(rows: &ListedRows<'a>, lead: usize) -> Self {
+        let mut s = Stream {
+            base: rows.data.as_ptr() as usize,
+            row_bytes: rows.row_bytes,
+            start: rows.start,
+            len: rows.end - rows.start,
+            list: rows.list,
+            k: 0,
+            cur: 0,
+            end: 0,
+            credit: 0,
+        };
+        s.consume(lead);
+        s
+    }
+
+    /// Records that the consumer read `bytes` more, and requests as many bytes further on.
+    #[inline(always)]
+    fn consume(&mut self, bytes: usize) {
+        self.credit += bytes as isize;
+        while self.credit > 0 {
+            self.credit -= 64;
+            if self.cur >= self.end {
+                let Some(&i) = self.list.get(self.k) else {
+                    self.credit = 0;
+                    return;
+                };
+                self.k += 1;
+                let s = self.base + i as usize * self.row_bytes + self.start;
+                self.cur = s & !63;
+                self.end = s + self.len;
+            }
+            // SAFETY: a prefetch never faults and changes no state the program can observe;
+            // the address lies in the cache line of a byte of a listed row slice, and SSE is
+            // part of the x86-64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.cur as *const i8) };
+            self.cur += 64;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row-sparse products (the same operations as `x86_int::vnni`).
+
+/// `R` Q4_0 rows (block 0 at `p[r]`, `nb` blocks, `nb` even) · an activation in
+/// [`ActFormat::Q8_0Pairs`](super::act::ActFormat) order, with the operations of the dense
+/// VNNI kernel (`q4_0_pair` then `hsum`), feeding `st` as it reads.
+///
+/// # Safety
+/// `nb` even; `18·nb` readable bytes at every `p[r]`; `a` has values, scales and pair offsets
+/// for `nb` blocks; AVX2/FMA/F16C and AVX-512 F/VL/BW/VNNI available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn dot_q4_0_rows<const R: usize>(
+    p: [*const u8; R],
+    nb: usize,
+    a: &Act<'_>,
+    st: &mut Stream<'_>,
+) -> [f32; R] {
+    let mask = _mm256_set1_epi8(0x0F);
+    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut b = 0;
+    // SAFETY: blocks `b`, `b + 1` < nb lie in every row and in the activation (caller).
+    unsafe {
+        while b + 2 <= nb {
+            st.consume(R * 36);
+            let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
+            let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
+            let xq = a.q.as_ptr().add(b * 32);
+            let x0 = _mm256_loadu_si256(xq as *const __m256i);
+            let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
+            let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
+            for r in 0..R {
+                let q = p[r].add(b * 18);
+                let raw = _mm256_loadu2_m128i(
+                    q.add(18 + 2) as *const __m128i,
+                    q.add(2) as *const __m128i,
+                );
+                let lo = _mm256_and_si256(raw, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                let h0 = std::ptr::read_unaligned(q as *const u16) as i32;
+                let h1 = std::ptr::read_unaligned(q.add(18) as *const u16) as i32;
+                let dw = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
+                        _mm_cvtsi32_si128(h0),
+                        h1,
+                    ))),
+                    spread,
+                );
+                let sc = _mm256_mul_ps(dw, dx);
+                let si = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, lo, x0), hi, x1);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[r]);
+            }
+            b += 2;
+        }
+    }
+    let mut out = [0f32; R];
+    for r in 0..R {
+        // SAFETY: AVX2 available (caller).
+        out[r] = unsafe { super::x86::hsum(acc[r]) };
+    }
+    out
+}
+
+/// `R` Q8_0 rows (block 0 at `p[r]`, `nb` blocks) · a Q8_0 activation, with the operations of
+/// the dense VNNI kernel (even and odd blocks into two accumulators, exact i32 block dots),
+/// feeding `st` as it reads.
+///
+/// # Safety
+/// `34·nb` readable bytes at every `p[r]`; `a` has values and scales for `nb` blocks;
+/// AVX2/FMA/F16C and AVX-512 F/VL/BW/VNNI available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn dot_q8_0_rows<const R: usize>(
+    p: [*const u8; R],
+    nb: usize,
+    a: &Act<'_>,
+    st: &mut Stream<'_>,
+) -> [f32; R] {
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    // SAFETY: block `b` < nb lies in every row and in the activation (caller).
+    unsafe {
+        for b in 0..nb {
+            st.consume(R * 34);
+            let x = _mm256_loadu_si256(a.q.as_ptr().add(b * 32) as *const __m256i);
+            let dx = _mm256_broadcast_ss(a.d.get_unchecked(b));
+            for r in 0..R {
+                let blk = p[r].add(b * 34);
+                let dw = _mm256_set1_ps(super::x86::f16_scalar(blk));
+                let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let aw = _mm256_sign_epi8(w, w);
+                let sx = _mm256_sign_epi8(x, w);
+                let s = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
+                acc[b & 1][r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, dx), acc[b & 1][r]);
+            }
+        }
+    }
+    let mut out = [0f32; R];
+    for r in 0..R {
+        // SAFETY: AVX2 available (caller).
+        out[r] = unsafe { super::x86::hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
+    }
+    out
+}
+
+/// One of the row kernels above, with the row count as a parameter.
+trait DotRows {
+    /// Bytes per block.
+    const BYTES: usize;
+    /// # Safety
+    /// As the kernel's.
+    unsafe fn rows<const R: usize>(
+        p: [*const u8; R],
+        nb: usize,
+        a: &Act<'_>,
+        st: &mut Stream<'_>,
+    ) -> [f32; R];
+}
+struct DQ4_0;
+struct DQ8_0;
+impl DotRows for DQ4_0 {
+    const BYTES: usize = 18;
+    #[inline(always)]
+    unsafe fn rows<const R: usize>(
+        p: [*const u8; R],
+        nb: usize,
+        a: &Act<'_>,
+        st: &mut Stream<'_>,
+    ) -> [f32; R] {
+        // SAFETY: forwarded contract.
+        unsafe { dot_q4_0_rows::<R>(p, nb, a, st) }
+    }
+}
+impl DotRows for DQ8_0 {
+    const BYTES: usize = 34;
+    #[inline(always)]
+    unsafe fn rows<const R: usize>(
+        p: [*const u8; R],
+        nb: usize,
+        a: &Act<'_>,
+        st: &mut Stream<'_>,
+    ) -> [f32; R] {
+        // SAFETY: forwarded contract.
+        unsafe { dot_q8_0_rows::<R>(p, nb, a, st) }
+    }
+}
+
+/// Every listed row · `a` into `res` (list order), `R` rows per pass, then one at a time.
+///
+/// # Safety
+/// Every listed row is whole blocks of `D` inside `rows.data` (`rows.start == 0`, `rows.end ==
+/// row_bytes`); `a` is prepared for that row length (and `nb` is even for Q4_0);
+/// `res.len() == rows.list.len()`; the kernels' CPU features available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn dot_list<D: DotRows, const R: usize>(
+    rows: &ListedRows<'_>,
+    a: &Act<'_>,
+    res: &mut [f32],
+) {
+    let nb = rows.row_bytes / D::BYTES;
+    let mut st = Stream::new(rows, LEAD_DOT + R * rows.row_bytes);
+    let base = rows.data.as_ptr();
+    let row = |i: u32| {
+        // SAFETY: listed rows lie inside `rows.data` (caller).
+        unsafe { base.add(i as usize * rows.row_bytes) }
+    };
+    let mut groups = rows.list.chunks_exact(R);
+    let mut k = 0;
+    for g in &mut groups {
+        let p: [*const u8; R] = std::array::from_fn(|r| row(g[r]));
+        // SAFETY: whole rows of `nb` blocks; features available (caller).
+        let v = unsafe { D::rows::<R>(p, nb, a, &mut st) };
+        res[k..k + R].copy_from_slice(&v);
+        k += R;
+    }
+    for &i in groups.remainder() {
+        // SAFETY: as above.
+        res[k] = unsafe { D::rows::<1>([row(i)], nb, a, &mut st) }[0];
+        k += 1;
+    }
+}
+
+fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+    let nb = rows.row_bytes / 18;
+    check_rows(rows, 18, nb);
+    assert!(rows.start == 0 && res.len() == rows.list.len());
+    assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.po.len() >= nb / 2 * 8);
+    if nb % 2 == 1 {
+        // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
+        for (r, &i) in res.iter_mut().zip(rows.list) {
+            let i = i as usize;
+            *r = super::x86_int::vnni::dot_q4_0(
+                &rows.data[i * rows.row_bytes..(i + 1) * rows.row_bytes],
+                a,
+            );
+        }
+        return;
+    }
+    // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above,
+    // `nb` even, the activation holds `nb` blocks.
+    unsafe { dot_list::<DQ4_0, DOT_ROWS>(rows, a, res) }
+}
+
+fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+    let nb = rows.row_bytes / 34;
+    check_rows(rows, 34, nb);
+    assert!(rows.start == 0 && res.len() == rows.list.len());
+    assert!(a.q.len() >= nb * 32 && a.d.len() >= nb);
+    // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above, the
+    // activation holds `nb` blocks.
+    unsafe { dot_list::<DQ8_0, DOT_ROWS>(rows, a, res) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Axpy.
+
+/// How a 32-weight block turns into two 16-lane f32 vectors (elements 0..16 and 16..32), each
+/// value exact.
+trait Block32 {
+    /// Bytes per block (the f16 scale first).
+    const BYTES: usize;
+    /// # Safety
+    /// `BYTES − 2` readable bytes at `qs`; AVX-512 F available.
+    unsafe fn decode(qs: *const u8, table: __m512) -> (__m512, __m512);
+}
+struct BQ4_0;
+struct BQ8_0;
+impl Block32 for BQ4_0 {
+    const BYTES: usize = 18;
+    #[inline(always)]
+    unsafe fn decode(qs: *const u8, table: __m512) -> (__m512, __m512) {
+        // SAFETY: 16 readable bytes (caller); AVX-512 F available (caller).
+        unsafe {
+            // Byte j in dword j: its low nibble is element j, its high one element 16 + j;
+            // `vpermps` reads the low 4 bits of each index, and the table holds q − 8.
+            let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+            (
+                _mm512_permutexvar_ps(idx, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(idx), table),
+            )
+        }
+    }
+}
+impl Block32 for BQ8_0 {
+    const BYTES: usize = 34;
+    #[inline(always)]
+    unsafe fn decode(qs: *const u8, _table: __m512) -> (__m512, __m512) {
+        // SAFETY: 32 readable bytes (caller); AVX-512 F available (caller).
+        unsafe {
+            let lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs as *const __m128i));
+            let hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(qs.add(16) as *const __m128i));
+            (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi))
+        }
+    }
+}
+
+/// The scales `a[k]·d` of block `b` of the `N ≤ 8` rows at `p` as eight f32 lanes (lanes ≥ N
+/// zero): the f16 scales gathered in general registers, converted eight at a time.
+///
+/// # Safety
+/// Block `b` exists in every row; AVX2/F16C available.
+#[inline(always)]
+unsafe fn scales8<B: Block32, const N: usize>(p: &[*const u8; N], b: usize, av: __m256) -> __m256 {
+    let h = |k: usize| {
+        if k < N {
+            // SAFETY: block `b` exists in row k (caller).
+            unsafe { std::ptr::read_unaligned(p[k].add(b * B::BYTES) as *const u16) as u64 }
+        } else {
+            0
+        }
+    };
+    let lo = h(0) | h(1) << 16 | h(2) << 32 | h(3) << 48;
+    let hi = h(4) | h(5) << 16 | h(6) << 32 | h(7) << 48;
+    // SAFETY: F16C/AVX available (caller).
+    unsafe { _mm256_mul_ps(av, _mm256_cvtph_ps(_mm_set_epi64x(hi as i64, lo as i64))) }
+}
+
+/// `*p` in all 16 lanes, as a broadcast load (`vbroadcastss zmm, m32`: no shuffle µop, unlike
+/// the register broadcasts the compiler makes of a value it has just stored).
+///
+/// # Safety
+/// 4 readable bytes at `p`; AVX-512 F available.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bcast(p: *const f32) -> __m512 {
+    let r: __m512;
+    // SAFETY: reads 4 bytes at `p` (caller); writes only the output register.
+    unsafe {
+        std::arch::asm!(
+            "vbroadcastss {r}, dword ptr [{p}]",
+            r = out(zmm_reg) r,
+            p = in(reg) p,
+            options(pure, readonly, nostack, preserves_flags)
+        );
+    }
+    r
+}
+
+/// `out += Σ_k a[k] · rows[k]` for `N ≤ 8` rows (block 0 at `p[k]`), row after row per
+/// element in `k` order, two blocks (64 outputs in four 16-lane registers) per step. The
+/// scales of a step are converted for all rows at once ([`scales8`]) and read back as
+/// broadcasts.
+///
+/// # Safety
+/// `nb` whole blocks at every `p[k]`; `out` has `32·nb` values; the CPU features available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+unsafe fn axpy_rows<B: Block32, const N: usize>(
+    p: [*const u8; N],
+    a: [f32; N],
+    nb: usize,
+    out: &mut [f32],
+    st: &mut Stream<'_>,
+) {
+    const { assert!(N >= 1 && N <= 8) };
+    debug_assert!(out.len() == 32 * nb);
+    let o = out.as_mut_ptr();
+    let av = _mm256_setr_ps(
+        a[0],
+        if N > 1 { a[1 % N] } else { 0.0 },
+        if N > 2 { a[2 % N] } else { 0.0 },
+        if N > 3 { a[3 % N] } else { 0.0 },
+        if N > 4 { a[4 % N] } else { 0.0 },
+        if N > 5 { a[5 % N] } else { 0.0 },
+        if N > 6 { a[6 % N] } else { 0.0 },
+        if N > 7 { a[7 % N] } else { 0.0 },
+    );
+    let table = _mm512_setr_ps(
+        -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+    );
+    let mut sc = [0f32; 16];
+    let mut b = 0;
+    // SAFETY: blocks `b`, `b + 1` < nb exist in every row, outputs `32b..32b + 64` in `out`
+    // (caller).
+    unsafe {
+        while b + 2 <= nb {
+            st.consume(N * 2 * B::BYTES);
+            _mm256_storeu_ps(sc.as_mut_ptr(), scales8::<B, N>(&p, b, av));
+            _mm256_storeu_ps(sc.as_mut_ptr().add(8), scales8::<B, N>(&p, b + 1, av));
+            let ob = o.add(b * 32);
+            let mut y = [
+                _mm512_loadu_ps(ob),
+                _mm512_loadu_ps(ob.add(16)),
+                _mm512_loadu_ps(ob.add(32)),
+                _mm512_loadu_ps(ob.add(48)),
+            ];
+            for k in 0..N {
+                let q = p[k].add(b * B::BYTES + 2);
+                let s0 = bcast(sc.as_ptr().add(k));
+                let s1 = bcast(sc.as_ptr().add(8 + k));
+                let (l0, h0) = B::decode(q, table);
+                let (l1, h1) = B::decode(q.add(B::BYTES), table);
+                y[0] = _mm512_fmadd_ps(s0, l0, y[0]);
+                y[1] = _mm512_fmadd_ps(s0, h0, y[1]);
+                y[2] = _mm512_fmadd_ps(s1, l1, y[2]);
+                y[3] = _mm512_fmadd_ps(s1, h1, y[3]);
+            }
+            for (j, &v) in y.iter().enumerate() {
+                _mm512_storeu_ps(ob.add(16 * j), v);
+            }
+            b += 2;
+        }
+        if b < nb {
+            st.consume(N * B::BYTES);
+            _mm256_storeu_ps(sc.as_mut_ptr(), scales8::<B, N>(&p, b, av));
+            let ob = o.add(b * 32);
+            let mut y = [_mm512_loadu_ps(ob), _mm512_loadu_ps(ob.add(16))];
+            for k in 0..N {
+                let s0 = bcast(sc.as_ptr().add(k));
+                let (l0, h0) = B::decode(p[k].add(b * B::BYTES + 2), table);
+                y[0] = _mm512_fmadd_ps(s0, l0, y[0]);
+                y[1] = _mm512_fmadd_ps(s0, h0, y[1]);
+            }
+            _mm512_storeu_ps(ob, y[0]);
+            _mm512_storeu_ps(ob.add(16), y[1]);
+        }
+    }
+}
+
+/// `out += Σ a[i] · row_i[start..end]` over the listed rows, `R` per pass, the rest in one
+/// shorter pass.
+///
+/// # Safety
+/// Every listed slice lies in `rows.data` and is `out.len() / 32` whole blocks of `B`; `a`
+/// covers every listed index; the CPU features available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+unsafe fn axpy_list<B: Block32, const R: usize>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    let mut st = Stream::new(rows, LEAD_AXPY + R * (rows.end - rows.start));
+    let base = rows.data.as_ptr();
+    let slice = |i: u32| {
+        // SAFETY: listed slices lie inside `rows.data` (caller).
+        unsafe { base.add(i as usize * rows.row_bytes + rows.start) }
+    };
+    let mut groups = rows.list.chunks_exact(R);
+    for g in &mut groups {
+        let p: [*const u8; R] = std::array::from_fn(|k| slice(g[k]));
+        let av: [f32; R] = std::array::from_fn(|k| a[g[k] as usize]);
+        // SAFETY: `nb` whole blocks at every `p[k]`; `out` has 32·nb values.
+        unsafe { axpy_rows::<B, R>(p, av, nb, out, &mut st) };
+    }
+    let rest = groups.remainder();
+    macro_rules! tail {
+        ($($n:literal)*) => {
+            match rest.len() {
+                $($n => {
+                    let p: [*const u8; $n] = std::array::from_fn(|k| slice(rest[k]));
+                    let av: [f32; $n] = std::array::from_fn(|k| a[rest[k] as usize]);
+                    // SAFETY: as above.
+                    unsafe { axpy_rows::<B, $n>(p, av, nb, out, &mut st) };
+                })*
+                _ => for &i in rest {
+                    // SAFETY: as above.
+                    unsafe { axpy_rows::<B, 1>([slice(i)], [a[i as usize]], nb, out, &mut st) };
+                }
+            }
+        };
+    }
+    tail!(1 2 3 4 5 6 7);
+}
+
+fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    check_rows(rows, 18, nb);
+    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
+    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
+    unsafe { axpy_list::<BQ4_0, AXPY_ROWS>(rows, a, out) }
+}
+
+fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    check_rows(rows, 34, nb);
+    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
+    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
+    unsafe { axpy_list::<BQ8_0, AXPY_ROWS>(rows, a, out) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row selection.
+
+/// Appends to `out` the rows `i` with `scores[i] >= threshold`, `skip[i]` false (when given)
+/// and `nonzero[i] != 0` (when given), in increasing order: the same rows as the portable
+/// `select_rows` of the frame, sixteen per step with mask compares (~10× faster on 11008
+/// rows: ~0.8 µs instead of 6–12 µs, a noticeable part of a sparse product at 10%).
+///
+/// # Safety
+/// `skip` and `nonzero`, when given, are at least as long as `scores`; AVX-512 F/BW/VL
+/// available.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+pub(crate) unsafe fn select_rows_avx512(
+    scores: &[f32],
+    threshold: f32,
+    skip: Option<&[bool]>,
+    nonzero: Option<&[f32]>,
+    out: &mut Vec<u32>,
+) {
+    let n = scores.len();
+    debug_assert!(skip.is_none_or(|k| k.len() >= n) && nonzero.is_none_or(|a| a.len() >= n));
+    let thr = _mm512_set1_ps(threshold);
+    let zero = _mm512_setzero_ps();
+    let mut base = 0;
+    while base + 16 <= n {
+        // SAFETY: values `base..base + 16` exist in `scores`, `skip` and `nonzero` (caller).
+        let mut m = unsafe {
+            // Ordered compares: a NaN score never selects, a NaN activation counts as nonzero.
+            let mut m =
+                _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_loadu_ps(scores.as_ptr().add(base)), thr);
+            if let Some(k) = skip {
+                let kb = _mm_loadu_si128(k.as_ptr().add(base) as *const __m128i);
+                m &= !_mm_test_epi8_mask(kb, kb);
+            }
+            if let Some(a) = nonzero {
+                let v = _mm512_loadu_ps(a.as_ptr().add(base));
+                m &= !_mm512_cmp_ps_mask::<_CMP_EQ_OQ>(v, zero);
+            }
+            m as u32
+        };
+        while m != 0 {
+            out.push((base + m.trailing_zeros() as usize) as u32);
+            m &= m - 1;
+        }
+        base += 16;
+    }
+    for i in base..n {
+        if scores[i] >= threshold
+            && !skip.is_some_and(|k| k[i])
+            && !nonzero.is_some_and(|a| a[i] == 0.0)
+        {
+            out.push(i as u32);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of no columns: the list kernels read nothing and give zeros, never a panic.
+    #[test]
+    fn rows_without_columns() {
+        if !crate::Backend::Avx512.is_available() {
+            return;
+        }
+        let pool = crate::ThreadPool::new(2);
+        let mm = crate::MatMul::with_backend(&pool, crate::Backend::Avx512).unwrap();
+        for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+            let w = crate::Weights::new(ty, 3, 0, &[]).unwrap();
+            let mut y = vec![5f32; 3];
+            mm.sparse_gemv_indexed(&w, &[], &[0, 2], &mut y).unwrap();
+            assert_eq!(y, [0.0; 3], "{ty:?}");
+            mm.sparse_axpy_indexed(&w, &[1.0; 3], &[0, 2], &mut [])
+                .unwrap();
+        }
+    }
+
+    /// The vector selection picks exactly the rows of the plain definition, NaNs included, for
+    /// lengths around the 16-row step.
+    #[test]
+    fn select_rows_matches_definition() {
+        if !crate::Backend::Avx512.is_available() {
+            return;
+        }
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for n in [0usize, 1, 15, 16, 17, 31, 64, 100, 11008] {
+            let pick = |r: u64| match r % 7 {
+                0 => f32::NAN,
+                1 => 0.0,
+                2 => -0.0,
+                3 => 0.5,
+                _ => (r % 1000) as f32 / 500.0 - 1.0,
+            };
+            let scores: Vec<f32> = (0..n).map(|_| pick(next())).collect();
+            let acts: Vec<f32> = (0..n).map(|_| pick(next())).collect();
+            let skip: Vec<bool> = (0..n).map(|_| next() % 3 == 0).collect();
+            for (sk, nz) in [(false, false), (true, false), (false, true), (true, true)] {
+                let skip = sk.then_some(&skip[..]);
+                let nonzero = nz.then_some(&acts[..]);
+                let want: Vec<u32> = (0..n)
+                    .filter(|&i| {
+                        scores[i] >= 0.0
+                            && !skip.is_some_and(|k| k[i])
+                            && !nonzero.is_some_and(|a| a[i] == 0.0)
+                    })
+                    .map(|i| i as u32)
+                    .collect();
+                let mut got = Vec::new();
+                // SAFETY: AVX-512 was detected; `skip` and `nonzero` have `n` values.
+                unsafe { select_rows_avx512(&scores, 0.0, skip, nonzero, &mut got) };
+                assert_eq!(got, want, "n={n} skip={sk} nonzero={nz}");
+            }
+        }
+    }
+}
