@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ops::activation::relu;
 use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
-use safetensors::tensor::{Dtype, SafeTensors};
+use safetensors::tensor::SafeTensors;
 
 use crate::pt::{self, PtError};
 
@@ -388,22 +388,8 @@ impl F32Predictor {
         let st = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
         let get = |name: &str| -> std::result::Result<(Vec<usize>, Vec<f32>), String> {
             let t = st.tensor(name).map_err(|e| format!("{name}: {e}"))?;
-            let d = t.data();
-            let v = match t.dtype() {
-                Dtype::F32 => d
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-                Dtype::F16 => d
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                Dtype::BF16 => d
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                other => return Err(format!("{name}: unsupported dtype {other:?}")),
-            };
+            let v = crate::stats::safetensors_floats(t.dtype(), t.data())
+                .ok_or_else(|| format!("{name}: unsupported dtype {:?}", t.dtype()))?;
             Ok((t.shape().to_vec(), v))
         };
         let (s1, fc1) = get("fc1.weight")?;

@@ -219,18 +219,9 @@ impl ActivationStats {
             }
             let d = t.data();
             let values: Vec<f32> = match t.dtype() {
-                Dtype::F32 => d
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-                Dtype::F16 => d
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                Dtype::BF16 => d
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
+                dt @ (Dtype::F32 | Dtype::F16 | Dtype::BF16) => {
+                    safetensors_floats(dt, d).expect("a float dtype")
+                }
                 Dtype::F64 => d
                     .chunks_exact(8)
                     .map(|b| f64::from_le_bytes(b.try_into().expect("8")) as f32)
@@ -280,6 +271,26 @@ fn json_string(s: &str) -> String {
     }
     out.push('"');
     out
+}
+
+/// The values of a safetensors tensor stored as F32, F16 or BF16 (little-endian), as f32;
+/// `None` for any other dtype.
+pub(crate) fn safetensors_floats(dtype: Dtype, data: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

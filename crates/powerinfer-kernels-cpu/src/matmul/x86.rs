@@ -92,8 +92,9 @@ pub(crate) unsafe fn f16_scalar(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// How the float kernels turn 8 stored elements at `p` into 8 f32 lanes.
-trait FloatLoad {
+/// How the float kernels turn 8 stored elements at `p` into 8 f32 lanes (also used by the
+/// blocked GEMM of `x86_gemm`).
+pub(crate) trait FloatLoad {
     /// Bytes per element.
     const SIZE: usize;
     /// # Safety
@@ -104,9 +105,12 @@ trait FloatLoad {
     unsafe fn load1(p: *const u8) -> f32;
 }
 
-struct LF32;
-struct LF16;
-struct LBF16;
+/// f32 elements.
+pub(crate) struct LF32;
+/// IEEE half elements.
+pub(crate) struct LF16;
+/// bfloat16 elements.
+pub(crate) struct LBF16;
 
 impl FloatLoad for LF32 {
     const SIZE: usize = 4;

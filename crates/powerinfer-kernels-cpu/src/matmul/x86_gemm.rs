@@ -36,7 +36,7 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::x86::{f16_scalar, hsum};
+use super::x86::{hsum, FloatLoad, LBF16, LF16, LF32};
 use super::{OutPtr, Weights};
 use crate::backend::Backend;
 use crate::pool::ThreadPool;
@@ -94,75 +94,6 @@ pub(crate) fn dense_gemm(
 
 // ---------------------------------------------------------------------------------------------
 // Float weights.
-
-/// How the float kernels turn stored elements into f32 (as in [`super::x86`]).
-trait FloatLoad {
-    /// Bytes per element.
-    const SIZE: usize;
-    /// Eight elements at `p` as f32 lanes.
-    ///
-    /// # Safety
-    /// 8 elements readable at `p`; AVX2, FMA and F16C available.
-    unsafe fn load8(p: *const u8) -> __m256;
-    /// One element at `p` as f32.
-    ///
-    /// # Safety
-    /// One element readable at `p`; F16C available.
-    unsafe fn load1(p: *const u8) -> f32;
-}
-
-/// f32 elements.
-struct LF32;
-/// IEEE half elements.
-struct LF16;
-/// bfloat16 elements.
-struct LBF16;
-
-impl FloatLoad for LF32 {
-    const SIZE: usize = 4;
-    #[inline(always)]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: 32 readable bytes at `p` (caller).
-        unsafe { _mm256_loadu_ps(p as *const f32) }
-    }
-    #[inline(always)]
-    unsafe fn load1(p: *const u8) -> f32 {
-        // SAFETY: 4 readable bytes at `p` (caller).
-        unsafe { std::ptr::read_unaligned(p as *const f32) }
-    }
-}
-
-impl FloatLoad for LF16 {
-    const SIZE: usize = 2;
-    #[inline(always)]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: 16 readable bytes at `p`; F16C available (caller).
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
-    }
-    #[inline(always)]
-    unsafe fn load1(p: *const u8) -> f32 {
-        // SAFETY: 2 readable bytes at `p`; F16C available (caller).
-        unsafe { f16_scalar(p) }
-    }
-}
-
-impl FloatLoad for LBF16 {
-    const SIZE: usize = 2;
-    #[inline(always)]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: 16 readable bytes at `p`; AVX2 available (caller).
-        unsafe {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-        }
-    }
-    #[inline(always)]
-    unsafe fn load1(p: *const u8) -> f32 {
-        // SAFETY: 2 readable bytes at `p` (caller).
-        let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
-        f32::from_bits((bits as u32) << 16)
-    }
-}
 
 /// `R` float rows (`w[r]`, `n` elements) · `N` tokens (`x[k]`, `n` values), written to
 /// `out[(t0 + k)·stride + i0 + r]`: the arithmetic of `x86::dot_float_tile` per (row, token).
