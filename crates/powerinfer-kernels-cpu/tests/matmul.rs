@@ -148,7 +148,10 @@ fn check_sparse(
                 }
             }
             assert_eq!(bits(&y), bits(&dense), "{what}: sparse != zeroed dense");
-            // Per token: sparse_gemv and the indexed form give the same bits.
+            // Per token: sparse_gemv equals the dense GEMV with unselected rows zeroed and the
+            // indexed form, bit for bit; for quantized types also the multi-token product's
+            // token (float weights sum one-token products in another order, see
+            // `gemm_equals_gemv_per_token_bitwise`; `tight` above bounds both).
             for t in 0..n_tokens {
                 let xs = &x[t * cols..(t + 1) * cols];
                 let sc = &scores[t * rows..(t + 1) * rows];
@@ -159,11 +162,31 @@ fn check_sparse(
                 };
                 let mut y1 = vec![f32::NAN; rows];
                 mm.sparse_gemv(&wv, xs, &sel1, &mut y1).unwrap();
+                assert_close(
+                    &format!("{what} sparse_gemv t={t}"),
+                    &y1,
+                    &want[t * rows..(t + 1) * rows],
+                    &tight[t * rows..(t + 1) * rows],
+                );
+                let mut d1 = vec![f32::NAN; rows];
+                mm.gemv(&wv, xs, &mut d1).unwrap();
+                for (i, d) in d1.iter_mut().enumerate() {
+                    if !r::is_selected(sc, rows, 0.0, skip, 0, i) {
+                        *d = 0.0;
+                    }
+                }
                 assert_eq!(
                     bits(&y1),
-                    bits(&y[t * rows..(t + 1) * rows]),
-                    "{what}: gemv t={t}"
+                    bits(&d1),
+                    "{what}: gemv t={t} != zeroed dense gemv"
                 );
+                if ty.block_size() > 1 {
+                    assert_eq!(
+                        bits(&y1),
+                        bits(&y[t * rows..(t + 1) * rows]),
+                        "{what}: gemv t={t}"
+                    );
+                }
                 let active: Vec<u32> = (0..rows as u32)
                     .filter(|&i| r::is_selected(sc, rows, 0.0, skip, 0, i as usize))
                     .collect();
@@ -410,8 +433,9 @@ fn bad_arguments_are_typed_errors() {
     }
 }
 
-/// The AVX-512 VNNI integer dots compute the same exact integer sums as the AVX2 ones, so the
-/// two backends agree bit for bit on every type (float types run the same AVX2 code).
+/// The AVX-512 VNNI integer dots compute the same exact integer sums as the AVX2 ones, and the
+/// 512-bit one-token float dots the same lane operations as the AVX2 ones, so the two backends
+/// agree bit for bit on every type, in GEMV and GEMM, with and without vector tails.
 #[test]
 fn avx512_matches_avx2_bitwise() {
     if !(Backend::Avx512.is_available() && Backend::Avx2.is_available()) {
@@ -421,19 +445,27 @@ fn avx512_matches_avx2_bitwise() {
     let mut rng = Rng(123);
     let pool = ThreadPool::new(2);
     for &ty in supported_types() {
-        let (rows, cols, n_tokens) = (9, cols_for(ty, 4096 + 32), 6);
-        let c = make_case(ty, rows, cols, &mut rng);
-        let x = random_vec(cols * n_tokens, &mut rng);
-        let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
-        let run = |b: Backend| {
-            let mut y = vec![0f32; rows * n_tokens];
-            MatMul::with_backend(&pool, b)
-                .unwrap()
-                .gemm(&wv, &x, n_tokens, &mut y)
-                .unwrap();
-            bits(&y)
-        };
-        assert_eq!(run(Backend::Avx2), run(Backend::Avx512), "{ty:?}");
+        for units in [4096 + 32, 4096 + 48 + 5, 16 * 3 + 9] {
+            for n_tokens in [1, 6] {
+                let (rows, cols) = (9, cols_for(ty, units));
+                let c = make_case(ty, rows, cols, &mut rng);
+                let x = random_vec(cols * n_tokens, &mut rng);
+                let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+                let run = |b: Backend| {
+                    let mut y = vec![0f32; rows * n_tokens];
+                    MatMul::with_backend(&pool, b)
+                        .unwrap()
+                        .gemm(&wv, &x, n_tokens, &mut y)
+                        .unwrap();
+                    bits(&y)
+                };
+                assert_eq!(
+                    run(Backend::Avx2),
+                    run(Backend::Avx512),
+                    "{ty:?} {cols} T={n_tokens}"
+                );
+            }
+        }
     }
 }
 
@@ -467,11 +499,16 @@ fn degenerate_shapes() {
     }
 }
 
-/// The GEMM micro-kernel (two rows × four tokens), the four-row GEMV kernel and the one-row
-/// kernels compute every (row, token) the same way: a GEMM equals one GEMV per token bit for
-/// bit, for odd row counts (a row left over after the pairs, parts of odd length per thread),
-/// token counts that are not a multiple of 4, row lengths that are not a multiple of the SIMD
-/// width (float types) or of two blocks (Q4_0 pairs), on every backend and 1, 2 and 3 threads.
+/// How every (row, token) of a product is computed does not depend on how the work was grouped:
+/// for odd row counts (a row left over after the pairs, parts of odd length per thread), token
+/// counts that are not a multiple of 4, row lengths that are not a multiple of the SIMD width
+/// (float types) or of two blocks (Q4_0 pairs), on every backend and 1, 2 and 3 threads:
+/// - every token of a T-token GEMM equals, bit for bit, the same token in a 2-token GEMM (the
+///   blocked kernels' tiles, the 2 × 4 micro-kernel, the four-token and one-row kernels agree);
+/// - quantized types: a GEMM equals one GEMV per token bit for bit (exact integer sums, one
+///   order). Float weights sum one-token products in another order (four 16-lane accumulators
+///   per row, see `matmul::x86`) than multi-token ones: there the two agree within
+///   `2 · n · ε · Σ|w·x|`, a bound on the difference of two f32 summation orders.
 #[test]
 fn gemm_equals_gemv_per_token_bitwise() {
     let mut rng = Rng(4242);
@@ -485,6 +522,7 @@ fn gemm_equals_gemv_per_token_bitwise() {
             let c = make_case(ty, rows, cols, &mut rng);
             let x = random_vec(cols * n_tokens, &mut rng);
             let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
+            let float = ty.block_size() == 1;
             for backend in Backend::available() {
                 let mut first: Option<Vec<f32>> = None;
                 for threads in [1, 2, 3] {
@@ -494,13 +532,27 @@ fn gemm_equals_gemv_per_token_bitwise() {
                     let mut y = vec![f32::NAN; rows * n_tokens];
                     mm.gemm(&wv, &x, n_tokens, &mut y).unwrap();
                     for t in 0..n_tokens {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let got = &y[t * rows..(t + 1) * rows];
+                        // The same token next to another one, in a 2-token product.
+                        let pair: Vec<f32> = xt.iter().chain(&x[..cols]).copied().collect();
+                        let mut y2 = vec![f32::NAN; rows * 2];
+                        mm.gemm(&wv, &pair, 2, &mut y2).unwrap();
+                        assert_eq!(bits(&y2[..rows]), bits(got), "{what}: grouping at t={t}");
                         let mut yt = vec![f32::NAN; rows];
-                        mm.gemv(&wv, &x[t * cols..(t + 1) * cols], &mut yt).unwrap();
-                        assert_eq!(
-                            bits(&yt),
-                            bits(&y[t * rows..(t + 1) * rows]),
-                            "{what}: gemm != gemv at t={t}"
-                        );
+                        mm.gemv(&wv, xt, &mut yt).unwrap();
+                        if !float {
+                            assert_eq!(bits(&yt), bits(got), "{what}: gemm != gemv at t={t}");
+                            continue;
+                        }
+                        for i in 0..rows {
+                            let w = &c.w[i * cols..(i + 1) * cols];
+                            let mass: f64 =
+                                w.iter().zip(xt).map(|(w, &x)| (w * x as f64).abs()).sum();
+                            let bound = 2.0 * cols as f64 * f32::EPSILON as f64 * mass;
+                            let d = (yt[i] as f64 - got[i] as f64).abs();
+                            assert!(d <= bound, "{what}: row {i} t={t}: |{d}| > {bound}");
+                        }
                     }
                     match &first {
                         None => first = Some(y),

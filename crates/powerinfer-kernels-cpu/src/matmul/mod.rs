@@ -57,6 +57,17 @@ use table::{ListedRows, RowOps};
 /// 432 B 27.5 vs 34.5 and 576 B 10.8 vs 36.0; Q8_0 272 B 38.3 vs 37.9, 408 B 31.1 vs 37.3.
 const SHORT_ROW_BYTES: usize = 384;
 
+/// Float rows up to this many elements go through the dense GEMV one per pass, longer ones four
+/// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows; 4096×11008
+/// 22.5 vs 29.5–30.5).
+const FLOAT_ONE_ROW_MAX_COLS: usize = 2048;
+
+/// Rows per dynamically scheduled range of a dense GEMV: about 16 ranges per thread, a
+/// multiple of 4 (the four-row kernels).
+fn gemv_chunk_rows(rows: usize, threads: usize) -> usize {
+    (rows / (16 * threads.max(1))).max(4).next_multiple_of(4)
+}
+
 /// A borrowed weight matrix in ggml layout. See the [module docs](self).
 #[derive(Clone, Copy, Debug)]
 pub struct Weights<'a> {
@@ -401,21 +412,25 @@ impl<'p> MatMul<'p> {
         let acts = ActBuf::new(ops.act, x, w.cols);
         let act = acts.get(0);
         let out = OutPtr::new(y);
-        self.pool.for_chunks(w.rows, |r| {
-            // SAFETY: `for_chunks` hands out disjoint row ranges within `0..rows == y.len()`.
+        let chunk = gemv_chunk_rows(w.rows, self.pool.n_threads());
+        self.pool.for_chunks_dynamic(w.rows, chunk, |r| {
+            // SAFETY: `for_chunks_dynamic` hands out disjoint row ranges within
+            // `0..rows == y.len()`.
             let y = unsafe { out.slice(r.clone()) };
             let mut done = 0;
-            // Four rows per pass for float weights (whose long f32 activation would otherwise
-            // be reloaded from L2 per row) and for short quantized rows (≤ SHORT_ROW_BYTES: the
-            // per-row reduction dominates there; a predictor's fc2, 5632×256 Q4_0, went from
-            // 27.5 to 34 GB/s). Longer quantized rows go one at a time: their activation stays
-            // in L1 and four rows per pass measured 2× slower (Q4_0 11008×4096: 33.7 vs
-            // 17.5 GB/s, 2048×2048: 33 vs 15). The sparse GEMV, whose scattered rows are
-            // software-prefetched and partly compute-bound, always uses four rows per pass.
-            let rows4 = if ops.act == act::ActFormat::F32 || w.row_bytes <= SHORT_ROW_BYTES {
-                ops.rows4
-            } else {
-                None
+            // Four rows per pass for float rows longer than FLOAT_ONE_ROW_MAX_COLS (each
+            // load of the long f32 activation then serves four rows) and for short quantized
+            // rows (≤ SHORT_ROW_BYTES: the per-row reduction dominates there; a predictor's
+            // fc2, 5632×256 Q4_0, went from 27.5 to 34 GB/s). Other rows go one at a time:
+            // one sequential stream per thread, the activation in L1 (quantized 11008×4096:
+            // 33.7 vs 17.5 GB/s, 2048×2048: 33 vs 15; F16 5632×2048: 35.8 vs 25–29). The
+            // sparse GEMV, whose scattered rows are software-prefetched and partly
+            // compute-bound, always uses four rows per pass.
+            let rows4 = match ops.act {
+                act::ActFormat::F32 if w.cols > FLOAT_ONE_ROW_MAX_COLS => ops.rows4,
+                act::ActFormat::F32 => None,
+                _ if w.row_bytes <= SHORT_ROW_BYTES => ops.rows4,
+                _ => None,
             };
             if let Some(rows4) = rows4 {
                 for (k, yq) in y.chunks_exact_mut(4).enumerate() {
@@ -690,7 +705,7 @@ impl<'p> MatMul<'p> {
                             let a = acts.get(t);
                             for (&i, row) in i.iter().zip(pair) {
                                 // SAFETY: as above.
-                                unsafe { out.write(t * wr + i, (ops.dot)(row, &a)) };
+                                unsafe { out.write(t * wr + i, (ops.dot_batch)(row, &a)) };
                             }
                         }
                         first += 2;
@@ -726,7 +741,7 @@ impl<'p> MatMul<'p> {
                         }
                     }
                     for &t in &pending[..np] {
-                        let v = (ops.dot)(row, &acts.get(t));
+                        let v = (ops.dot_batch)(row, &acts.get(t));
                         // SAFETY: as above.
                         unsafe { out.write(t * wr + i, v) };
                     }

@@ -7,12 +7,14 @@ use powerinfer_gguf::GgmlType;
 
 /// One dot product of a weight row (raw bytes, whole blocks) with a prepared activation.
 pub(crate) type DotFn = fn(&[u8], &Act<'_>) -> f32;
-/// Four dot products of one weight row with four activations.
+/// Four dot products of one weight row with four activations, each as `RowOps::dot_batch`
+/// computes it.
 pub(crate) type Dot4Fn = fn(&[u8], &[Act<'_>; 4], &mut [f32; 4]);
-/// Dot products of four weight rows with one activation, each exactly as [`DotFn`] computes it.
+/// Dot products of four weight rows with one activation, each exactly as `RowOps::dot`
+/// computes it.
 pub(crate) type Rows4Fn = fn([&[u8]; 4], &Act<'_>) -> [f32; 4];
 /// Dot products of two weight rows with four activations (`out[r][t]`), each exactly as
-/// [`DotFn`] computes it: the GEMM micro-kernel (weights decoded once per 4 tokens, activations
+/// `RowOps::dot_batch` computes it: the GEMM micro-kernel (weights decoded once per 4 tokens, activations
 /// loaded once per 2 rows).
 pub(crate) type TileFn = fn([&[u8]; 2], &[Act<'_>; 4], &mut [[f32; 4]; 2]);
 /// `out += a · row` (row bytes and `out` cover the same columns).
@@ -39,7 +41,7 @@ pub(crate) struct ListedRows<'a> {
     pub list: &'a [u32],
 }
 /// Dot products of every listed (whole) row with one activation into `res`, in list order,
-/// each exactly as [`DotFn`] computes it: the row-sparse GEMV of one thread.
+/// each exactly as `RowOps::dot` computes it: the row-sparse GEMV of one thread.
 pub(crate) type DotListFn = fn(&ListedRows<'_>, &Act<'_>, &mut [f32]);
 /// `out += Σ a[i] · row_i[start..end]` over the listed rows (every `a[i]` nonzero), with the
 /// roundings of one [`AxpyFn`] call per row in list order: the sparse axpy of one thread.
@@ -48,11 +50,16 @@ pub(crate) type AxpyListFn = fn(&ListedRows<'_>, &[f32], &mut [f32]);
 /// The row kernels of one weight type on one backend.
 #[derive(Clone, Copy)]
 pub(crate) struct RowOps {
+    /// One row with one token's activation: the one-token products (GEMV, row-sparse GEMV).
     pub dot: DotFn,
+    /// One (row, token) of a multi-token product, with the arithmetic of `dot4` and `tile`
+    /// (float weights on x86 sum in another order than `dot`; elsewhere the same function).
+    pub dot_batch: DotFn,
     pub dot4: Dot4Fn,
     /// Four rows at once (same results as four `dot` calls), where the backend has it.
     pub rows4: Option<Rows4Fn>,
-    /// Two rows × four tokens (same results as eight `dot` calls), where the backend has it.
+    /// Two rows × four tokens (same results as eight `dot_batch` calls), where the backend has
+    /// it.
     pub tile: Option<TileFn>,
     pub axpy: AxpyFn,
     /// Four rows at once, where the backend has such a kernel.
@@ -84,6 +91,7 @@ fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
     use GgmlType as T;
     let ops = |dot: DotFn, dot4: Dot4Fn, axpy: AxpyFn, act| RowOps {
         dot,
+        dot_batch: dot,
         dot4,
         rows4: None,
         tile: None,

@@ -524,7 +524,9 @@ mod tests {
     }
 
     /// Shapes that exercise several row blocks, partial tiles of rows and tokens, and float
-    /// tails: the blocked GEMM equals one GEMV per token bit for bit.
+    /// tails: the blocked GEMM equals, bit for bit, the backend's `dot_batch` (one (row, token)
+    /// of a multi-token product, the order the frame's leftovers and sparse products use); for
+    /// Q8_0 that is also the GEMV's dot.
     #[test]
     fn blocked_gemm_equals_gemv() {
         if !Backend::Avx512.is_available() {
@@ -540,14 +542,22 @@ mod tests {
                 let data = weight_bytes(ty, rows * cols);
                 let w = Weights::new(ty, rows, cols, &data).unwrap();
                 let x = vals(cols * t, 11);
+                let ops = crate::matmul::table::row_ops(ty, Backend::Avx512).unwrap();
+                let acts = crate::matmul::act::ActBuf::new(ops.act, &x, cols);
                 for threads in [1, 2, 3] {
                     let pool = ThreadPool::new(threads);
                     let mm = MatMul::with_backend(&pool, Backend::Avx512).unwrap();
                     let mut y = vec![f32::NAN; rows * t];
                     mm.gemm(&w, &x, t, &mut y).unwrap();
                     for k in 0..t {
-                        let mut yk = vec![f32::NAN; rows];
-                        mm.gemv(&w, &x[k * cols..(k + 1) * cols], &mut yk).unwrap();
+                        let yk: Vec<f32> = (0..rows)
+                            .map(|r| (ops.dot_batch)(w.row(r), &acts.get(k)))
+                            .collect();
+                        if ty == GgmlType::Q8_0 {
+                            let mut yv = vec![f32::NAN; rows];
+                            mm.gemv(&w, &x[k * cols..(k + 1) * cols], &mut yv).unwrap();
+                            assert_eq!(yv, yk, "{ty:?} {threads}t token {k}: gemv");
+                        }
                         for r in 0..rows {
                             assert_eq!(
                                 yk[r].to_bits(),

@@ -44,6 +44,10 @@ pub(crate) fn override_int(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
     } else {
         set!(avx2)
     }
+    // Integer sums are exact: multi-token products use the one-token dot as it is.
+    if !matches!(ty, T::F32 | T::F16 | T::BF16) {
+        ops.dot_batch = ops.dot;
+    }
 }
 
 macro_rules! int_kernels {
