@@ -565,8 +565,11 @@ fn gemm_equals_gemv_per_token_bitwise() {
 }
 
 /// The sparse kernels on LLaMA-like lengths at ~10% density (the four-row GEMV over scattered
-/// active rows and the column-split four-row axpy): against the reference, and 1 vs 2 threads
-/// bit-identical; also an active count that is not a multiple of 4.
+/// active rows; the axpy, which splits the active rows between threads on AVX-512 for these
+/// 2358-byte Q4_0 rows, the columns otherwise): against the reference; the GEMV 1 vs 2 threads
+/// bit-identical, the axpy bit-identical when repeated with the same thread count (across
+/// thread counts both results meet the reference bound); also an active count that is not a
+/// multiple of 4.
 #[test]
 fn sparse_long_rows_low_density() {
     let mut rng = Rng(777);
@@ -611,12 +614,13 @@ fn sparse_long_rows_low_density() {
                     .iter()
                     .map(|&i| (a[i as usize] as f64).abs() * c.abs_w[i as usize * cols + col])
                     .sum();
-                (rows + 4) as f64 * U * (s + (y0[col] as f64).abs()) + 1e-30
+                // Two more roundings for the per-thread partial sums and their addition.
+                (rows + 6) as f64 * U * (s + (y0[col] as f64).abs()) + 1e-30
             })
             .collect();
         let wv = Weights::new(ty, rows, cols, &c.data).unwrap();
         for backend in Backend::available() {
-            let mut prev: Option<(Vec<f32>, Vec<f32>)> = None;
+            let mut prev: Option<Vec<f32>> = None;
             for threads in [1, 2] {
                 let pool = ThreadPool::new(threads);
                 let mm = MatMul::with_backend(&pool, backend).unwrap();
@@ -627,11 +631,13 @@ fn sparse_long_rows_low_density() {
                 let mut ya = y0.clone();
                 mm.sparse_axpy_indexed(&wv, &a, active, &mut ya).unwrap();
                 assert_close(&format!("{what} sparse_axpy"), &ya, &want_axpy, &bound);
-                if let Some((py, pa)) = &prev {
+                let mut again = y0.clone();
+                mm.sparse_axpy_indexed(&wv, &a, active, &mut again).unwrap();
+                assert_eq!(bits(&again), bits(&ya), "{what}: axpy repeat");
+                if let Some(py) = &prev {
                     assert_eq!(bits(py), bits(&y), "{what}: gemv 1 vs 2 threads");
-                    assert_eq!(bits(pa), bits(&ya), "{what}: axpy 1 vs 2 threads");
                 }
-                prev = Some((y, ya));
+                prev = Some(y);
             }
         }
     }

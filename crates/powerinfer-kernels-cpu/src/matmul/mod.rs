@@ -18,17 +18,23 @@
 //! (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants) and use integer dot
 //! products. The axpy kernels use the f32 activation `a_i` directly for every type.
 //!
-//! Work split (all results are bit-identical for every thread count): products split the rows
-//! (or the list of active rows) into contiguous near-equal parts, one per thread; axpy splits
-//! the *output* columns (block-aligned), each thread walking every active row over its columns,
-//! so no reduction between threads is needed and the summation order never changes. GEMM walks
-//! tokens in blocks sized to the last-level cache; dense products run a two-row × four-token
-//! micro-kernel, sparse ones four tokens per pass over a weight row. On AVX-512, dense GEMMs of
-//! F32/F16/BF16/Q8_0 weights run cache-blocked 4 × 6 / 4 × 4 tiles instead (`x86_gemm`). Every
-//! kernel variant (one row, four rows, four tokens, the 2 × 4 tile, the blocked tiles) computes
-//! each (row, token) with the same operations in the same order, so GEMM == per-token GEMV ==
-//! sparse with zeroed rows, bit for bit.
-//!
+//! Work split: products split the rows (or the list of active rows) into contiguous parts
+//! (the dense GEMV: ranges taken by whichever thread is free), so every row's result is the
+//! same for every thread count. The axpy kernels split the *output* columns (block-aligned),
+//! each thread walking every active row over its columns, so no reduction between threads is
+//! needed and the summation order never changes; except the one-token axpy over rows of
+//! ≥ 2048 bytes on backends with a list kernel (AVX-512 Q4_0/Q8_0), which splits the active
+//! rows into per-thread partial sums added in thread order: bit-identical for a given thread
+//! count, equal within rounding across thread counts. GEMM walks tokens in blocks sized to the
+//! last-level cache; dense products run a two-row × four-token micro-kernel, sparse ones four
+//! tokens per pass over a weight row. On AVX-512, dense GEMMs of F32/F16/BF16/Q8_0 weights run
+//! cache-blocked 4 × 6 / 4 × 4 tiles instead (`x86_gemm`). Every multi-token kernel variant
+//! (four tokens, the 2 × 4 tile, the blocked tiles, `dot_batch`) computes each (row, token) with
+//! the same operations in the same order, so a token's result does not depend on the other
+//! tokens, and sparse == dense with zeroed rows bit for bit. One-token float products sum in
+//! another order (`x86`'s wide dot) than multi-token ones, so for float weights GEMM and
+//! per-token GEMV agree within rounding; for quantized weights (exact integer sums) bit for bit.
+
 //! The f64 definitions of every kernel are in [`crate::reference::matmul`].
 
 pub(crate) mod act;
@@ -57,10 +63,16 @@ use table::{ListedRows, RowOps};
 /// 432 B 27.5 vs 34.5 and 576 B 10.8 vs 36.0; Q8_0 272 B 38.3 vs 37.9, 408 B 31.1 vs 37.3.
 const SHORT_ROW_BYTES: usize = 384;
 
+/// One-token sparse axpy over rows of at least this many bytes splits the active rows between
+/// threads (with a list kernel; [`MatMul::axpy_rows_split`]), shorter rows split the columns
+/// (5632×2048 Q4_0, 1152-byte rows: no gain measured).
+const ROW_SPLIT_AXPY_BYTES: usize = 2048;
+
 /// Float rows up to this many elements go through the dense GEMV one per pass, longer ones four
-/// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows; 4096×11008
-/// 22.5 vs 29.5–30.5).
-const FLOAT_ONE_ROW_MAX_COLS: usize = 2048;
+/// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows, 4096×11008
+/// 22.5 vs 29.5–30.5; decode of a 7B-shaped F16 model at 0.86–1.03× llama.cpp with 4096-element
+/// rows one per pass, 0.88–0.99× four per pass, 0.77–0.97× with every row one per pass).
+const FLOAT_ONE_ROW_MAX_COLS: usize = 4096;
 
 /// Rows per dynamically scheduled range of a dense GEMV: about 16 ranges per thread, a
 /// multiple of 4 (the four-row kernels).
@@ -818,8 +830,54 @@ impl<'p> MatMul<'p> {
         self.axpy_core(w_t, a, n_tokens, &active, Some(select), y)
     }
 
+    /// The one-token axpy over long rows on backends with a list kernel: thread `k` of `n`
+    /// takes the `k`-th contiguous part of the active list, whole rows, into its own zeroed
+    /// partial output; then `y[c] += ((p_0[c] + p_1[c]) + …) + p_{n-1}[c]`. Each thread reads
+    /// whole rows (2304 bytes for a 4096-wide Q4_0 row) instead of a part of every row:
+    /// 11008×4096 Q4_0 at 10%, 2 threads, 19.4–20.0 GB/s against 13.1–16.1 with columns split.
+    /// The result depends on the thread count (by rounding: the sum is grouped per thread),
+    /// not on timing.
+    fn axpy_rows_split(
+        &self,
+        w: &Weights<'_>,
+        a: &[f32],
+        active: &[u32],
+        axpy_list: table::AxpyListFn,
+        y: &mut [f32],
+    ) {
+        let (n, cols) = (self.pool.n_threads(), w.cols);
+        let mut parts = vec![0f32; n * cols];
+        let out = OutPtr::new(&mut parts);
+        self.pool.run(|tid| {
+            let list = &active[split_range(active.len(), n, tid)];
+            if list.is_empty() {
+                return;
+            }
+            // SAFETY: thread `tid` owns `parts[tid * cols..(tid + 1) * cols]`, within the
+            // `n * cols` values (tid < n).
+            let part = unsafe { out.slice(tid * cols..(tid + 1) * cols) };
+            let rows = ListedRows {
+                data: w.data,
+                row_bytes: w.row_bytes,
+                start: 0,
+                end: w.row_bytes,
+                list,
+            };
+            axpy_list(&rows, a, part);
+        });
+        let (first, rest) = parts.split_at(cols);
+        for (c, yc) in y.iter_mut().enumerate() {
+            let mut s = first[c];
+            for p in rest.chunks_exact(cols) {
+                s += p[c];
+            }
+            *yc += s;
+        }
+    }
+
     /// The axpy frame: threads own disjoint block-aligned column ranges of the output and walk
-    /// every active row over them, in list order.
+    /// every active row over them, in list order (one-token products of long rows with a list
+    /// kernel: [`Self::axpy_rows_split`] instead).
     fn axpy_core(
         &self,
         w: &Weights<'_>,
@@ -840,6 +898,12 @@ impl<'p> MatMul<'p> {
         let elem_bytes_num = w.ty.type_size();
         let cols = w.cols;
         let rows = w.rows;
+        if n_tokens == 1 && select.is_none() && w.row_bytes >= ROW_SPLIT_AXPY_BYTES {
+            if let (Some(axpy_list), true) = (ops.axpy_list, self.pool.n_threads() > 1) {
+                self.axpy_rows_split(w, a, active, axpy_list, y);
+                return Ok(());
+            }
+        }
         let out = OutPtr::new(y);
         let n_threads = self.pool.n_threads().min(n_gran);
         self.pool.run(|tid| {
