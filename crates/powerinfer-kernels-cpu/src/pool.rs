@@ -145,9 +145,7 @@ impl ThreadPool {
             }
         });
     }
-}
 
-impl ThreadPool {
     /// Calls `f` on consecutive ranges of `chunk` items (the last one shorter) that cover
     /// `0..n_items`, each range once, taken by whichever thread is free first: a thread slowed
     /// down (by another process, or a slower core) takes fewer ranges instead of making the
@@ -172,7 +170,7 @@ impl ThreadPool {
             if start >= n_items {
                 break;
             }
-            f(start..(start + chunk).min(n_items));
+            f(start..start.saturating_add(chunk).min(n_items));
         });
     }
 }

@@ -34,7 +34,7 @@
 //! tokens, and sparse == dense with zeroed rows bit for bit. One-token float products sum in
 //! another order (`x86`'s wide dot) than multi-token ones, so for float weights GEMM and
 //! per-token GEMV agree within rounding; for quantized weights (exact integer sums) bit for bit.
-
+//!
 //! The f64 definitions of every kernel are in [`crate::reference::matmul`].
 
 pub(crate) mod act;

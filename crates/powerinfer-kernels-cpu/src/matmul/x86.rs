@@ -19,7 +19,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use super::act::Act;
-use super::table::{RowOps, Rows4Fn};
+use super::table::RowOps;
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
 
@@ -76,9 +76,15 @@ pub(crate) fn override_avx2(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
     #[cfg(powerinfer_avx512)]
     if vnni {
         match ty {
-            T::F32 => (ops.dot, ops.rows4) = (dot512_f32, Some(rows4_512_f32 as Rows4Fn)),
-            T::F16 => (ops.dot, ops.rows4) = (dot512_f16, Some(rows4_512_f16 as Rows4Fn)),
-            T::BF16 => (ops.dot, ops.rows4) = (dot512_bf16, Some(rows4_512_bf16 as Rows4Fn)),
+            T::F32 => {
+                (ops.dot, ops.rows4) = (dot512_f32, Some(rows4_512_f32 as super::table::Rows4Fn))
+            }
+            T::F16 => {
+                (ops.dot, ops.rows4) = (dot512_f16, Some(rows4_512_f16 as super::table::Rows4Fn))
+            }
+            T::BF16 => {
+                (ops.dot, ops.rows4) = (dot512_bf16, Some(rows4_512_bf16 as super::table::Rows4Fn))
+            }
             _ => {}
         }
     }
