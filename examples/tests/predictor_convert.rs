@@ -14,6 +14,10 @@ use powerinfer_predictor::predictor::{F32Predictor, FileDtype};
 use powerinfer_predictor::train::write_predictor_dir;
 use serde_json::{json, Value};
 
+#[path = "../../crates/powerinfer-engine/tests/support/hf_checkpoint.rs"]
+mod hf_checkpoint;
+use hf_checkpoint::{llama_tensor_specs, LlamaDims};
+
 const N_EMBD: usize = 64;
 const N_HEAD: usize = 4;
 const N_HEAD_KV: usize = 2;
@@ -26,24 +30,6 @@ fn powerinfer(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run powerinfer")
-}
-
-fn varint(out: &mut Vec<u8>, mut v: u64) {
-    loop {
-        let b = (v & 0x7f) as u8;
-        v >>= 7;
-        if v == 0 {
-            out.push(b);
-            return;
-        }
-        out.push(b | 0x80);
-    }
-}
-
-fn len_field(out: &mut Vec<u8>, field: u64, bytes: &[u8]) {
-    varint(out, field << 3 | 2);
-    varint(out, bytes.len() as u64);
-    out.extend_from_slice(bytes);
 }
 
 /// (piece, score, sentencepiece type).
@@ -61,27 +47,7 @@ fn pieces() -> Vec<(String, f32, u64)> {
 }
 
 fn tokenizer_model() -> Vec<u8> {
-    let mut m = Vec::new();
-    for (p, s, t) in pieces() {
-        let mut piece = Vec::new();
-        len_field(&mut piece, 1, p.as_bytes());
-        piece.push(2 << 3 | 5);
-        piece.extend(s.to_le_bytes());
-        if t != 1 {
-            varint(&mut piece, 3 << 3);
-            varint(&mut piece, t);
-        }
-        len_field(&mut m, 1, &piece);
-    }
-    // trainer_spec { model_type: BPE(2), unk_id 0, bos_id 1, eos_id 2 }
-    let mut trainer = Vec::new();
-    for (f, v) in [(3u64, 2u64), (40, 0), (41, 1), (42, 2)] {
-        varint(&mut trainer, f << 3);
-        varint(&mut trainer, v);
-    }
-    len_field(&mut m, 2, &trainer);
-    len_field(&mut m, 3, &[3 << 3, 1]);
-    m
+    hf_checkpoint::tokenizer_model(&pieces())
 }
 
 fn values(seed: usize, n: usize, scale: f32) -> Vec<f32> {
@@ -92,28 +58,15 @@ fn values(seed: usize, n: usize, scale: f32) -> Vec<f32> {
 
 /// A single-file F32 safetensors checkpoint.
 fn write_model(path: &Path) {
-    let nv = pieces().len();
-    let kv = N_EMBD / N_HEAD * N_HEAD_KV;
-    let mut specs: Vec<(String, Vec<usize>)> = vec![
-        ("model.embed_tokens.weight".into(), vec![nv, N_EMBD]),
-        ("model.norm.weight".into(), vec![N_EMBD]),
-        ("lm_head.weight".into(), vec![nv, N_EMBD]),
-    ];
-    for l in 0..N_LAYER {
-        for (n, s) in [
-            ("input_layernorm.weight", vec![N_EMBD]),
-            ("self_attn.q_proj.weight", vec![N_EMBD, N_EMBD]),
-            ("self_attn.k_proj.weight", vec![kv, N_EMBD]),
-            ("self_attn.v_proj.weight", vec![kv, N_EMBD]),
-            ("self_attn.o_proj.weight", vec![N_EMBD, N_EMBD]),
-            ("post_attention_layernorm.weight", vec![N_EMBD]),
-            ("mlp.gate_proj.weight", vec![N_FF, N_EMBD]),
-            ("mlp.up_proj.weight", vec![N_FF, N_EMBD]),
-            ("mlp.down_proj.weight", vec![N_EMBD, N_FF]),
-        ] {
-            specs.push((format!("model.layers.{l}.{n}"), s));
-        }
-    }
+    let dims = LlamaDims {
+        n_vocab: pieces().len(),
+        n_embd: N_EMBD,
+        n_head: N_HEAD,
+        n_head_kv: N_HEAD_KV,
+        n_ff: N_FF,
+        n_layer: N_LAYER,
+    };
+    let specs = llama_tensor_specs(&dims, false);
     let mut header = serde_json::Map::new();
     let mut data = Vec::new();
     for (i, (name, shape)) in specs.iter().enumerate() {
