@@ -2,8 +2,7 @@
 //!
 //! [`ThreadPool::run`] calls a job once for every thread index `0..n_threads` at the same time
 //! and returns when all calls have returned; [`ThreadPool::for_chunks`] splits `0..n_items` into
-//! `n_threads` contiguous near-equal ranges on top of it, and [`ThreadPool::for_chunks_dynamic`]
-//! into fixed-size ranges that free threads take in turn. The calling thread takes index 0, so a
+//! `n_threads` contiguous near-equal ranges on top of it. The calling thread takes index 0, so a
 //! pool of `n` threads spawns `n - 1` workers.
 //!
 //! Two implementations share the API ([`PoolKind`]):
@@ -143,34 +142,6 @@ impl ThreadPool {
             if !r.is_empty() {
                 f(r)
             }
-        });
-    }
-
-    /// Calls `f` on consecutive ranges of `chunk` items (the last one shorter) that cover
-    /// `0..n_items`, each range once, taken by whichever thread is free first: a thread slowed
-    /// down (by another process, or a slower core) takes fewer ranges instead of making the
-    /// others wait. Which thread computes a range is not fixed, so `f`'s results must not
-    /// depend on it. `chunk == 0` is taken as 1.
-    pub fn for_chunks_dynamic<F: Fn(Range<usize>) + Sync>(
-        &self,
-        n_items: usize,
-        chunk: usize,
-        f: F,
-    ) {
-        let chunk = chunk.max(1);
-        if self.n_threads == 1 || n_items <= chunk {
-            if n_items > 0 {
-                f(0..n_items);
-            }
-            return;
-        }
-        let next = AtomicUsize::new(0);
-        self.run(|_| loop {
-            let start = next.fetch_add(chunk, Ordering::Relaxed);
-            if start >= n_items {
-                break;
-            }
-            f(start..start.saturating_add(chunk).min(n_items));
         });
     }
 }
@@ -459,24 +430,6 @@ mod tests {
             for n_items in [0usize, 1, 2, 3, 7, 100] {
                 let hits: Vec<AtomicUsize> = (0..n_items).map(|_| AtomicUsize::new(0)).collect();
                 pool.for_chunks(n_items, |r| {
-                    for i in r {
-                        hits[i].fetch_add(1, Ordering::Relaxed);
-                    }
-                });
-                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
-            }
-        }
-    }
-
-    #[test]
-    fn dynamic_chunks_cover_items_exactly_once() {
-        for kind in kinds() {
-            let pool = ThreadPool::with_kind(3, kind);
-            for (n_items, chunk) in [(0usize, 4usize), (1, 4), (7, 0), (7, 2), (100, 8), (101, 4)] {
-                let hits: Vec<AtomicUsize> = (0..n_items).map(|_| AtomicUsize::new(0)).collect();
-                pool.for_chunks_dynamic(n_items, chunk, |r| {
-                    assert!(r.len() <= chunk.max(1) || r.len() == n_items);
-                    assert_eq!(r.start % chunk.max(1), 0);
                     for i in r {
                         hits[i].fetch_add(1, Ordering::Relaxed);
                     }
