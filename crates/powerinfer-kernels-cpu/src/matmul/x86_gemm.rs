@@ -15,8 +15,10 @@
 //! the whole row. Each activation byte fetched from L3 thus serves a whole row block, and each
 //! weight vector loaded into a register serves `N` tokens.
 //!
-//! The micro-kernels keep the exact arithmetic of the one-row kernels of [`super::x86`] and
-//! [`super::x86_int`] per (row, token), so every result is bit-identical to the GEMV:
+//! The micro-kernels keep the exact arithmetic of the one-row multi-token kernels
+//! (`RowOps::dot_batch`) of [`super::x86`] and [`super::x86_int`] per (row, token), so every
+//! result is bit-identical to the frame's other multi-token paths, and for Q8_0 to the GEMV
+//! (float GEMVs sum in the "wide" order of [`super::x86`] instead):
 //! * float types: one 8-lane f32 accumulator per (row, token) over 8-element steps in order, the
 //!   fixed-order horizontal sum [`hsum`], then scalar FMAs over the last `cols % 8` elements. With
 //!   AVX-512 VL the compiler has 32 vector registers, which hold the 4 × 6 tile's 24
