@@ -21,6 +21,8 @@ use powerinfer_gguf::GgufFile;
 use powerinfer_kernels_cpu::ThreadPool;
 
 use crate::error::{EngineError, Result};
+/// A block of one sequence's new tokens in a batch (re-exported from [`forward`]).
+pub use crate::forward::Segment;
 use crate::forward::{self, EvalOutput, FfnObserver, ForwardOptions};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::Model;
@@ -220,14 +222,38 @@ impl Engine {
         )
     }
 
+    /// Evaluates several sequences' new tokens in one pass: prompt blocks and decode tokens of
+    /// different sequences side by side (continuous batching). Every weight is read once for the
+    /// whole batch. Returns one [`EvalOutput`] per segment; see [`forward::eval_batch`] for the
+    /// rounding and error rules.
+    pub fn eval_batch(
+        &self,
+        cache: &mut KvCache,
+        segments: &[Segment<'_>],
+        all_logits: bool,
+    ) -> Result<Vec<EvalOutput>> {
+        forward::eval_batch(
+            &self.model,
+            &self.pool,
+            self.forward,
+            cache,
+            segments,
+            all_logits,
+        )
+    }
+
     /// One decode step for a batch of `(sequence, token)` pairs: each token is appended to its
-    /// sequence and the logits of each entry are returned in order. The entries are evaluated
-    /// one after the other (no cross-sequence batching yet).
+    /// sequence and the logits of each entry are returned in order. The tokens are evaluated
+    /// together ([`Engine::eval_batch`]): each weight is read once per step for the whole batch.
     pub fn decode(&self, cache: &mut KvCache, batch: &[(SeqId, u32)]) -> Result<Vec<EvalOutput>> {
-        batch
+        let segments: Vec<Segment<'_>> = batch
             .iter()
-            .map(|&(seq, tok)| self.eval(cache, seq, &[tok], false))
-            .collect()
+            .map(|(seq, tok)| Segment {
+                seq: *seq,
+                tokens: std::slice::from_ref(tok),
+            })
+            .collect();
+        self.eval_batch(cache, &segments, false)
     }
 
     /// A new session (its own KV cache with one sequence).

@@ -28,7 +28,7 @@ use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::{rope_block, RopeMode, RopeParams};
 use powerinfer_kernels_cpu::{MatMul, ThreadPool};
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 pub use crate::ffn::FfnObserver;
 use crate::ffn::{ffn_forward, FfnScratch};
 use crate::fused::{self, gemv_multi, GemvJob};
@@ -51,6 +51,16 @@ pub struct EvalOutput {
     pub logits: Vec<f32>,
     /// Per token, the mean over layers of the share of FFN neurons computed (1 for dense FFNs).
     pub density: Vec<f32>,
+}
+
+/// A block of consecutive new tokens of one sequence: one entry of a batch
+/// ([`eval_batch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment<'a> {
+    /// The sequence the tokens continue.
+    pub seq: SeqId,
+    /// The tokens, evaluated as the next positions of `seq`.
+    pub tokens: &'a [u32],
 }
 
 /// Evaluates `tokens` as the next positions of `seq`, appending their keys and values to the
@@ -82,19 +92,80 @@ pub fn eval_observed(
     seq: SeqId,
     tokens: &[u32],
     all_logits: bool,
-    mut observer: Option<&mut dyn FfnObserver>,
+    observer: Option<&mut dyn FfnObserver>,
 ) -> Result<EvalOutput> {
+    let mut out = eval_segments(
+        model,
+        pool,
+        opts,
+        cache,
+        &[Segment { seq, tokens }],
+        all_logits,
+        observer,
+    )?;
+    Ok(out.pop().expect("one output per segment"))
+}
+
+/// Evaluates several sequences' new tokens in one pass (a decode step of many sequences, or
+/// prompt blocks beside decode tokens): every weight product runs once over all the batch's
+/// tokens, so each weight is read once per step instead of once per sequence; RoPE, the KV
+/// cache and attention are per sequence. Returns one [`EvalOutput`] per segment, in order
+/// (`all_logits`: every token's logits, else each segment's last token's).
+///
+/// A token's result equals that of evaluating its sequence alone up to rounding: for float
+/// weights the products of several tokens sum in another order than one token's (bounds in
+/// `powerinfer_kernels_cpu::matmul`); for quantized weights they are bit-identical.
+///
+/// Errors: a sequence twice in the batch, an unknown sequence, or a segment that does not fit
+/// its context; nothing is evaluated then. On a later error, as [`eval`]: clear the batch's
+/// sequences before using them again.
+pub fn eval_batch(
+    model: &Model,
+    pool: &ThreadPool,
+    opts: ForwardOptions,
+    cache: &mut KvCache,
+    segments: &[Segment<'_>],
+    all_logits: bool,
+) -> Result<Vec<EvalOutput>> {
+    eval_segments(model, pool, opts, cache, segments, all_logits, None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn eval_segments(
+    model: &Model,
+    pool: &ThreadPool,
+    opts: ForwardOptions,
+    cache: &mut KvCache,
+    segments: &[Segment<'_>],
+    all_logits: bool,
+    mut observer: Option<&mut dyn FfnObserver>,
+) -> Result<Vec<EvalOutput>> {
     let hp = &model.hparams;
-    let t = tokens.len();
-    if t == 0 {
-        return Ok(EvalOutput {
-            logits: Vec::new(),
-            density: Vec::new(),
-        });
+    // Token offsets of the segments, positions of every token.
+    let mut starts = Vec::with_capacity(segments.len());
+    let mut positions = Vec::new();
+    let mut tokens = Vec::new();
+    for (i, sg) in segments.iter().enumerate() {
+        if segments[..i].iter().any(|o| o.seq == sg.seq) {
+            return Err(EngineError::Invalid(format!(
+                "sequence {} appears twice in one batch",
+                sg.seq
+            )));
+        }
+        cache.reserve(sg.seq, sg.tokens.len())?;
+        let p0 = cache.pos(sg.seq)?;
+        starts.push(tokens.len());
+        positions.extend(p0..p0 + sg.tokens.len());
+        tokens.extend_from_slice(sg.tokens);
     }
-    cache.reserve(seq, t)?;
-    let p0 = cache.pos(seq)?;
-    let positions: Vec<usize> = (p0..p0 + t).collect();
+    let t = tokens.len();
+    let empty = || EvalOutput {
+        logits: Vec::new(),
+        density: Vec::new(),
+    };
+    if t == 0 {
+        return Ok(segments.iter().map(|_| empty()).collect());
+    }
     let ne = hp.n_embd;
     let nkv = hp.n_embd_kv();
     let hd = hp.head_dim();
@@ -102,7 +173,7 @@ pub fn eval_observed(
     let mm = MatMul::new(pool);
 
     let mut x = vec![0f32; t * ne];
-    for (row, &tok) in x.chunks_exact_mut(ne).zip(tokens) {
+    for (row, &tok) in x.chunks_exact_mut(ne).zip(&tokens) {
         model.embed(tok, row)?;
     }
     let mut cur = vec![0f32; t * ne];
@@ -203,9 +274,21 @@ pub fn eval_observed(
             rope_block(&mut q, hp.n_head, hd, &positions, rope)?;
             rope_block(&mut k, hp.n_head_kv, hd, &positions, rope)?;
         }
-        cache.append(seq, l, &k, &v)?;
-        let (kc, vc) = cache.layer(seq, l)?;
-        attention_block(pool, &q, kc, vc, t, &ap, &mut attn)?;
+        for (sg, &s0) in segments.iter().zip(&starts) {
+            let n = sg.tokens.len();
+            if n == 0 {
+                continue;
+            }
+            cache.append(
+                sg.seq,
+                l,
+                &k[s0 * nkv..][..n * nkv],
+                &v[s0 * nkv..][..n * nkv],
+            )?;
+            let (kc, vc) = cache.layer(sg.seq, l)?;
+            let (q_s, out_s) = (&q[s0 * ne..][..n * ne], &mut attn[s0 * ne..][..n * ne]);
+            attention_block(pool, q_s, kc, vc, n, &ap, out_s)?;
+        }
         mm.gemm(&model.weights(&layer.wo)?, &attn, t, &mut tmp)?;
         add_bias(&mut tmp, layer.bo.as_deref())?;
         if parallel {
@@ -248,17 +331,53 @@ pub fn eval_observed(
         )?;
         add(&mut x, &tmp)?;
     }
-    cache.advance(seq, t)?;
+    for sg in segments {
+        cache.advance(sg.seq, sg.tokens.len())?;
+    }
 
     let n_layer = model.layers.len().max(1) as f32;
     density.iter_mut().for_each(|d| *d /= n_layer);
-    let first = if all_logits { 0 } else { t - 1 };
-    let n_out = t - first;
+    // The rows whose logits are returned: every token, or each segment's last.
+    let rows: Vec<usize> = if all_logits {
+        (0..t).collect()
+    } else {
+        segments
+            .iter()
+            .zip(&starts)
+            .filter(|(sg, _)| !sg.tokens.is_empty())
+            .map(|(sg, &s0)| s0 + sg.tokens.len() - 1)
+            .collect()
+    };
+    let n_out = rows.len();
     let mut normed = vec![0f32; n_out * ne];
-    norm(&x[first * ne..], &model.output_norm, eps, &mut normed)?;
-    let mut logits = vec![0f32; n_out * hp.n_vocab];
+    if rows.len() == t {
+        norm(&x, &model.output_norm, eps, &mut normed)?;
+    } else {
+        let mut picked = vec![0f32; n_out * ne];
+        for (dst, &r) in picked.chunks_exact_mut(ne).zip(&rows) {
+            dst.copy_from_slice(&x[r * ne..][..ne]);
+        }
+        norm(&picked, &model.output_norm, eps, &mut normed)?;
+    }
+    let nv = hp.n_vocab;
+    let mut logits = vec![0f32; n_out * nv];
     mm.gemm(&model.weights(&model.output)?, &normed, n_out, &mut logits)?;
-    Ok(EvalOutput { logits, density })
+    let mut outs = Vec::with_capacity(segments.len());
+    let mut row = 0;
+    for (sg, &s0) in segments.iter().zip(&starts) {
+        let n = sg.tokens.len();
+        if n == 0 {
+            outs.push(empty());
+            continue;
+        }
+        let k = if all_logits { n } else { 1 };
+        outs.push(EvalOutput {
+            logits: logits[row * nv..(row + k) * nv].to_vec(),
+            density: density[s0..s0 + n].to_vec(),
+        });
+        row += k;
+    }
+    Ok(outs)
 }
 
 /// RMSNorm (a norm without bias) or LayerNorm (with bias) of every row of `x`.

@@ -2,8 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
+use powerinfer_engine::engine::{Engine, EngineOptions, Segment};
 use powerinfer_engine::error::EngineError;
+use powerinfer_engine::kv_cache::KvCache;
 use powerinfer_engine::model::Model;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
@@ -350,20 +351,91 @@ fn threshold_option_and_decode_batch() {
     let mut s = none.session();
     s.eval(&PROMPT).unwrap();
     assert_eq!(s.stats().ffn_density(), 0.0);
+}
 
-    // Two sequences decoded in one batch give the same logits as separate sessions.
-    let engine = Engine::load(&f.sparse, opts(false)).unwrap();
-    let mut cache = engine.new_cache();
-    let a = cache.add_sequence();
-    let b = cache.add_sequence();
-    engine.eval(&mut cache, a, &PROMPT[..4], false).unwrap();
-    engine.eval(&mut cache, b, &PROMPT[4..9], false).unwrap();
-    let out = engine.decode(&mut cache, &[(a, 50), (b, 60)]).unwrap();
-    let mut sa = engine.session();
-    sa.eval(&PROMPT[..4]).unwrap();
-    assert_eq!(out[0].logits, sa.eval(&[50]).unwrap());
-    let mut sb = engine.session();
-    sb.eval(&PROMPT[4..9]).unwrap();
-    assert_eq!(out[1].logits, sb.eval(&[60]).unwrap());
-    assert_eq!((cache.pos(a).unwrap(), cache.pos(b).unwrap()), (5, 6));
+/// Logits of `tokens` continuing `prefix` in a session of its own (the unbatched reference).
+fn alone(engine: &Engine, prefix: &[u32], tokens: &[u32]) -> Vec<f32> {
+    let mut s = engine.session();
+    if !prefix.is_empty() {
+        s.eval(prefix).unwrap();
+    }
+    s.eval(tokens).unwrap()
+}
+
+#[test]
+fn batched_sequences_match_separate_sessions() {
+    // Sequences at different positions, decoded together (`decode`) and mixed with a prompt
+    // block of a third sequence (`eval_batch`), against each evaluated alone. Quantized weights:
+    // bit-identical (the products of several tokens are those of one token). F16: the
+    // several-token products sum in another order; the difference is rounding.
+    for (ty, seed) in [
+        (GgmlType::Q4_0, 21),
+        (GgmlType::Q8_0, 22),
+        (GgmlType::F16, 23),
+    ] {
+        let f = make(ty, Arch::Llama, seed);
+        for (path, dense) in [(&f.sparse, false), (&f.sparse, true), (&f.dense, true)] {
+            let engine = Engine::load(path, opts(dense)).unwrap();
+            let mut cache = engine.new_cache();
+            let a = cache.add_sequence();
+            let b = cache.add_sequence();
+            let c = cache.add_sequence();
+            engine.eval(&mut cache, a, &PROMPT[..4], false).unwrap();
+            engine.eval(&mut cache, b, &PROMPT[4..9], false).unwrap();
+            let step = engine.decode(&mut cache, &[(a, 50), (b, 60)]).unwrap();
+            let mixed = engine
+                .eval_batch(
+                    &mut cache,
+                    &[
+                        Segment {
+                            seq: b,
+                            tokens: &[61],
+                        },
+                        Segment {
+                            seq: c,
+                            tokens: &PROMPT[9..],
+                        },
+                        Segment {
+                            seq: a,
+                            tokens: &[],
+                        },
+                    ],
+                    true,
+                )
+                .unwrap();
+            let nv = engine.model().hparams.n_vocab;
+            assert_eq!(step.len(), 2);
+            assert_eq!(step[0].density.len(), 1);
+            assert_eq!(mixed[1].logits.len(), 3 * nv);
+            assert_eq!(mixed[1].density.len(), 3);
+            assert!(mixed[2].logits.is_empty() && mixed[2].density.is_empty());
+            let b_prefix: Vec<u32> = PROMPT[4..9].iter().copied().chain([60]).collect();
+            let mut c_alone = engine.session();
+            let c_all = c_alone.eval_all(&PROMPT[9..]).unwrap();
+            let pairs: [(&[f32], Vec<f32>); 4] = [
+                (&step[0].logits, alone(&engine, &PROMPT[..4], &[50])),
+                (&step[1].logits, alone(&engine, &PROMPT[4..9], &[60])),
+                (&mixed[0].logits, alone(&engine, &b_prefix, &[61])),
+                (&mixed[1].logits, c_all),
+            ];
+            for (i, (got, want)) in pairs.iter().enumerate() {
+                if ty == GgmlType::F16 {
+                    let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                    let r = rel_diff(got, &want64);
+                    eprintln!("{ty:?} dense={dense} entry {i}: {r:e}");
+                    assert!(r <= 1e-5, "{ty:?} dense={dense} entry {i}: {r:e}");
+                } else {
+                    assert_eq!(*got, &want[..], "{ty:?} dense={dense} entry {i}");
+                }
+            }
+            let pos = |cache: &KvCache, s| cache.pos(s).unwrap();
+            assert_eq!((pos(&cache, a), pos(&cache, b), pos(&cache, c)), (5, 7, 3));
+            // A sequence twice in one batch is refused before anything is evaluated.
+            assert!(matches!(
+                engine.decode(&mut cache, &[(a, 1), (a, 2)]),
+                Err(EngineError::Invalid(_))
+            ));
+            assert_eq!(pos(&cache, a), 5);
+        }
+    }
 }

@@ -15,6 +15,10 @@
 //! `ratio` = bytes per token × tokens/s over the bandwidth; `ceiling_tps` = bandwidth over bytes
 //! per token, the speed of a decode that did nothing but stream its bytes.
 //!
+//! With `--batch B`, B sequences (the prompt with a different last token each) are decoded
+//! together, one token of each per step through [`Engine::decode`], and tok/s counts all their
+//! tokens; `--sequential` evaluates them one after the other instead, for comparison.
+//!
 //! With `--llama-bench PATH` (llama.cpp's `llama-bench`), each dense GGUF file is also run by
 //! llama.cpp in the same invocation (`-p 0 -n TOKENS -t THREADS -r REPEATS -o json`) and its
 //! tokens/s is printed beside ours, with the ratio.
@@ -59,6 +63,14 @@ pub struct DecodeArgs {
     /// llama.cpp's `llama-bench` binary: also run every dense GGUF file with it.
     #[arg(long)]
     llama_bench: Option<PathBuf>,
+    /// Sequences decoded together: each step evaluates one token of each of them in one
+    /// batch ([`Engine::decode`]); tok/s counts the tokens of all sequences.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// With `--batch`: decode the sequences one after the other each step (one
+    /// [`Engine::eval`] per sequence) instead of in one batch, for comparison.
+    #[arg(long)]
+    sequential: bool,
     /// Print a JSON array of result objects instead of a table.
     #[arg(long)]
     json: bool,
@@ -132,13 +144,18 @@ fn byte_model(path: &Path) -> Result<ByteModel, String> {
 }
 
 impl ByteModel {
-    fn per_token(&self, sparse: bool, density: f64, mean_pos: f64) -> f64 {
+    /// Bytes per token of a decode step of `batch` sequences (one token each). Weights read
+    /// whole are shared by the step's tokens; a sparse FFN's rows are counted per token (the
+    /// union of the batch's active rows is not measured, so for `batch` > 1 this is an upper
+    /// bound).
+    fn per_token(&self, sparse: bool, density: f64, mean_pos: f64, batch: usize) -> f64 {
+        let b = batch.max(1) as f64;
         let ffn = if sparse {
-            self.predictor + self.sparse_rows * density
+            self.predictor / b + self.sparse_rows * density
         } else {
-            self.sparse_rows
+            self.sparse_rows / b
         };
-        self.fixed + ffn + self.kv_per_pos * mean_pos
+        self.fixed / b + ffn + self.kv_per_pos * mean_pos
     }
 }
 
@@ -159,27 +176,43 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
     let prompt: Vec<u32> = std::iter::once(1)
         .chain((0..a.prompt.saturating_sub(1) as u32).map(|i| (100 + 37 * i) % n_vocab))
         .collect();
+    let nb = a.batch.max(1);
     let mut best: Option<(f64, f64, f64)> = None;
     for _ in 0..a.repeats.max(1) {
         let mut cache = engine.new_cache();
-        let seq = cache.add_sequence();
+        // Every sequence gets the prompt with its own last token, so the sequences differ.
+        let mut toks = Vec::with_capacity(nb);
         let t = Instant::now();
-        let out = engine
-            .eval(&mut cache, seq, &prompt, false)
-            .map_err(|e| e.to_string())?;
-        let prompt_ms = t.elapsed().as_secs_f64() * 1e3;
-        let mut tok = argmax(&out.logits);
+        for i in 0..nb {
+            let seq = cache.add_sequence();
+            let mut p = prompt.clone();
+            if let Some(last) = p.last_mut() {
+                *last = (*last + 7 * i as u32) % n_vocab;
+            }
+            let out = engine
+                .eval(&mut cache, seq, &p, false)
+                .map_err(|e| e.to_string())?;
+            toks.push((seq, argmax(&out.logits)));
+        }
+        let prompt_ms = t.elapsed().as_secs_f64() * 1e3 / nb as f64;
         let mut density = 0.0;
         let t = Instant::now();
         for _ in 0..a.tokens {
-            let out = engine
-                .eval(&mut cache, seq, &[tok], false)
-                .map_err(|e| e.to_string())?;
-            density += out.density.iter().map(|&d| d as f64).sum::<f64>();
-            tok = argmax(&out.logits);
+            let outs = if nb == 1 || a.sequential {
+                toks.iter()
+                    .map(|&(seq, tok)| engine.eval(&mut cache, seq, &[tok], false))
+                    .collect::<Result<Vec<_>, _>>()
+            } else {
+                engine.decode(&mut cache, &toks)
+            }
+            .map_err(|e| e.to_string())?;
+            for (entry, out) in toks.iter_mut().zip(&outs) {
+                density += out.density.iter().map(|&d| d as f64).sum::<f64>();
+                entry.1 = argmax(&out.logits);
+            }
         }
-        let tps = a.tokens as f64 / t.elapsed().as_secs_f64();
-        let density = density / a.tokens.max(1) as f64;
+        let tps = (a.tokens * nb) as f64 / t.elapsed().as_secs_f64();
+        let density = density / (a.tokens * nb).max(1) as f64;
         if best.is_none_or(|b| tps > b.0) {
             best = Some((tps, density, prompt_ms));
         }
@@ -193,7 +226,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         mode: if sparse { "sparse" } else { "dense" },
         tps,
         density,
-        bytes_per_token: bm.per_token(sparse, density, mean_pos),
+        bytes_per_token: bm.per_token(sparse, density, mean_pos, if a.sequential { 1 } else { nb }),
         load_ms,
         prompt_ms,
     })
@@ -296,6 +329,8 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "mode": r.mode,
                 "threads": threads,
                 "tokens": a.tokens,
+                "batch": a.batch.max(1),
+                "batch_mode": if a.sequential { "sequential" } else { "batched" },
                 "decode_tps": r.tps,
                 "ffn_density": r.density,
                 "bytes_per_token": r.bytes_per_token,
