@@ -55,13 +55,27 @@ fn type_index(ty: GgmlType) -> Result<usize> {
     })
 }
 
-/// Dense or row-sparse product over `rows` weight rows of type `ty` and `t` tokens.
+/// Dense or row-sparse product over `rows` weight rows of type `ty` and `t` tokens: the
+/// one-token kernel (`matmul_*_t1`, one token per block) for a single token, else the kernel
+/// tiled over [`MATMUL_TOKENS`] tokens.
 pub fn matmul(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
     const NAMES: [&str; 4] = ["matmul_f32", "matmul_f16", "matmul_q8_0", "matmul_q4_0"];
+    const T1: [&str; 4] = [
+        "matmul_f32_t1",
+        "matmul_f16_t1",
+        "matmul_q8_0_t1",
+        "matmul_q4_0_t1",
+    ];
+    let i = type_index(ty)?;
+    let (name, nt) = if t == 1 {
+        (T1[i], 1)
+    } else {
+        (NAMES[i], MATMUL_TOKENS)
+    };
     launch(
-        NAMES[type_index(ty)?],
+        name,
         rows.div_ceil(MATMUL_WARPS),
-        t.div_ceil(MATMUL_TOKENS),
+        t.div_ceil(nt),
         1,
         MATMUL_WARPS * 32,
     )
@@ -128,8 +142,11 @@ mod tests {
             .collect();
         for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
             let l = matmul(ty, 17, 9).unwrap();
-            assert!(all.contains(&l.kernel));
+            assert!(all.contains(&l.kernel) && !l.kernel.ends_with("_t1"));
             assert_eq!(l.grid, (3, 2, 1));
+            let l = matmul(ty, 17, 1).unwrap();
+            assert!(all.contains(&l.kernel) && l.kernel.ends_with("_t1"));
+            assert_eq!(l.grid, (3, 1, 1));
             let l = axpy(ty, 300, 129, 4).unwrap();
             assert!(all.contains(&l.kernel) && l.kernel.ends_with("_t1"));
             assert_eq!(l.grid, (2, 2, 4));

@@ -86,7 +86,16 @@ impl KernelModule {
     /// The kernels (entry points) of the module.
     pub fn functions(self) -> &'static [&'static str] {
         match self {
-            KernelModule::Matmul => &["matmul_f32", "matmul_f16", "matmul_q8_0", "matmul_q4_0"],
+            KernelModule::Matmul => &[
+                "matmul_f32",
+                "matmul_f16",
+                "matmul_q8_0",
+                "matmul_q4_0",
+                "matmul_f32_t1",
+                "matmul_f16_t1",
+                "matmul_q8_0_t1",
+                "matmul_q4_0_t1",
+            ],
             KernelModule::Axpy => &[
                 "axpy_f32_t1",
                 "axpy_f16_t1",

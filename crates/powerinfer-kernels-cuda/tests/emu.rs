@@ -247,6 +247,25 @@ proptest! {
     }
 
     #[test]
+    fn emulated_matmul_long_rows_match_reference(ti in 0usize..4, n in 1usize..12, raw in 0usize..5000, vec8 in any::<bool>(), tm in 0usize..4, seed in any::<u64>()) {
+        // Rows long enough for the unrolled main loops of every kernel (the test above only
+        // reaches their tails), for one token (matmul_*_t1) and for several.
+        let Some(emu) = emu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 160) } else if vec8 { 8 * (1 + raw % 640) } else { 1 + raw };
+        let t = [1, 1, 2, 9][tm];
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, cols);
+        let rb = row_bytes(ty, cols).unwrap();
+        let x = rng.vec(t * cols);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let l = geometry::matmul(ty, n, t).unwrap();
+        let mut y = vec![9.0f32; t * n];
+        emu.rows(l, &bytes, rb, n, cols, &x, t, None, None, 0.0, n, &mut y);
+        close(&format!("{} K={cols} T={t}", l.kernel), &y, &rm::gemm(&w, n, cols, &x64, t), &abs_gemm(&w, n, cols, &x64, t))?;
+    }
+
+    #[test]
     fn emulated_sparse_axpy_matches_reference(ti in 0usize..4, n in 1usize..300, raw in 0usize..400, t in 1usize..11, mode in 0u8..4, theta_mode in 0u8..4, seed in any::<u64>()) {
         let Some(emu) = emu() else { return Ok(()); };
         let ty = TYPES[ti];

@@ -63,6 +63,27 @@ proptest! {
     }
 
     #[test]
+    fn dense_matmul_long_rows_match_reference(ti in 0usize..4, rows in 1usize..40, raw in 0usize..12000, vec8 in any::<bool>(), tm in 0usize..4, seed in any::<u64>()) {
+        // Rows long enough for the unrolled main loops (and their alignment cases), one token
+        // (matmul_*_t1) and several.
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 400) } else if vec8 { 8 * (1 + raw % 1500) } else { 1 + raw };
+        let t = [1, 1, 2, 9][tm];
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
+        let x = rng.vec(t * cols);
+        let s = gpu.stream();
+        let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
+        let xd = gpu.upload(s, &x).unwrap();
+        let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
+        gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
+        let got = y.to_host(s).unwrap();
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        assert_close(&format!("matmul {ty} {rows}x{cols} T={t}"), &got, &rm::gemm(&w, rows, cols, &x64, t), &abs_gemm(&w, rows, cols, &x64, t));
+    }
+
+    #[test]
     fn sparse_matmul_writes_bucket_rows_only(ti in 0usize..4, n in 1usize..80, raw_cols in 0usize..400, t in 1usize..12, mode in 0u8..4, theta_mode in 0u8..3, seed in any::<u64>()) {
         let Some(gpu) = gpu() else { return Ok(()); };
         let ty = TYPES[ti];

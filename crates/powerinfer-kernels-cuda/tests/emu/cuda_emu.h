@@ -77,6 +77,21 @@ inline unsigned __ballot_sync(unsigned, bool p) {
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
+// PTX prmt (default mode): byte i of the result is byte (s >> 4i) & 7 of the 8 bytes {y:x}.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++)
+        r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r;
+}
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+
 // One OS thread runs all fibers, so a plain read-modify-write is atomic here.
 inline float atomicAdd(float* p, float v) {
     float old = *p;
