@@ -16,9 +16,9 @@
 //!
 //! FFN of a PowerInfer file (spec §4, §5.4): predictor scores `p = fc2 · ReLU(fc1 · ffn_inp)`
 //! (on the pre-norm residual), neuron `i` is active for a token when `p_i ≥ θ`; `up` and `gate`
-//! are row-sparse products over the normalized input (for a prompt block, per token over the
-//! union of the block's active rows, [`MatMul::sparse_gemm`]), then the activation, then the
-//! sparse axpy over `ffn_down_t` restricted to each token's active neurons. With
+//! are row-sparse products over the normalized input (token by token over each token's list of
+//! active rows, also in a block: the predictor runs once over the block), then the activation,
+//! then the sparse axpy over `ffn_down_t` restricted to each token's active neurons. With
 //! [`ForwardOptions::dense`] every neuron is computed instead (for comparison): `up` and `gate`
 //! are full GEMMs and the axpy walks all `n_ff` rows.
 
