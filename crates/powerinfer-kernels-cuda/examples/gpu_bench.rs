@@ -1,25 +1,181 @@
 //! GPU benchmark of the matrix kernels: effective GB/s (weight bytes of the rows a kernel must read,
-//! divided by its time) against the device's measured device-to-device copy bandwidth, for sparse
-//! densities from 1% to 100%. Run by `scripts/gpu-check`; prints a table. Exits 0 with
+//! divided by its device time) against the device's measured device-to-device copy bandwidth, for
+//! sparse densities from 1% to 100%. Run by `scripts/gpu-check`; prints a table. Exits 0 with
 //! "skipped: no GPU (reason)" when there is no GPU.
 //!
 //! Usage: gpu_bench [ROWS [COLS [REPS]]]   (defaults 11008 4096 20: a LLaMA-7B FFN matrix)
+//!
+//! Three times per operator call, each the mean over REPS back-to-back calls:
+//! - `dev(us)`: GPU time, from CUDA events around the REPS calls, queued behind a long copy so
+//!   that the GPU runs them back to back (host submission is hidden): what the kernels cost.
+//! - `host(us)`: host wall time of the REPS calls up to a stream synchronize (what a caller sees
+//!   when it waits: max of submission and GPU time, plus one launch latency).
+//! - `enq(us)`: host time to queue one call (cudarc + driver submission cost).
+//!
+//! When host ≈ enq > dev, the operator is bound by host submission, not by the GPU.
+//! Weights are not served from L2: REPS copies of each matrix (up to 8 GiB) are rotated, one per
+//! call, and a 256 MiB copy flushes L2 before each timed loop.
+//! A last section repeats some rows with cudarc's multi-stream event tracking off (buffers made
+//! after `disable_event_tracking`), which removes the cuStreamWaitEvent / cuEventRecord that
+//! cudarc adds around every launch for every buffer argument.
 
 use std::time::Instant;
 
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use powerinfer_gguf::quants::quantize_to_vec;
 use powerinfer_gguf::GgmlType;
-use powerinfer_kernels_cuda::{DeviceTensor, Gpu, GpuSlice, Stream};
+use powerinfer_kernels_cuda::{DeviceBuffer, Gpu, GpuSlice, Stream};
 
-fn time_ms(stream: &Stream, reps: usize, mut f: impl FnMut()) -> f64 {
+/// Per-call times in microseconds.
+struct Times {
+    dev: f64,
+    host: f64,
+    enq: f64,
+}
+
+/// A 256 MiB device-to-device copy: flushes L2 and keeps the GPU busy while the host queues.
+struct Blocker {
+    src: DeviceBuffer<f32>,
+    dst: DeviceBuffer<f32>,
+    /// Microseconds one copy takes on the GPU.
+    copy_us: f64,
+}
+
+impl Blocker {
+    fn copy(&mut self, s: &Stream) {
+        s.cuda()
+            .memcpy_dtod(self.src.cuda(), self.dst.cuda_mut())
+            .expect("copy");
+    }
+}
+
+fn measure(s: &Stream, reps: usize, blocker: &mut Blocker, mut f: impl FnMut()) -> Times {
     f();
-    stream.synchronize().expect("sync");
+    s.synchronize().expect("sync");
+    // Host: flush L2, wait, then queue REPS calls and wait for them.
+    blocker.copy(s);
+    s.synchronize().expect("sync");
     let t0 = Instant::now();
     for _ in 0..reps {
         f();
     }
-    stream.synchronize().expect("sync");
-    t0.elapsed().as_secs_f64() * 1e3 / reps as f64
+    let enq = t0.elapsed().as_secs_f64();
+    s.synchronize().expect("sync");
+    let host = t0.elapsed().as_secs_f64();
+    // Device: enough copies ahead of the start event that the host has queued all REPS calls
+    // before the GPU reaches it (the last copy also flushes L2).
+    let n_block = ((2.0 * enq * 1e6 / blocker.copy_us).ceil() as usize + 1).min(1000);
+    for _ in 0..n_block {
+        blocker.copy(s);
+    }
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let e0 = s.cuda().record_event(timing).expect("event");
+    for _ in 0..reps {
+        f();
+    }
+    let e1 = s.cuda().record_event(timing).expect("event");
+    let ms = e0.elapsed_ms(&e1).expect("elapsed") as f64;
+    s.synchronize().expect("sync");
+    let r = reps as f64;
+    Times {
+        dev: ms * 1e3 / r,
+        host: host * 1e6 / r,
+        enq: enq * 1e6 / r,
+    }
+}
+
+struct Ctx<'a> {
+    gpu: &'a Gpu,
+    rows: usize,
+    cols: usize,
+    reps: usize,
+    copy_gbs: f64,
+    blocker: Blocker,
+    l2: usize,
+    vals: Vec<f32>,
+    x: Vec<f32>,
+    a: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+fn row(ty: GgmlType, kernel: &str, density: u32, t: &Times, moved: f64, copy_gbs: f64) {
+    let gbs = moved / (t.dev * 1e-6) / 1e9;
+    println!(
+        "{:<6} {:<14} {:>7}% {:>9.1} {:>9.1} {:>8.1} {:>8.0} {:>6.0}%",
+        ty.name(),
+        kernel,
+        density,
+        t.dev,
+        t.host,
+        t.enq,
+        gbs,
+        100.0 * gbs / copy_gbs
+    );
+}
+
+fn bench_type(c: &mut Ctx, ty: GgmlType, densities: &[u32], dense: bool) {
+    let (gpu, rows, cols, reps) = (c.gpu, c.rows, c.cols, c.reps);
+    let s = gpu.stream();
+    let bytes = quantize_to_vec(ty, &c.vals).expect("quantize");
+    let row_bytes = bytes.len() / rows;
+    let bucket: Vec<u32> = (0..rows as u32).collect();
+    let n_copies = reps.min(((8usize << 30) / bytes.len().max(1)).max(1));
+    let slices: Vec<GpuSlice> = (0..n_copies)
+        .map(|_| GpuSlice::upload(gpu, s, ty, cols, &bytes, rows, &bucket).expect("upload"))
+        .collect();
+    let xd = gpu.upload(s, &c.x).expect("upload");
+    let ad = gpu.upload(s, &c.a).expect("upload");
+    let pd = gpu.upload(s, &c.scores).expect("upload");
+    let mut y_rows = gpu.alloc_zeros::<f32>(s, rows).expect("alloc");
+    let mut y_cols = gpu.alloc_zeros::<f32>(s, cols).expect("alloc");
+    let note = if n_copies >= reps {
+        "each call reads its own copy".to_string()
+    } else if n_copies * bytes.len() > 2 * c.l2 {
+        format!("a copy is reused after {n_copies} calls; copies exceed L2")
+    } else {
+        format!("a copy is reused after {n_copies} calls; WEIGHTS FIT IN L2")
+    };
+    println!(
+        "-- {}: {} copies of {:.1} MB rotated ({note})",
+        ty.name(),
+        n_copies,
+        bytes.len() as f64 / 1e6
+    );
+    let mut k = 0usize;
+    if dense {
+        let t = measure(s, reps, &mut c.blocker, || {
+            k += 1;
+            gpu.matmul(s, slices[k % n_copies].weight(), &xd, 1, &mut y_rows)
+                .expect("matmul")
+        });
+        row(ty, "matmul dense", 100, &t, bytes.len() as f64, c.copy_gbs);
+    }
+    for &density in densities {
+        // Scores are uniform in [0, 1): theta = 1 - density selects that fraction.
+        let theta = 1.0 - density as f32 / 100.0;
+        let active = c.scores.iter().filter(|&&p| p >= theta).count();
+        let moved = (active * row_bytes) as f64;
+        let t = measure(s, reps, &mut c.blocker, || {
+            k += 1;
+            gpu.sparse_matmul(s, &slices[k % n_copies], &xd, &pd, theta, 1, &mut y_rows)
+                .expect("sparse_matmul")
+        });
+        row(ty, "sparse_matmul", density, &t, moved, c.copy_gbs);
+        let t = measure(s, reps, &mut c.blocker, || {
+            k += 1;
+            gpu.sparse_axpy(
+                s,
+                &slices[k % n_copies],
+                &ad,
+                Some(&pd),
+                theta,
+                1,
+                &mut y_cols,
+            )
+            .expect("sparse_axpy")
+        });
+        row(ty, "sparse_axpy", density, &t, moved, c.copy_gbs);
+    }
 }
 
 fn main() {
@@ -38,28 +194,41 @@ fn main() {
         }
     };
     let info = gpu.info();
+    let l2 = gpu
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        .unwrap_or(0)
+        .max(0) as usize;
     println!(
-        "device: {} (cc {}.{}, {:.1} GiB, kernels from {:?})",
+        "device: {} (cc {}.{}, {:.1} GiB, L2 {:.0} MB, kernels from {:?}); {rows}x{cols}, {reps} reps",
         info.name,
         info.compute_capability.0,
         info.compute_capability.1,
         info.total_memory as f64 / (1u64 << 30) as f64,
+        l2 as f64 / 1e6,
         info.image
     );
     let s = gpu.stream();
 
     // Copy bandwidth: read + write bytes of a device-to-device copy of 256 MiB.
     let n = 64 << 20;
-    let src = gpu.alloc_zeros::<f32>(s, n).expect("alloc");
-    let mut dst = gpu.alloc_zeros::<f32>(s, n).expect("alloc");
-    let ms = time_ms(s, reps, || {
-        s.cuda()
-            .memcpy_dtod(src.cuda(), dst.cuda_mut())
-            .expect("copy");
-    });
+    let mut blocker = Blocker {
+        src: gpu.alloc_zeros::<f32>(s, n).expect("alloc"),
+        dst: gpu.alloc_zeros::<f32>(s, n).expect("alloc"),
+        copy_us: 100.0,
+    };
+    blocker.copy(s);
+    s.synchronize().expect("sync");
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let e0 = s.cuda().record_event(timing).expect("event");
+    for _ in 0..reps {
+        blocker.copy(s);
+    }
+    let e1 = s.cuda().record_event(timing).expect("event");
+    let ms = e0.elapsed_ms(&e1).expect("elapsed") as f64 / reps as f64;
+    blocker.copy_us = ms * 1e3;
     let copy_gbs = 2.0 * (n * 4) as f64 / (ms * 1e-3) / 1e9;
-    println!("copy bandwidth (dtod, read+write): {copy_gbs:.0} GB/s");
-    drop((src, dst));
+    println!("copy bandwidth (dtod, read+write, CUDA events): {copy_gbs:.0} GB/s");
 
     let mut state = 0x1234_5678_9abc_def0u64;
     let mut rnd = move || {
@@ -72,68 +241,35 @@ fn main() {
     let x: Vec<f32> = (0..cols).map(|_| rnd() as f32).collect();
     let a: Vec<f32> = (0..rows).map(|_| rnd() as f32).collect();
     let scores: Vec<f32> = (0..rows).map(|_| rnd() as f32).collect();
-    let bucket: Vec<u32> = (0..rows as u32).collect();
-    let xd = gpu.upload(s, &x).expect("upload");
-    let ad = gpu.upload(s, &a).expect("upload");
-    let pd = gpu.upload(s, &scores).expect("upload");
-    let mut y_rows = gpu.alloc_zeros::<f32>(s, rows).expect("alloc");
-    let mut y_cols = gpu.alloc_zeros::<f32>(s, cols).expect("alloc");
+    let mut c = Ctx {
+        gpu: &gpu,
+        rows,
+        cols,
+        reps,
+        copy_gbs,
+        blocker,
+        l2,
+        vals,
+        x,
+        a,
+        scores,
+    };
 
-    println!(
-        "{:<6} {:<14} {:>8} {:>10} {:>9} {:>7}",
-        "type", "kernel", "density", "time(us)", "GB/s", "%copy"
-    );
-    for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
-        let bytes = quantize_to_vec(ty, &vals).expect("quantize");
-        let row_bytes = bytes.len() / rows;
-        let slice = GpuSlice::upload(&gpu, s, ty, cols, &bytes, rows, &bucket).expect("upload");
-        let dense = DeviceTensor::upload(&gpu, s, ty, rows, cols, &bytes).expect("upload");
-        let ms = time_ms(s, reps, || {
-            gpu.matmul(s, &dense, &xd, 1, &mut y_rows).expect("matmul")
-        });
-        let gbs = bytes.len() as f64 / (ms * 1e-3) / 1e9;
+    let header = || {
         println!(
-            "{:<6} {:<14} {:>7}% {:>10.1} {:>9.0} {:>6.0}%",
-            ty.name(),
-            "matmul dense",
-            100,
-            ms * 1e3,
-            gbs,
-            100.0 * gbs / copy_gbs
-        );
-        for density in [1u32, 5, 10, 25, 50, 100] {
-            // Scores are uniform in [0, 1): theta = 1 - density selects that fraction.
-            let theta = 1.0 - density as f32 / 100.0;
-            let active = scores.iter().filter(|&&p| p >= theta).count();
-            let moved = (active * row_bytes) as f64;
-            let ms = time_ms(s, reps, || {
-                gpu.sparse_matmul(s, &slice, &xd, &pd, theta, 1, &mut y_rows)
-                    .expect("sparse_matmul")
-            });
-            let gbs = moved / (ms * 1e-3) / 1e9;
-            println!(
-                "{:<6} {:<14} {:>7}% {:>10.1} {:>9.0} {:>6.0}%",
-                ty.name(),
-                "sparse_matmul",
-                density,
-                ms * 1e3,
-                gbs,
-                100.0 * gbs / copy_gbs
-            );
-            let ms = time_ms(s, reps, || {
-                gpu.sparse_axpy(s, &slice, &ad, Some(&pd), theta, 1, &mut y_cols)
-                    .expect("sparse_axpy")
-            });
-            let gbs = moved / (ms * 1e-3) / 1e9;
-            println!(
-                "{:<6} {:<14} {:>7}% {:>10.1} {:>9.0} {:>6.0}%",
-                ty.name(),
-                "sparse_axpy",
-                density,
-                ms * 1e3,
-                gbs,
-                100.0 * gbs / copy_gbs
-            );
-        }
+            "{:<6} {:<14} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7}",
+            "type", "kernel", "density", "dev(us)", "host(us)", "enq(us)", "GB/s", "%copy"
+        )
+    };
+    header();
+    for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
+        bench_type(&mut c, ty, &[1, 5, 10, 25, 50, 100], true);
     }
+
+    // SAFETY: the buffers made from here on are used on the one stream `s` only, in order, and
+    // the stream is synchronized before any of them is dropped (measure ends with a synchronize).
+    unsafe { gpu.context().disable_event_tracking() };
+    println!("cudarc event tracking off (buffers made after disable_event_tracking):");
+    header();
+    bench_type(&mut c, GgmlType::Q4_0, &[1, 10], true);
 }

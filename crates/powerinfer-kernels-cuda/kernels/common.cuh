@@ -75,6 +75,18 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     return r;
 }
 
+// 4 bytes at a 2-byte aligned address.
+__device__ __forceinline__ u32 load_u32_a2(const u8* p) {
+    const u16* h = (const u16*)p;
+    return (u32)h[0] | ((u32)h[1] << 16);
+}
+
+// Byte k of w as a float, minus `bias`, exactly: the float with bits 0x4B0000xx is 2^23 + xx, so
+// one byte permute and one subtraction replace a (slow) integer-to-float conversion.
+__device__ __forceinline__ float byte_f(u32 w, int k, float bias) {
+    return __int_as_float((int)__byte_perm(w, 0x4B000000u, 0x7440u | (u32)k)) - bias;
+}
+
 // Element c of a weight row of type TY starting at byte pointer `row`.
 template <int TY>
 __device__ __forceinline__ float weight_at(const u8* row, int c) {

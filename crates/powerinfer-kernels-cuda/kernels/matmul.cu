@@ -19,18 +19,6 @@
 
 #define NT 8
 
-// 4 bytes at a 2-byte aligned address.
-__device__ __forceinline__ u32 load_u32_a2(const u8* p) {
-    const u16* h = (const u16*)p;
-    return (u32)h[0] | ((u32)h[1] << 16);
-}
-
-// Byte k of w as a float, minus `bias`, exactly: the float with bits 0x4B0000xx is 2^23 + xx, so
-// one byte permute and one subtraction replace a (slow) integer-to-float conversion.
-__device__ __forceinline__ float byte_f(u32 w, int k, float bias) {
-    return __int_as_float((int)__byte_perm(w, 0x4B000000u, 0x7440u | (u32)k)) - bias;
-}
-
 // acc[t] += dot(weights a[0..8], x_t[c..c + 8]) for the first ntok (at most NTT) tokens.
 template <int NTT>
 __device__ __forceinline__ void fma8(const float* a, const float* x, int K, int c, int ntok,

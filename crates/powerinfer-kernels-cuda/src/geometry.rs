@@ -10,8 +10,12 @@ use crate::error::{CudaError, Result};
 pub const MATMUL_WARPS: usize = 8;
 /// Tokens per block of the matrix-product kernels (NT in kernels/matmul.cu).
 pub const MATMUL_TOKENS: usize = 8;
-/// Rows per block of the axpy kernels (ROWS_PER_BLOCK in kernels/axpy.cu).
+/// Rows per block of the many-token axpy kernels (ROWS_PER_BLOCK in kernels/axpy.cu).
 pub const AXPY_ROWS: usize = 128;
+/// Rows per block of the per-token axpy kernels `axpy_*_t1` (T1_ROWS in kernels/axpy.cu).
+pub const AXPY_T1_ROWS: usize = 64;
+/// Threads per block of `axpy_*_t1` (T1_THREADS), each owning 8 consecutive columns.
+pub const AXPY_T1_THREADS: usize = 256;
 /// Up to this many tokens the axpy runs its per-token sparse kernel; above, the kernel tiled
 /// over 8 tokens (each weight element read once per 8 tokens).
 pub const AXPY_SPARSE_MAX_TOKENS: usize = 4;
@@ -86,18 +90,23 @@ pub fn axpy(ty: GgmlType, m: usize, rows: usize, t: usize) -> Result<Launch> {
     const T1: [&str; 4] = ["axpy_f32_t1", "axpy_f16_t1", "axpy_q8_0_t1", "axpy_q4_0_t1"];
     const T8: [&str; 4] = ["axpy_f32_t8", "axpy_f16_t8", "axpy_q8_0_t8", "axpy_q4_0_t8"];
     let i = type_index(ty)?;
-    let (name, nt) = if t > AXPY_SPARSE_MAX_TOKENS {
-        (T8[i], 8)
+    if t > AXPY_SPARSE_MAX_TOKENS {
+        launch(
+            T8[i],
+            m.div_ceil(BLOCK),
+            rows.div_ceil(AXPY_ROWS),
+            t.div_ceil(8),
+            BLOCK,
+        )
     } else {
-        (T1[i], 1)
-    };
-    launch(
-        name,
-        m.div_ceil(BLOCK),
-        rows.div_ceil(AXPY_ROWS),
-        t.div_ceil(nt),
-        BLOCK,
-    )
+        launch(
+            T1[i],
+            m.div_ceil(8 * AXPY_T1_THREADS),
+            rows.div_ceil(AXPY_T1_ROWS),
+            t,
+            AXPY_T1_THREADS,
+        )
+    }
 }
 
 /// One block per row (rms_norm, layer_norm, softmax).
@@ -149,7 +158,9 @@ mod tests {
             assert_eq!(l.grid, (3, 1, 1));
             let l = axpy(ty, 300, 129, 4).unwrap();
             assert!(all.contains(&l.kernel) && l.kernel.ends_with("_t1"));
-            assert_eq!(l.grid, (2, 2, 4));
+            assert_eq!(l.grid, (1, 3, 4));
+            let l = axpy(ty, 2049, 64, 1).unwrap();
+            assert_eq!((l.grid, l.block), ((2, 1, 1), 256));
             let l = axpy(ty, 300, 129, 17).unwrap();
             assert!(l.kernel.ends_with("_t8"));
             assert_eq!(l.grid, (2, 2, 3));

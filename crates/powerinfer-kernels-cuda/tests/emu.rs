@@ -266,11 +266,17 @@ proptest! {
     }
 
     #[test]
-    fn emulated_sparse_axpy_matches_reference(ti in 0usize..4, n in 1usize..300, raw in 0usize..400, t in 1usize..11, mode in 0u8..4, theta_mode in 0u8..4, seed in any::<u64>()) {
+    fn emulated_sparse_axpy_matches_reference(ti in 0usize..4, n in 1usize..300, raw in 0usize..400, wide in any::<bool>(), t in 1usize..11, mode in 0u8..4, theta_mode in 0u8..4, seed in any::<u64>()) {
         let Some(emu) = emu() else { return Ok(()); };
         let ty = TYPES[ti];
-        // Up to 2 column blocks of 256 threads with a tail.
-        let m = if ty.block_size() > 1 { 32 * (1 + raw % 12) } else { 1 + raw };
+        // Up to 2 column blocks of 256 threads (t8) with a tail; `wide`: up to 2 column blocks of
+        // 2048 (t1: 8 columns per thread), F32 / F16 rows a multiple of 8 (16-byte loads).
+        let m = match (ty.block_size() > 1, wide) {
+            (true, false) => 32 * (1 + raw % 12),
+            (true, true) => 32 * (1 + raw % 100),
+            (false, false) => 1 + raw,
+            (false, true) => 8 * (1 + raw),
+        };
         let mut rng = Rng::new(seed);
         let (bytes, w) = random_weight(&mut rng, ty, n, m);
         let rb = row_bytes(ty, m).unwrap();
