@@ -1,23 +1,77 @@
-// Dense and row-sparse matrix products: dst[t, row] = dot(W_j, x_t) with one warp per weight row.
+// Dense and row-sparse matrix products: dst[t, row] = dot(W_j, x_t), and the activation quantizer
+// the quantized products read.
 //
 // Weight: n_rows rows of K elements of type TY, `row_bytes` bytes apart. Row j of the weight is
-// neuron `row = bucket ? bucket[j] : j` of the full matrix. x: T tokens of K floats (token-major).
-// p: scores, T tokens of N floats, or NULL for a dense product. dst: T tokens of N floats.
+// neuron `row = bucket ? bucket[j] : j` of the full matrix. x: T tokens of K floats (token-major)
+// for F32/F16 weights; for Q8_0/Q4_0 weights the same T x K activation quantized by quantize_q8
+// (`x` then points to its bytes, see there). p: scores, T tokens of N floats, or NULL for a dense
+// product. dst: T tokens of N floats.
 // For every (j, t) the kernel writes dst[t * N + row]: the dot product when p is NULL or
 // p[t * N + row] >= theta, else 0. It never writes the slice-local index j (unless row == j) and
 // writes each output once, so a bucket without duplicates gives race-free results. Entries of
 // rows that are not in the bucket are left untouched (the host zeroes them first).
-// Quantized types need K % 32 == 0. Grid: (ceil(n_rows / warps per block), ceil(T / tokens per
-// block)): matmul_* take NT = 8 tokens per block, matmul_*_t1 one token per block (the decode
-// path: fewer registers, more loads in flight per lane).
+// Quantized types need K % 32 == 0. Grid: (ceil(n_rows / 8), ceil(T / tokens per block)), 256
+// threads (8 warps), 8 rows per block. matmul_* take NT = 8 tokens per block, one warp per row.
+// matmul_*_t1 take one token (the decode path): the block first finds its active rows and then
+// spreads their work over all 8 warps (a lone active row of a sparse product gets 8 warps, so 8x
+// the loads in flight and an 8x shorter dependent chain; a dense block keeps one warp per row).
 //
-// Memory access: each lane keeps U independent weight loads in flight per loop iteration (the
-// main loop runs while all U are in range, a one-step loop takes the tail). Quantized blocks are
-// only 2-byte aligned, so a lane reads its 4 weight bytes as two u16 loads; 8 lanes share a block
-// so that the x reads (one float4 per lane) stay contiguous across the warp.
+// Memory access: each lane keeps U independent weight loads in flight per loop iteration (loads
+// past the end of the row are predicated off). Quantized blocks are only 2-byte aligned, so a
+// lane reads its 4 weight bytes as two u16 loads; 8 lanes share a block so that the activation
+// reads stay contiguous across the warp.
+//
+// Quantized products use integer dot products, as the CPU kernels do: per 32-block of a token,
+// x is quantized to int8 q = round(x / d) with the f32 scale d = max|x| / 127 (the numbers of
+// powerinfer-kernels-cpu's reference::matmul::quantize_activation, bit for bit), and each lane
+// adds d_w * d_x * dp4a(w, q) for its 4 elements.
 #include "common.cuh"
 
 #define NT 8
+
+// dot(a[0..4], b[0..4]) of signed bytes plus c.
+__device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
+#ifdef CUDA_EMULATION
+    for (int k = 0; k < 4; k++) c += (int)(i8)(a >> (8 * k)) * (int)(i8)(b >> (8 * k));
+    return c;
+#else
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#endif
+}
+
+// a * b rounded once (no contraction into an fma), as the CPU quantizer computes it.
+__device__ __forceinline__ float fmul_rn(float a, float b) {
+#ifdef CUDA_EMULATION
+    volatile float r = a * b;
+    return r;
+#else
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#endif
+}
+
+// Quantizes n_blocks blocks of 32 floats (T tokens of K, K % 32 == 0, are T * K / 32 blocks) to
+// xq: n_blocks * 32 int8 values, then n_blocks f32 scales (at byte offset n_blocks * 32). Per
+// block d = amax / 127, id = 1 / d (0 when amax = 0), q = trunc(x * id + copysign(0.5-, x * id))
+// clamped to +-127: round half away from zero, the same IEEE operations as the CPU quantizer.
+// One warp per block, 8 blocks per block of 256 threads.
+extern "C" __global__ void quantize_q8(const float* x, long n_blocks, u8* xq) {
+    long b = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (b >= n_blocks) return;
+    float v = x[b * 32 + lane];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d > 0.0f ? 1.0f / d : 0.0f;
+    float t = fmul_rn(v, id);
+    int q = (int)(t + (t < 0.0f ? -0.49999997f : 0.49999997f));
+    q = q > 127 ? 127 : (q < -127 ? -127 : q);
+    ((i8*)xq)[b * 32 + lane] = (i8)q;
+    if (lane == 0) ((float*)(xq + n_blocks * 32))[b] = d;
+}
 
 // acc[t] += dot(weights a[0..8], x_t[c..c + 8]) for the first ntok (at most NTT) tokens.
 template <int NTT>
@@ -34,41 +88,41 @@ __device__ __forceinline__ void fma8(const float* a, const float* x, int K, int 
     }
 }
 
-// F32 rows: U float4 loads in flight per lane when K % 4 == 0.
+// F32 rows: U float4 loads in flight per lane when K % 4 == 0. `lane` is 0..L-1 of the L lanes
+// that share the row. One step (loop iteration) covers U * L float4s from i; loads past the end
+// of the row are predicated off. (One guarded loop rather than an unguarded main loop and a tail:
+// the guards cost little and ptxas then keeps the register count low.)
+template <int NTT, int U>
+__device__ __forceinline__ void step_f32(const float4* w4, const float* x, int K, int n4, int i,
+                                         int L, int ntok, float* acc) {
+    float4 a[U];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (i + L * u < n4) a[u] = w4[i + L * u];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        if (i + L * u < n4) {
+#pragma unroll
+            for (int t = 0; t < NTT; t++) {
+                if (NTT == 1 || t < ntok) {
+                    float4 b = ((const float4*)(x + (long)t * K))[i + L * u];
+                    acc[t] += a[u].x * b.x + a[u].y * b.y + a[u].z * b.z + a[u].w * b.w;
+                }
+            }
+        }
+    }
+}
+
 template <int NTT, int U>
 __device__ __forceinline__ void dot_f32(const u8* row, const float* x, int K, int ntok, int lane,
-                                        float* acc) {
+                                        int L, float* acc) {
     const float* w = (const float*)row;
     if ((K & 3) == 0) {
         const float4* w4 = (const float4*)w;
         int n4 = K >> 2, i = lane;
-        for (; i + 32 * (U - 1) < n4; i += 32 * U) {
-            float4 a[U];
-#pragma unroll
-            for (int u = 0; u < U; u++) a[u] = w4[i + 32 * u];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-#pragma unroll
-                for (int t = 0; t < NTT; t++) {
-                    if (NTT == 1 || t < ntok) {
-                        float4 b = ((const float4*)(x + (long)t * K))[i + 32 * u];
-                        acc[t] += a[u].x * b.x + a[u].y * b.y + a[u].z * b.z + a[u].w * b.w;
-                    }
-                }
-            }
-        }
-        for (; i < n4; i += 32) {
-            float4 a = w4[i];
-#pragma unroll
-            for (int t = 0; t < NTT; t++) {
-                if (NTT == 1 || t < ntok) {
-                    float4 b = ((const float4*)(x + (long)t * K))[i];
-                    acc[t] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-                }
-            }
-        }
+        for (; i < n4; i += L * U) step_f32<NTT, U>(w4, x, K, n4, i, L, ntok, acc);
     } else {
-        for (int i = lane; i < K; i += 32) {
+        for (int i = lane; i < K; i += L) {
             float a = w[i];
 #pragma unroll
             for (int t = 0; t < NTT; t++)
@@ -89,32 +143,34 @@ __device__ __forceinline__ void halves8(uint4 q, float* a) {
     a[7] = h2f((u16)(q.w >> 16));
 }
 
-// F16 rows: U 16-byte loads (8 halves each) in flight per lane when K % 8 == 0.
+// F16 rows: U 16-byte loads (8 halves each) in flight per lane when K % 8 == 0; steps as F32.
+template <int NTT, int U>
+__device__ __forceinline__ void step_f16(const uint4* w8, const float* x, int K, int n8, int i,
+                                         int L, int ntok, float* acc) {
+    uint4 q[U];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (i + L * u < n8) q[u] = w8[i + L * u];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        if (i + L * u < n8) {
+            float a[8];
+            halves8(q[u], a);
+            fma8<NTT>(a, x, K, 8 * (i + L * u), ntok, acc);
+        }
+    }
+}
+
 template <int NTT, int U>
 __device__ __forceinline__ void dot_f16(const u8* row, const float* x, int K, int ntok, int lane,
-                                        float* acc) {
+                                        int L, float* acc) {
     const u16* w = (const u16*)row;
     if ((K & 7) == 0) {
         const uint4* w8 = (const uint4*)w;
         int n8 = K >> 3, i = lane;
-        for (; i + 32 * (U - 1) < n8; i += 32 * U) {
-            uint4 q[U];
-#pragma unroll
-            for (int u = 0; u < U; u++) q[u] = w8[i + 32 * u];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                float a[8];
-                halves8(q[u], a);
-                fma8<NTT>(a, x, K, 8 * (i + 32 * u), ntok, acc);
-            }
-        }
-        for (; i < n8; i += 32) {
-            float a[8];
-            halves8(w8[i], a);
-            fma8<NTT>(a, x, K, 8 * i, ntok, acc);
-        }
+        for (; i < n8; i += L * U) step_f16<NTT, U>(w8, x, K, n8, i, L, ntok, acc);
     } else {
-        for (int i = lane; i < K; i += 32) {
+        for (int i = lane; i < K; i += L) {
             float a = h2f(w[i]);
 #pragma unroll
             for (int t = 0; t < NTT; t++)
@@ -123,72 +179,84 @@ __device__ __forceinline__ void dot_f16(const u8* row, const float* x, int K, in
     }
 }
 
-// One lane's part of a quantized block: 4 consecutive elements c..c+3, from the 4 bytes w (as
-// loaded) and the block's f16 scale h; nibble `shift` selects the Q4_0 half.
-template <int TY, int NTT>
-__device__ __forceinline__ void quant_fma(u32 w, u16 h, int shift, const float* x, int K, int c,
-                                          int ntok, float* acc) {
-    float q[4];
-    if (TY == TY_Q8_0) {
-        w ^= 0x80808080u;  // int8 -> biased uint8 (q + 128)
-#pragma unroll
-        for (int k = 0; k < 4; k++) q[k] = byte_f(w, k, 8388736.0f);
-    } else {
-        w = (w >> shift) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int k = 0; k < 4; k++) q[k] = byte_f(w, k, 8388616.0f);
+// acc += d_w * d_x * dot(w, q) for one lane's 4 elements of a quantized block: w the 4 weight
+// bytes as loaded, nibble `shift` selecting the Q4_0 half; h the block's f16 weight scale; q the
+// 4 int8 activation values, dx their block's scale.
+template <int TY>
+__device__ __forceinline__ float quant_dot(u32 w, u16 h, int shift, u32 q, float dx) {
+    if (TY == TY_Q4_0) {
+        // Nibbles 0..15 to signed bytes n - 8: n + 120 stays below 256 (no carry between bytes)
+        // and flipping bit 7 subtracts 128 modulo 256.
+        w = (((w >> shift) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
     }
-    float d = h2f(h);
-#pragma unroll
-    for (int t = 0; t < NTT; t++) {
-        if (NTT == 1 || t < ntok) {
-            float4 xv = *((const float4*)(x + (long)t * K + c));
-            acc[t] += d * (q[0] * xv.x + q[1] * xv.y + q[2] * xv.z + q[3] * xv.w);
-        }
-    }
+    // |s| <= 4 * 128 * 127 < 2^22: s as a float by the 2^23 + 2^22 bias trick (an integer add
+    // and a float subtraction, both full rate, instead of a conversion).
+    int s = dp4a_s8(w, q, 0);
+    float sf = __int_as_float(s + 0x4B400000) - 12582912.0f;
+    return (h2f(h) * dx) * sf;
 }
 
 // Quantized rows: lane part s = lane % 8 of block b holds elements 4s..4s+3 (Q8_0: bytes
 // 2 + 4s..; Q4_0: low nibbles of bytes 2 + 4s.. for s < 4, high nibbles of bytes 2 + 4(s - 4)..
-// otherwise), so a warp step covers 4 consecutive blocks; U steps are in flight per iteration.
+// otherwise), so a step of L lanes covers BS = L / 8 consecutive blocks; a loop iteration has U
+// steps in flight, from block b. xq: the quantized activation of the tile's first token (K int8
+// per token), xd its block scales (K / 32 per token; the activation is small and stays cached,
+// so it is read after the weights).
 template <int TY, int NTT, int U>
-__device__ __forceinline__ void dot_quant(const u8* row, const float* x, int K, int ntok,
-                                          int lane, float* acc) {
+__device__ __forceinline__ void step_quant(const u8* row, const u8* xq, const float* xd, int K,
+                                           int nb, int b, int s, int BS, int ntok, float* acc) {
     const int bb = TY == TY_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES;
-    int nb = K >> 5, s = lane & 7;
-    int off = TY == TY_Q8_0 ? 2 + 4 * s : 2 + 4 * (s & 3);
-    int shift = TY == TY_Q8_0 ? 0 : (s & 4);
-    int b = lane >> 3;
-    for (; b + 4 * (U - 1) < nb; b += 4 * U) {
-        u32 w[U];
-        u16 h[U];
+    const int off = TY == TY_Q8_0 ? 2 + 4 * s : 2 + 4 * (s & 3);
+    const int shift = TY == TY_Q8_0 ? 0 : (s & 4);
+    u32 w[U];
+    u16 h[U];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const u8* blk = row + (long)(b + 4 * u) * bb;
+    for (int u = 0; u < U; u++) {
+        int bu = b + BS * u;
+        if (bu < nb) {
+            const u8* blk = row + (long)bu * bb;
             h[u] = *(const u16*)blk;
             w[u] = load_u32_a2(blk + off);
         }
-#pragma unroll
-        for (int u = 0; u < U; u++)
-            quant_fma<TY, NTT>(w[u], h[u], shift, x, K, (b + 4 * u) * 32 + 4 * s, ntok, acc);
     }
-    for (; b < nb; b += 4) {
-        const u8* blk = row + (long)b * bb;
-        quant_fma<TY, NTT>(load_u32_a2(blk + off), *(const u16*)blk, shift, x, K, b * 32 + 4 * s,
-                           ntok, acc);
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int bu = b + BS * u;
+        if (bu < nb) {
+#pragma unroll
+            for (int t = 0; t < NTT; t++) {
+                if (NTT == 1 || t < ntok) {
+                    u32 q = *(const u32*)(xq + (long)t * K + bu * 32 + 4 * s);
+                    acc[t] += quant_dot<TY>(w[u], h[u], shift, q, xd[(long)t * nb + bu]);
+                }
+            }
+        }
     }
 }
 
-// Adds the partial dot products of this lane for up to NTT tokens into acc.
+template <int TY, int NTT, int U>
+__device__ __forceinline__ void dot_quant(const u8* row, const u8* xq, const float* xd, int K,
+                                          int ntok, int lane, int L, float* acc) {
+    const int BS = L / 8;
+    int nb = K >> 5, s = lane & 7, b = lane >> 3;
+    for (; b < nb; b += BS * U) step_quant<TY, NTT, U>(row, xq, xd, K, nb, b, s, BS, ntok, acc);
+}
+
+// Adds the partial dot products of lane `lane` (of the L lanes sharing the row, a multiple of 32)
+// for up to NTT tokens into acc. x: the tile's first token is at x + xoff (quantized types: at
+// xoff of the quantized activation, whose scales follow its T * K values).
 template <int TY, int NTT>
-__device__ __forceinline__ void dot_tile(const u8* row, const float* x, int K, int ntok, int lane,
-                                         float* acc) {
+__device__ __forceinline__ void dot_tile(const u8* row, const float* x, long xoff, int T, int K,
+                                         int ntok, int lane, int L, float* acc) {
     if (TY == TY_F32) {
-        dot_f32<NTT, NTT == 1 ? 4 : 1>(row, x, K, ntok, lane, acc);
+        dot_f32<NTT, NTT == 1 ? 4 : 1>(row, x + xoff, K, ntok, lane, L, acc);
     } else if (TY == TY_F16) {
-        dot_f16<NTT, NTT == 1 ? 4 : 2>(row, x, K, ntok, lane, acc);
+        dot_f16<NTT, NTT == 1 ? 4 : 2>(row, x + xoff, K, ntok, lane, L, acc);
     } else {
-        dot_quant<TY, NTT, NTT == 1 ? 8 : 1>(row, x, K, ntok, lane, acc);
+        const u8* xq = (const u8*)x;
+        const float* xd = (const float*)(xq + (long)T * K);
+        dot_quant<TY, NTT, NTT == 1 ? 8 : 1>(row, xq + xoff, xd + (xoff >> 5), K, ntok, lane, L,
+                                             acc);
     }
 }
 
@@ -214,7 +282,8 @@ __device__ __forceinline__ void matmul_rows(const u8* w, long row_bytes, int n_r
     float acc[NTT];
 #pragma unroll
     for (int t = 0; t < NTT; t++) acc[t] = 0.0f;
-    if (any) dot_tile<TY, NTT>(w + (long)j * row_bytes, x + (long)t0 * K, K, ntok, lane, acc);
+    if (any)
+        dot_tile<TY, NTT>(w + (long)j * row_bytes, x, (long)t0 * K, T, K, ntok, lane, 32, acc);
 #pragma unroll
     for (int t = 0; t < NTT; t++) {
         if (t < ntok) {
@@ -224,18 +293,93 @@ __device__ __forceinline__ void matmul_rows(const u8* w, long row_bytes, int n_r
     }
 }
 
-#define MATMUL(NAME, TY, NTT)                                                                  \
-    extern "C" __global__ void NAME(const u8* w, long row_bytes, int n_rows, int K,            \
-                                    const float* x, int T, const float* p, const u32* bucket,  \
-                                    float theta, int N, float* dst) {                          \
-        matmul_rows<TY, NTT>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);         \
+// One token: the block's 8 warps first find which of its 8 rows are active (p >= theta, or all
+// for a dense product) and write 0 for the inactive ones; then the n active rows share the warps,
+// G = 8 / (n rounded up to a power of two) warps per row, interleaved over the row (G = 1 for a
+// dense block, 8 for a single active row), and the G partial sums are added in shared memory.
+template <int TY>
+__device__ __forceinline__ void matmul_rows_t1(const u8* w, long row_bytes, int n_rows, int K,
+                                               const float* x, int T, const float* p,
+                                               const u32* bucket, float theta, int N,
+                                               float* dst) {
+    __shared__ int active[8];  // per warp of the block: its row j when active, else -1
+    __shared__ float part[8];  // per warp: its partial sum
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int j = blockIdx.x * 8 + warp;
+    if (lane == 0) {
+        int a = -1;
+        if (j < n_rows) {
+            long row = bucket ? (long)bucket[j] : (long)j;
+            if (p == 0 || p[row] >= theta) {
+                a = j;
+            } else {
+                dst[row] = 0.0f;
+            }
+        }
+        active[warp] = a;
+    }
+    __syncthreads();
+    // Every thread reads the same flags, so n, G and the early return are uniform in the block.
+    int n = 0, mine = -1;
+#pragma unroll
+    for (int k = 0; k < 8; k++) n += active[k] >= 0;
+    if (n == 0) return;
+    int G = n > 4 ? 1 : (n > 2 ? 2 : (n > 1 ? 4 : 8));
+    int slot = warp / G, g = warp % G;
+    int c = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        if (active[k] >= 0) {
+            if (c == slot) mine = active[k];
+            c++;
+        }
+    }
+    float acc[1] = {0.0f};
+    if (mine >= 0) {
+        // One inlined copy per G, so that the strides are constants (fewer registers).
+        const u8* r = w + (long)mine * row_bytes;
+        int gl = g * 32 + lane;
+        if (G == 1) {
+            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 32, acc);
+        } else if (G == 2) {
+            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 64, acc);
+        } else if (G == 4) {
+            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 128, acc);
+        } else {
+            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 256, acc);
+        }
+    }
+    float s = warp_sum(acc[0]);
+    if (G == 1) {
+        if (mine >= 0 && lane == 0) dst[bucket ? (long)bucket[mine] : (long)mine] = s;
+        return;
+    }
+    if (lane == 0) part[warp] = s;
+    __syncthreads();
+    if (mine >= 0 && g == 0 && lane == 0) {
+        float sum = 0.0f;
+        for (int k = 0; k < G; k++) sum += part[warp + k];
+        dst[bucket ? (long)bucket[mine] : (long)mine] = sum;
+    }
+}
+
+// MINB: blocks per SM the registers must allow (__launch_bounds__): 5 for the one-token kernels
+// (at most 48 registers, 40 warps per SM to keep weight loads in flight), 3 for the tiled ones.
+#define MATMUL(NAME, TY, NTT, MINB)                                                            \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                    \
+        NAME(const u8* w, long row_bytes, int n_rows, int K, const float* x, int T,           \
+             const float* p, const u32* bucket, float theta, int N, float* dst) {              \
+        if (NTT == 1)                                                                          \
+            matmul_rows_t1<TY>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);       \
+        else                                                                                   \
+            matmul_rows<TY, NTT>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);     \
     }
 
-MATMUL(matmul_f32, TY_F32, NT)
-MATMUL(matmul_f16, TY_F16, NT)
-MATMUL(matmul_q8_0, TY_Q8_0, NT)
-MATMUL(matmul_q4_0, TY_Q4_0, NT)
-MATMUL(matmul_f32_t1, TY_F32, 1)
-MATMUL(matmul_f16_t1, TY_F16, 1)
-MATMUL(matmul_q8_0_t1, TY_Q8_0, 1)
-MATMUL(matmul_q4_0_t1, TY_Q4_0, 1)
+MATMUL(matmul_f32, TY_F32, NT, 3)
+MATMUL(matmul_f16, TY_F16, NT, 3)
+MATMUL(matmul_q8_0, TY_Q8_0, NT, 3)
+MATMUL(matmul_q4_0, TY_Q4_0, NT, 3)
+MATMUL(matmul_f32_t1, TY_F32, 1, 5)
+MATMUL(matmul_f16_t1, TY_F16, 1, 5)
+MATMUL(matmul_q8_0_t1, TY_Q8_0, 1, 5)
+MATMUL(matmul_q4_0_t1, TY_Q4_0, 1, 5)

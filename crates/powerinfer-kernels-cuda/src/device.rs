@@ -317,6 +317,26 @@ impl Gpu {
         })
     }
 
+    /// An uninitialised device buffer of `len` elements (at least one), budgeted like
+    /// [`Gpu::alloc_zeros`] but without the memset: for scratch space that a kernel queued next
+    /// on `stream` writes completely before anything reads it.
+    pub(crate) fn alloc_scratch<T: DeviceRepr>(
+        &self,
+        stream: &Stream,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        let bytes = (len.max(1) as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        let reservation = self.budget.try_reserve(bytes)?;
+        // SAFETY: the callers' kernels write every element before any is read (see above); the
+        // memory is stream-ordered on `stream`.
+        let slice = unsafe { stream.inner.alloc::<T>(len.max(1)) }?;
+        Ok(DeviceBuffer {
+            slice,
+            len,
+            _reservation: reservation,
+        })
+    }
+
     /// A device copy of `src`, or a budget error (nothing allocated).
     pub fn upload<T: DeviceRepr + ValidAsZeroBits>(
         &self,

@@ -10,6 +10,8 @@ use crate::error::{CudaError, Result};
 pub const MATMUL_WARPS: usize = 8;
 /// Tokens per block of the matrix-product kernels (NT in kernels/matmul.cu).
 pub const MATMUL_TOKENS: usize = 8;
+/// Blocks of 32 values per block of `quantize_q8` (one warp each).
+pub const QUANTIZE_BLOCKS: usize = 8;
 /// Rows per block of the many-token axpy kernels (ROWS_PER_BLOCK in kernels/axpy.cu).
 pub const AXPY_ROWS: usize = 128;
 /// Rows per block of the per-token axpy kernels `axpy_*_t1` (T1_ROWS in kernels/axpy.cu).
@@ -60,8 +62,10 @@ fn type_index(ty: GgmlType) -> Result<usize> {
 }
 
 /// Dense or row-sparse product over `rows` weight rows of type `ty` and `t` tokens: the
-/// one-token kernel (`matmul_*_t1`, one token per block) for a single token, else the kernel
-/// tiled over [`MATMUL_TOKENS`] tokens.
+/// one-token kernel (`matmul_*_t1`: one token per block, the block's active rows share its
+/// [`MATMUL_WARPS`] warps) for a single token, else the kernel tiled over [`MATMUL_TOKENS`]
+/// tokens (one warp per row). Both take [`MATMUL_WARPS`] rows per block. Q8_0/Q4_0 kernels
+/// read the activation quantized by [`quantize_q8`].
 pub fn matmul(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
     const NAMES: [&str; 4] = ["matmul_f32", "matmul_f16", "matmul_q8_0", "matmul_q4_0"];
     const T1: [&str; 4] = [
@@ -82,6 +86,23 @@ pub fn matmul(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
         t.div_ceil(nt),
         1,
         MATMUL_WARPS * 32,
+    )
+}
+
+/// Whether the product kernels for weights of type `ty` read the activation quantized to Q8_0
+/// blocks by [`quantize_q8`] (Q8_0 and Q4_0 weights) rather than f32.
+pub fn quantized_activation(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0)
+}
+
+/// Quantization of `blocks` blocks of 32 activation values (`quantize_q8`, one warp per block).
+pub fn quantize_q8(blocks: usize) -> Result<Launch> {
+    launch(
+        "quantize_q8",
+        blocks.div_ceil(QUANTIZE_BLOCKS),
+        1,
+        1,
+        QUANTIZE_BLOCKS * 32,
     )
 }
 
@@ -155,7 +176,7 @@ mod tests {
             assert_eq!(l.grid, (3, 2, 1));
             let l = matmul(ty, 17, 1).unwrap();
             assert!(all.contains(&l.kernel) && l.kernel.ends_with("_t1"));
-            assert_eq!(l.grid, (3, 1, 1));
+            assert_eq!((l.grid, l.block), ((3, 1, 1), 256));
             let l = axpy(ty, 300, 129, 4).unwrap();
             assert!(all.contains(&l.kernel) && l.kernel.ends_with("_t1"));
             assert_eq!(l.grid, (1, 3, 4));
@@ -173,6 +194,10 @@ mod tests {
             matmul(GgmlType::F32, 1, 8 * 65536),
             Err(CudaError::Shape(_))
         ));
+        let l = quantize_q8(17).unwrap();
+        assert!(all.contains(&l.kernel));
+        assert_eq!((l.grid, l.block), ((3, 1, 1), 256));
+        assert!(quantized_activation(GgmlType::Q4_0) && !quantized_activation(GgmlType::F16));
         for l in [
             per_row("rms_norm", 3).unwrap(),
             rope(2, 3, 4).unwrap(),

@@ -95,6 +95,7 @@ impl KernelModule {
                 "matmul_f16_t1",
                 "matmul_q8_0_t1",
                 "matmul_q4_0_t1",
+                "quantize_q8",
             ],
             KernelModule::Axpy => &[
                 "axpy_f32_t1",
@@ -142,6 +143,7 @@ pub fn params(kernel: &str) -> Option<&'static [Param]> {
     const ROWS: &[Param] = &[Ptr, I64, I32, I32, Ptr, I32, Ptr, Ptr, F32, I32, Ptr];
     Some(match kernel {
         k if k.starts_with("matmul_") || k.starts_with("axpy_") => ROWS,
+        "quantize_q8" => &[Ptr, I64, Ptr],
         "rms_norm" => &[Ptr, Ptr, Ptr, I32, F32],
         "layer_norm" => &[Ptr, Ptr, Ptr, Ptr, I32, F32],
         "rope" => &[Ptr, Ptr, I32, I32, I32, F32, I32],

@@ -203,7 +203,9 @@ impl Gpu {
     }
 
     /// Dense product: `dst[t, i] = W_i · x_t` for the `rows` rows of `w`, `t` tokens
-    /// (`x`: t × cols, `dst`: t × rows).
+    /// (`x`: t × cols, `dst`: t × rows). For Q8_0/Q4_0 weights `x` is first quantized to Q8_0
+    /// blocks (f32 scales) in a scratch buffer, as the CPU kernels do
+    /// (`powerinfer_kernels_cpu::reference::matmul::quantize_activation`).
     pub fn matmul(
         &self,
         stream: &Stream,
@@ -215,12 +217,43 @@ impl Gpu {
         check_len("x", t * w.cols(), x.len())?;
         check_len("dst", t * w.rows(), dst.len())?;
         let l = geometry::matmul(w.ty(), w.rows(), t)?;
+        if w.rows() == 0 || t == 0 {
+            return Ok(());
+        }
+        let xq = self.quantize_activation(stream, w, x, t)?;
+        let x = xq.as_ref().unwrap_or(x);
         self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), dst)
+    }
+
+    /// For Q8_0/Q4_0 weights, `x` (t × cols) quantized by `quantize_q8` into a new scratch
+    /// buffer (t·cols int8 values, then t·cols/32 f32 scales, viewed as floats), which the
+    /// product kernels read instead of `x`; `None` for float weights.
+    fn quantize_activation(
+        &self,
+        stream: &Stream,
+        w: &DeviceTensor,
+        x: &DeviceBuffer<f32>,
+        t: usize,
+    ) -> Result<Option<DeviceBuffer<f32>>> {
+        if !geometry::quantized_activation(w.ty()) || t == 0 || w.cols() == 0 {
+            return Ok(None);
+        }
+        // Quantized tensors have cols % 32 == 0 (checked when they are made).
+        let blocks = t * w.cols() / 32;
+        // Uninitialised: quantize_q8, queued next on this stream, writes all of it.
+        let mut xq = self.alloc_scratch::<f32>(stream, blocks * 8 + blocks)?;
+        let nb = blocks as i64;
+        let mut b = Args::new(self, stream, "quantize_q8");
+        b.ptr(&x.slice).scalar(&nb).ptr_mut(&mut xq.slice);
+        // SAFETY: parameters match quantize_q8 in kernels/matmul.cu; x holds t·cols = 32·blocks
+        // floats (checked by the caller), xq 32·blocks bytes plus `blocks` floats.
+        unsafe { b.launch(geometry::quantize_q8(blocks)?) }?;
+        Ok(Some(xq))
     }
 
     /// Row-sparse product over a GPU slice ("upscale"): `dst` (t × N) becomes zero except
     /// `dst[t, bucket[j]] = W_j · x_t` where `p[t, bucket[j]] >= theta`. `x`: t × cols,
-    /// `p`: t × N scores.
+    /// `p`: t × N scores. Quantized weights quantize `x` as [`Gpu::matmul`] does.
     pub fn sparse_matmul(
         &self,
         stream: &Stream,
@@ -238,6 +271,11 @@ impl Gpu {
         check_len("dst", t * n, dst.len())?;
         stream.inner.memset_zeros(&mut dst.slice)?;
         let l = geometry::matmul(w.ty(), w.rows(), t)?;
+        if w.rows() == 0 || t == 0 {
+            return Ok(());
+        }
+        let xq = self.quantize_activation(stream, w, x, t)?;
+        let x = xq.as_ref().unwrap_or(x);
         self.launch_rows(
             stream,
             l,

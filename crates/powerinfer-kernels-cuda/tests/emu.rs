@@ -175,6 +175,54 @@ impl Emu {
     }
 }
 
+/// What the product kernels read for weights of type `ty`: `x` itself, or (Q8_0/Q4_0 weights)
+/// `x` quantized by the emulated `quantize_q8` as the operators do, whose values are checked
+/// bit for bit against `reference::matmul::quantize_activation`. Also returns the activation
+/// values the reference multiplies.
+fn prepare_x(emu: &Emu, ty: GgmlType, x: &[f32]) -> Result<(Vec<f32>, Vec<f64>), TestCaseError> {
+    if !geometry::quantized_activation(ty) {
+        return Ok((x.to_vec(), x.iter().map(|&v| v as f64).collect()));
+    }
+    let blocks = x.len() / 32;
+    let mut xq = vec![f32::NAN; blocks * 9];
+    let l = geometry::quantize_q8(blocks).unwrap();
+    type Quant = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, i64, *mut u8);
+    let f: Quant = emu.sym("quantize_q8");
+    if blocks > 0 {
+        let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: x holds 32·blocks floats, xq 32·blocks bytes plus `blocks` floats.
+        unsafe {
+            f(
+                l.grid.0,
+                l.grid.1,
+                l.grid.2,
+                l.block,
+                x.as_ptr(),
+                blocks as i64,
+                xq.as_mut_ptr() as *mut u8,
+            )
+        };
+    }
+    let q: Vec<i8> = xq[..blocks * 8]
+        .iter()
+        .flat_map(|v| v.to_ne_bytes())
+        .map(|b| b as i8)
+        .collect();
+    let d = &xq[blocks * 8..];
+    let got: Vec<f64> = q
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| d[i / 32] as f64 * v as f64)
+        .collect();
+    let want = rm::quantize_activation(ty, x);
+    prop_assert_eq!(
+        &got,
+        &want,
+        "quantize_q8 differs from the reference quantizer"
+    );
+    Ok((xq, want))
+}
+
 const TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
 fn cols_for(ty: GgmlType, raw: usize) -> usize {
@@ -225,7 +273,7 @@ proptest! {
         let (bytes, w) = random_weight(&mut rng, ty, n, cols);
         let rb = row_bytes(ty, cols).unwrap();
         let x = rng.vec(t * cols);
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let (x, x64) = prepare_x(emu, ty, &x)?;
         let l = geometry::matmul(ty, n, t).unwrap();
         if dense {
             let mut y = vec![9.0f32; t * n];
@@ -247,22 +295,50 @@ proptest! {
     }
 
     #[test]
-    fn emulated_matmul_long_rows_match_reference(ti in 0usize..4, n in 1usize..12, raw in 0usize..5000, vec8 in any::<bool>(), tm in 0usize..4, seed in any::<u64>()) {
+    fn emulated_matmul_long_rows_match_reference(ti in 0usize..4, n in 1usize..12, raw in 0usize..12800, vec8 in any::<bool>(), tm in 0usize..4, seed in any::<u64>()) {
         // Rows long enough for the unrolled main loops of every kernel (the test above only
-        // reaches their tails), for one token (matmul_*_t1) and for several.
+        // reaches their tails), up to K = 12800, for one token (matmul_*_t1) and for several.
         let Some(emu) = emu() else { return Ok(()); };
         let ty = TYPES[ti];
-        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 160) } else if vec8 { 8 * (1 + raw % 640) } else { 1 + raw };
+        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 400) } else if vec8 { 8 * (1 + raw % 1600) } else { 1 + raw };
         let t = [1, 1, 2, 9][tm];
         let mut rng = Rng::new(seed);
         let (bytes, w) = random_weight(&mut rng, ty, n, cols);
         let rb = row_bytes(ty, cols).unwrap();
         let x = rng.vec(t * cols);
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let (x, x64) = prepare_x(emu, ty, &x)?;
         let l = geometry::matmul(ty, n, t).unwrap();
         let mut y = vec![9.0f32; t * n];
         emu.rows(l, &bytes, rb, n, cols, &x, t, None, None, 0.0, n, &mut y);
         close(&format!("{} K={cols} T={t}", l.kernel), &y, &rm::gemm(&w, n, cols, &x64, t), &abs_gemm(&w, n, cols, &x64, t))?;
+    }
+
+    #[test]
+    fn emulated_sparse_matmul_long_rows_few_active(ti in 0usize..4, n in 1usize..40, raw in 0usize..12800, active in 0usize..12, t in 1usize..3, seed in any::<u64>()) {
+        // Long rows of a sparse product with only a few active rows (the decode case for which
+        // matmul_*_t1 spreads a block's active rows over all its warps: 1, 2, 4 or 8 warps per
+        // row): the active outputs are the dot products, every other bucket row is 0.
+        let Some(emu) = emu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 400) } else { 1 + raw };
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, cols);
+        let rb = row_bytes(ty, cols).unwrap();
+        let x = rng.vec(t * cols);
+        let (x, x64) = prepare_x(emu, ty, &x)?;
+        let bucket = random_bucket(&mut rng, n, 1);
+        let slice = gather(&bytes, rb, &bucket);
+        let mut scores = vec![-1.0f32; t * n];
+        for _ in 0..active {
+            scores[rng.below(t * n)] = 1.0;
+        }
+        let mut y = vec![0.0f32; t * n];
+        let l = geometry::matmul(ty, bucket.len(), t).unwrap();
+        emu.rows(l, &slice, rb, bucket.len(), cols, &x, t, Some(&scores), Some(&bucket), 0.0, n, &mut y);
+        let mut skip = vec![true; n];
+        for &b in &bucket { skip[b as usize] = false; }
+        let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, 0.0, Some(&skip));
+        close(&format!("{} K={cols} T={t}", l.kernel), &y, &want, &abs_gemm(&w, n, cols, &x64, t))?;
     }
 
     #[test]

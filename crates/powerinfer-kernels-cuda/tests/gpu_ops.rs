@@ -8,7 +8,7 @@ use common::{assert_close, gpu, random_bucket, random_weight, Rng};
 use half::f16;
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::reference::{matmul as rm, ops as ro};
-use powerinfer_kernels_cuda::{CudaError, DeviceTensor, GpuSlice, KvCache, NoGpu, RopeMode};
+use powerinfer_kernels_cuda::{CudaError, DeviceTensor, Gpu, GpuSlice, KvCache, NoGpu, RopeMode};
 use proptest::prelude::*;
 
 const TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
@@ -26,6 +26,28 @@ fn abs_gemm(w: &[f64], rows: usize, cols: usize, x: &[f64], t: usize) -> Vec<f64
     let wa: Vec<f64> = w.iter().map(|v| v.abs()).collect();
     let xa: Vec<f64> = x.iter().map(|v| v.abs()).collect();
     rm::gemm(&wa, rows, cols, &xa, t)
+}
+
+/// A random `rows × cols` weight of type `ty` times `t` random tokens on the device, against
+/// the f64 reference of the activation the kernels multiply.
+fn check_dense_matmul(gpu: &Gpu, ty: GgmlType, rows: usize, cols: usize, t: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
+    let x = rng.vec(t * cols);
+    let s = gpu.stream();
+    let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
+    let xd = gpu.upload(s, &x).unwrap();
+    let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
+    gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
+    let got = y.to_host(s).unwrap();
+    // Q8_0/Q4_0 products multiply the activation quantized as the CPU kernels quantize it.
+    let x64 = rm::quantize_activation(ty, &x);
+    assert_close(
+        &format!("matmul {ty} {rows}x{cols} T={t}"),
+        &got,
+        &rm::gemm(&w, rows, cols, &x64, t),
+        &abs_gemm(&w, rows, cols, &x64, t),
+    );
 }
 
 #[test]
@@ -49,17 +71,7 @@ proptest! {
         let Some(gpu) = gpu() else { return Ok(()); };
         let ty = TYPES[ti];
         let cols = cols_for(ty, raw_cols);
-        let mut rng = Rng::new(seed);
-        let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
-        let x = rng.vec(t * cols);
-        let s = gpu.stream();
-        let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
-        let xd = gpu.upload(s, &x).unwrap();
-        let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
-        gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
-        let got = y.to_host(s).unwrap();
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-        assert_close(&format!("matmul {ty} {rows}x{cols} T={t}"), &got, &rm::gemm(&w, rows, cols, &x64, t), &abs_gemm(&w, rows, cols, &x64, t));
+        check_dense_matmul(gpu, ty, rows, cols, t, seed);
     }
 
     #[test]
@@ -70,17 +82,7 @@ proptest! {
         let ty = TYPES[ti];
         let cols = if ty.block_size() > 1 { 32 * (1 + raw % 400) } else if vec8 { 8 * (1 + raw % 1500) } else { 1 + raw };
         let t = [1, 1, 2, 9][tm];
-        let mut rng = Rng::new(seed);
-        let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
-        let x = rng.vec(t * cols);
-        let s = gpu.stream();
-        let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
-        let xd = gpu.upload(s, &x).unwrap();
-        let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
-        gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
-        let got = y.to_host(s).unwrap();
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-        assert_close(&format!("matmul {ty} {rows}x{cols} T={t}"), &got, &rm::gemm(&w, rows, cols, &x64, t), &abs_gemm(&w, rows, cols, &x64, t));
+        check_dense_matmul(gpu, ty, rows, cols, t, seed);
     }
 
     #[test]
@@ -105,9 +107,37 @@ proptest! {
         let got = y.to_host(s).unwrap();
         let mut skip = vec![true; n];
         for &b in &bucket { skip[b as usize] = false; }
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        // Q8_0/Q4_0 products multiply the activation quantized as the CPU kernels quantize it.
+        let x64 = rm::quantize_activation(ty, &x);
         let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, theta, Some(&skip));
         assert_close(&format!("sparse_matmul {ty} n={n} cols={cols} T={t} k={}", bucket.len()), &got, &want, &abs_gemm(&w, n, cols, &x64, t));
+    }
+
+    #[test]
+    fn sparse_matmul_long_rows_few_active(ti in 0usize..4, n in 1usize..300, raw in 0usize..12800, active in 0usize..12, t in 1usize..3, seed in any::<u64>()) {
+        // The decode case for which matmul_*_t1 spreads a block's few active rows over all its
+        // warps: long rows (K up to 12800), all neurons in the bucket, few predicted active.
+        let Some(gpu) = gpu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 400) } else { 1 + raw };
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, cols);
+        let bucket = random_bucket(&mut rng, n, 1);
+        let x = rng.vec(t * cols);
+        let mut scores = vec![-1.0f32; t * n];
+        for _ in 0..active {
+            scores[rng.below(t * n)] = 1.0;
+        }
+        let s = gpu.stream();
+        let slice = GpuSlice::upload(gpu, s, ty, cols, &bytes, n, &bucket).unwrap();
+        let xd = gpu.upload(s, &x).unwrap();
+        let pd = gpu.upload(s, &scores).unwrap();
+        let mut y = gpu.upload(s, &vec![7.0f32; t * n]).unwrap();
+        gpu.sparse_matmul(s, &slice, &xd, &pd, 0.0, t, &mut y).unwrap();
+        let got = y.to_host(s).unwrap();
+        let x64 = rm::quantize_activation(ty, &x);
+        let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, 0.0, None);
+        assert_close(&format!("sparse_matmul {ty} n={n} cols={cols} T={t} active={active}"), &got, &want, &abs_gemm(&w, n, cols, &x64, t));
     }
 
     #[test]
@@ -295,6 +325,51 @@ fn budget_refuses_and_leaks_nothing_on_the_device() {
     assert_eq!(gpu.budget().used(), 0);
     let _b = gpu.alloc_zeros::<f32>(s, 1024).unwrap();
     assert_eq!(gpu.budget().used(), 4096);
+}
+
+#[test]
+fn quantized_activation_matches_the_cpu_quantizer() {
+    // A Q8_0 identity matrix (scale 1, one quantum of 1 per row): output (t, c) is exactly the
+    // quantized activation d · q of column c, up to the f32 rounding of the product, so one
+    // quantum of difference from the CPU's quantizer (d) fails.
+    let Some(gpu) = gpu() else { return };
+    let s = gpu.stream();
+    let mut rng = Rng::new(11);
+    for cols in [32usize, 1056, 4096] {
+        let rb = cols / 32 * 34;
+        let mut bytes = vec![0u8; cols * rb];
+        for r in 0..cols {
+            let row = &mut bytes[r * rb..(r + 1) * rb];
+            for b in 0..cols / 32 {
+                row[b * 34..b * 34 + 2]
+                    .copy_from_slice(&f16::from_f32(1.0).to_bits().to_le_bytes());
+            }
+            row[r / 32 * 34 + 2 + r % 32] = 1;
+        }
+        let wd = DeviceTensor::upload(gpu, s, GgmlType::Q8_0, cols, cols, &bytes).unwrap();
+        for t in [1usize, 3] {
+            let mut x = rng.vec(t * cols);
+            x[0] = 0.0;
+            if cols > 32 {
+                // A zero block and a block whose values sit half-way between quanta.
+                x[32..64].iter_mut().for_each(|v| *v = 0.0);
+                x[64] = 127.0;
+                x[65] = 0.5;
+                x[66] = -2.5;
+            }
+            let xd = gpu.upload(s, &x).unwrap();
+            let mut y = gpu.alloc_zeros::<f32>(s, t * cols).unwrap();
+            gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
+            let got = y.to_host(s).unwrap();
+            let want = rm::quantize_activation(GgmlType::Q8_0, &x);
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g as f64 - w).abs() <= w.abs() * 2f64.powi(-23),
+                    "K={cols} T={t} [{i}]: got {g}, want {w}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
