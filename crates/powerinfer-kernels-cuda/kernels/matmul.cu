@@ -18,8 +18,10 @@
 //
 // Memory access: each lane keeps U independent weight loads in flight per loop iteration (loads
 // past the end of the row are predicated off). Quantized blocks are only 2-byte aligned, so a
-// lane reads its 4 weight bytes as two u16 loads; 8 lanes share a block so that the activation
-// reads stay contiguous across the warp.
+// lane of the 8-token kernels reads its 4 weight bytes as two u16 loads; 8 lanes share a block so
+// that the activation reads stay contiguous across the warp. The one-token quantized kernels
+// instead copy chunks of 32 blocks into shared memory with aligned 16-byte cp.async copies and
+// give each lane a whole block (see dot_quant_t1).
 //
 // Quantized products use integer dot products, as the CPU kernels do: per 32-block of a token,
 // x is quantized to int8 q = round(x / d) with the f32 scale d = max|x| / 127 (the numbers of
@@ -242,6 +244,148 @@ __device__ __forceinline__ void dot_quant(const u8* row, const u8* xq, const flo
     for (; b < nb; b += BS * U) step_quant<TY, NTT, U>(row, xq, xd, K, nb, b, s, BS, ntok, acc);
 }
 
+// One-token quantized rows (matmul_q8_0_t1 / matmul_q4_0_t1): a lane owns whole 32-blocks. The
+// row is cut into chunks of 32 consecutive blocks (576 bytes of Q4_0, 1088 of Q8_0); the G warps
+// sharing a row take chunks g, g + G, g + 2G, ... and a warp keeps U chunks in flight per loop
+// iteration. A chunk is copied from global to the warp's shared staging area with aligned 16-byte
+// cp.async copies (no registers held, U * 37 or U * 69 of them per warp in flight; the one or two
+// 16-byte pieces at the chunk's ends that stick out of it are copied as u16 instead, so nothing
+// outside the row is read). Then lane l takes block l of the chunk from shared memory (aligned u32
+// reads, shifted by a byte permute since blocks are only 2-byte aligned), its 32 activation
+// values (two 16-byte loads, cached) and their scale, and adds d_w * d_x * (the block's exact
+// integer dot product, 8 dp4a).
+#define CHUNK_BLOCKS 32
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+#ifdef CUDA_EMULATION
+    return 0;
+#else
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+#endif
+}
+
+// 16 bytes from global `src` (16-byte aligned) to shared `dst` (16-byte aligned), asynchronously.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#ifdef CUDA_EMULATION
+    memcpy(dst, src, 16);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifndef CUDA_EMULATION
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// Copies bytes [s, e) of global memory (s, e even, e - s <= 16 * (SLOTS - 1)) to shared `dst`,
+// the byte at global address a landing at dst + (a - (s & ~15)). All 32 lanes of the warp call it.
+template <int SLOTS>
+__device__ __forceinline__ void stage_chunk(u8* dst, const u8* s, const u8* e, int lane) {
+    const u8* a0 = (const u8*)((unsigned long long)s & ~15ull);
+#pragma unroll
+    for (int k = 0; k < (SLOTS + 31) / 32; k++) {
+        int i = lane + 32 * k;
+        const u8* q = a0 + 16 * i;
+        if (i < SLOTS && q < e) {
+            if (q >= s && q + 16 <= e) {
+                cp_async16(dst + 16 * i, q);
+            } else {
+                for (int b = 0; b < 16; b += 2)
+                    if (q + b >= s && q + b < e)
+                        *(u16*)(dst + 16 * i + b) = *(const u16*)(q + b);
+            }
+        }
+    }
+}
+
+// The 4-byte word at the 2-byte aligned shared offset o: byte permute of two aligned words.
+__device__ __forceinline__ void words_a2(const u8* sh, int o, int n, u32* out) {
+    const u32* w = (const u32*)(sh + (o & ~3));
+    u32 sel = (o & 2) ? 0x5432u : 0x3210u;
+    u32 lo = w[0];
+#pragma unroll
+    for (int i = 0; i < n; i++) {
+        u32 hi = w[i + 1];
+        out[i] = __byte_perm(lo, hi, sel);
+        lo = hi;
+    }
+}
+
+// acc += d_w * d_x * dot(block, x block) for one block staged at shared offset o.
+template <int TY>
+__device__ __forceinline__ float block_dot(const u8* sh, int o, const u8* xq, float dx) {
+    const uint4* xv = (const uint4*)xq;
+    uint4 x0 = xv[0], x1 = xv[1];
+    u32 xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    u16 h = *(const u16*)(sh + o);
+    int s = 0;
+    if (TY == TY_Q4_0) {
+        u32 w[4];
+        words_a2(sh, o + 2, 4, w);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            // Nibbles 0..15 to signed bytes n - 8 (see quant_dot): element 4i.. in the low
+            // nibbles of word i, element 16 + 4i.. in its high ones.
+            u32 lo = ((w[i] & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+            u32 hi = (((w[i] >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+            s = dp4a_s8(lo, xs[i], s);
+            s = dp4a_s8(hi, xs[4 + i], s);
+        }
+    } else {
+        u32 w[8];
+        words_a2(sh, o + 2, 8, w);
+#pragma unroll
+        for (int i = 0; i < 8; i++) s = dp4a_s8(w[i], xs[i], s);
+    }
+    // |s| <= 32 * 128 * 127 < 2^22: exact as a float by the bias trick (see quant_dot).
+    float sf = __int_as_float(s + 0x4B400000) - 12582912.0f;
+    return (h2f(h) * dx) * sf;
+}
+
+// One lane's part of a one-token quantized row shared by G warps (warp g of them): see above.
+// stage: the warp's U * SLOTS * 16 bytes of shared memory.
+template <int TY, int U, int G>
+__device__ __forceinline__ float dot_quant_t1(const u8* row, const u8* xq, const float* xd, int K,
+                                              int g, int lane, u8* stage) {
+    const int bb = TY == TY_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES;
+    const int SLOTS = CHUNK_BLOCKS * bb / 16 + 1;
+    int nb = K >> 5, nc = (nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+    float acc = 0.0f;
+    for (int c0 = g; c0 < nc; c0 += G * U) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + G * u;
+            if (c < nc) {
+                int b0 = c * CHUNK_BLOCKS, b1 = min(nb, b0 + CHUNK_BLOCKS);
+                stage_chunk<SLOTS>(stage + u * SLOTS * 16, row + (long)b0 * bb,
+                                   row + (long)b1 * bb, lane);
+            }
+        }
+        cp_async_wait_all();
+        __syncwarp();
+        // Not unrolled: the blocks come from shared memory and L1, and ptxas keeps it in 48
+        // registers.
+#pragma unroll 1
+        for (int u = 0; u < U; u++) {
+            int c = c0 + G * u;
+            int b = c * CHUNK_BLOCKS + lane;
+            if (c < nc && b < nb) {
+                const u8* s = row + (long)c * CHUNK_BLOCKS * bb;
+                int o = u * SLOTS * 16 + (int)((unsigned long long)s & 15) + lane * bb;
+                acc += block_dot<TY>(stage, o, xq + (long)b * 32, xd[b]);
+            }
+        }
+        // The staging area is overwritten by the next iteration's copies.
+        __syncwarp();
+    }
+    return acc;
+}
+
 // Adds the partial dot products of lane `lane` (of the L lanes sharing the row, a multiple of 32)
 // for up to NTT tokens into acc. x: the tile's first token is at x + xoff (quantized types: at
 // xoff of the quantized activation, whose scales follow its T * K values).
@@ -334,8 +478,28 @@ __device__ __forceinline__ void matmul_rows_t1(const u8* w, long row_bytes, int 
             c++;
         }
     }
+    // Quantized types: per warp U chunks of SLOTS 16-byte staging slots (see dot_quant_t1), plus
+    // 16 bytes that the last block's word reads may touch.
+    const bool quant = TY == TY_Q8_0 || TY == TY_Q4_0;
+    const int U = TY == TY_Q8_0 ? 2 : 4;
+    const int SLOTS = CHUNK_BLOCKS * (TY == TY_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES) / 16 + 1;
+    __shared__ uint4 stage[quant ? 8 * U * SLOTS + 1 : 1];
     float acc[1] = {0.0f};
-    if (mine >= 0) {
+    if (quant && mine >= 0) {
+        const u8* r = w + (long)mine * row_bytes;
+        const u8* xq = (const u8*)x;
+        const float* xd = (const float*)(xq + K);
+        u8* st = (u8*)(stage + warp * U * SLOTS);
+        if (G == 1) {
+            acc[0] = dot_quant_t1<TY, U, 1>(r, xq, xd, K, g, lane, st);
+        } else if (G == 2) {
+            acc[0] = dot_quant_t1<TY, U, 2>(r, xq, xd, K, g, lane, st);
+        } else if (G == 4) {
+            acc[0] = dot_quant_t1<TY, U, 4>(r, xq, xd, K, g, lane, st);
+        } else {
+            acc[0] = dot_quant_t1<TY, U, 8>(r, xq, xd, K, g, lane, st);
+        }
+    } else if (mine >= 0) {
         // One inlined copy per G, so that the strides are constants (fewer registers).
         const u8* r = w + (long)mine * row_bytes;
         int gl = g * 32 + lane;

@@ -1,7 +1,7 @@
 //! The device handle: detection, kernel loading, streams, budgeted buffers and pinned host memory.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
@@ -183,7 +183,21 @@ pub struct Gpu {
     budget: MemoryBudget,
     info: DeviceInfo,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Per stream, the scratch buffer of the quantized activation (see [`Gpu::activation_scratch`]).
+    scratch: Mutex<Vec<ScratchEntry>>,
 }
+
+/// A stream's cached scratch buffer. The stream's `Arc` is kept so that its handle cannot be
+/// reused by a new stream while the buffer may still be read by queued work.
+#[derive(Debug)]
+pub(crate) struct ScratchEntry {
+    stream: Arc<CudaStream>,
+    pub(crate) buf: DeviceBuffer<f32>,
+}
+
+/// Streams whose scratch buffers are kept; a further stream evicts the oldest entry (its buffer
+/// is freed in the order of its own stream, after the work queued there).
+const SCRATCH_STREAMS: usize = 8;
 
 impl Gpu {
     /// Opens device 0 with a budget of 90% of its memory, or says why there is no usable GPU.
@@ -263,6 +277,7 @@ impl Gpu {
             budget,
             info,
             functions,
+            scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -335,6 +350,47 @@ impl Gpu {
             len,
             _reservation: reservation,
         })
+    }
+
+    /// The scratch buffer of at least `len` floats cached for `stream`, grown (reallocated,
+    /// budgeted) when too small, with the lock that guards it: the caller queues every kernel
+    /// that writes or reads the buffer on `stream` while it holds the guard, so that calls from
+    /// several host threads on one stream cannot interleave their uses (stream order does the
+    /// rest: a later call's writes run after the earlier call's reads). Index into the guard
+    /// with the returned position. Buffers stay allocated (and counted against the budget) until
+    /// the `Gpu` is dropped or their stream's entry is evicted by a ninth stream.
+    pub(crate) fn activation_scratch(
+        &self,
+        stream: &Stream,
+        len: usize,
+    ) -> Result<(MutexGuard<'_, Vec<ScratchEntry>>, usize)> {
+        let mut cache = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = cache
+            .iter()
+            .position(|e| Arc::ptr_eq(&e.stream, &stream.inner))
+        {
+            if cache[i].buf.len() >= len {
+                return Ok((cache, i));
+            }
+            // Too small: freed now (stream-ordered, after the work that uses it), which also
+            // returns its bytes to the budget before the larger one is reserved.
+            cache.remove(i);
+        }
+        if cache.len() >= SCRATCH_STREAMS {
+            cache.remove(0);
+        }
+        // Grow geometrically in 64 KiB steps so that alternating sizes do not reallocate.
+        let grown = len.max(16384).next_power_of_two();
+        let buf = match self.alloc_scratch::<f32>(stream, grown) {
+            Ok(b) => b,
+            Err(_) => self.alloc_scratch::<f32>(stream, len)?,
+        };
+        cache.push(ScratchEntry {
+            stream: stream.inner.clone(),
+            buf,
+        });
+        let i = cache.len() - 1;
+        Ok((cache, i))
     }
 
     /// A device copy of `src`, or a budget error (nothing allocated).

@@ -220,35 +220,40 @@ impl Gpu {
         if w.rows() == 0 || t == 0 {
             return Ok(());
         }
-        let xq = self.quantize_activation(stream, w, x, t)?;
-        let x = xq.as_ref().unwrap_or(x);
-        self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), dst)
+        self.with_activation(stream, w, x, t, |x| {
+            self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), dst)
+        })
     }
 
-    /// For Q8_0/Q4_0 weights, `x` (t × cols) quantized by `quantize_q8` into a new scratch
-    /// buffer (t·cols int8 values, then t·cols/32 f32 scales, viewed as floats), which the
-    /// product kernels read instead of `x`; `None` for float weights.
-    fn quantize_activation(
+    /// Queues `launch` with what the product kernels for `w` read: `x` itself for float
+    /// weights; for Q8_0/Q4_0 weights `x` (t × cols) quantized by `quantize_q8` into the
+    /// stream's cached scratch buffer (t·cols int8 values, then t·cols/32 f32 scales, viewed as
+    /// floats; [`Gpu::activation_scratch`]). The scratch lock is held until `launch` has queued
+    /// its kernel, so concurrent calls on one stream cannot overwrite each other's activation;
+    /// after the first call of a size on a stream nothing is allocated.
+    fn with_activation(
         &self,
         stream: &Stream,
         w: &DeviceTensor,
         x: &DeviceBuffer<f32>,
         t: usize,
-    ) -> Result<Option<DeviceBuffer<f32>>> {
+        launch: impl FnOnce(&DeviceBuffer<f32>) -> Result<()>,
+    ) -> Result<()> {
         if !geometry::quantized_activation(w.ty()) || t == 0 || w.cols() == 0 {
-            return Ok(None);
+            return launch(x);
         }
         // Quantized tensors have cols % 32 == 0 (checked when they are made).
         let blocks = t * w.cols() / 32;
-        // Uninitialised: quantize_q8, queued next on this stream, writes all of it.
-        let mut xq = self.alloc_scratch::<f32>(stream, blocks * 8 + blocks)?;
+        let (mut cache, i) = self.activation_scratch(stream, blocks * 8 + blocks)?;
+        let xq = &mut cache[i].buf;
         let nb = blocks as i64;
         let mut b = Args::new(self, stream, "quantize_q8");
         b.ptr(&x.slice).scalar(&nb).ptr_mut(&mut xq.slice);
         // SAFETY: parameters match quantize_q8 in kernels/matmul.cu; x holds t·cols = 32·blocks
-        // floats (checked by the caller), xq 32·blocks bytes plus `blocks` floats.
+        // floats (checked by the caller), xq at least 32·blocks bytes plus `blocks` floats. It
+        // writes all that the product kernel queued next reads.
         unsafe { b.launch(geometry::quantize_q8(blocks)?) }?;
-        Ok(Some(xq))
+        launch(&cache[i].buf)
     }
 
     /// Row-sparse product over a GPU slice ("upscale"): `dst` (t × N) becomes zero except
@@ -274,20 +279,20 @@ impl Gpu {
         if w.rows() == 0 || t == 0 {
             return Ok(());
         }
-        let xq = self.quantize_activation(stream, w, x, t)?;
-        let x = xq.as_ref().unwrap_or(x);
-        self.launch_rows(
-            stream,
-            l,
-            w,
-            slice.bucket.as_ref(),
-            x,
-            t,
-            Some(p),
-            theta,
-            n,
-            dst,
-        )
+        self.with_activation(stream, w, x, t, |x| {
+            self.launch_rows(
+                stream,
+                l,
+                w,
+                slice.bucket.as_ref(),
+                x,
+                t,
+                Some(p),
+                theta,
+                n,
+                dst,
+            )
+        })
     }
 
     /// Sparse axpy over the down rows of a GPU slice: `dst` (t × cols) becomes

@@ -413,3 +413,58 @@ fn pinned_buffers_round_trip_on_a_second_stream() {
     let got = back.as_slice().unwrap();
     assert!(got.iter().enumerate().all(|(i, &v)| v == i as f32));
 }
+
+#[test]
+fn quantized_products_reuse_the_scratch_across_sizes_streams_and_threads() {
+    // The quantized activation lives in a scratch buffer cached per stream: products of
+    // growing and shrinking sizes, on two streams and from two host threads sharing a stream,
+    // must each read their own activation.
+    let Some(gpu) = gpu() else { return };
+    let s2 = gpu.new_stream().unwrap();
+    let run = |s: &powerinfer_kernels_cuda::Stream,
+               ty: GgmlType,
+               rows: usize,
+               cols: usize,
+               t: usize,
+               seed: u64| {
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
+        let x = rng.vec(t * cols);
+        let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
+        let xd = gpu.upload(s, &x).unwrap();
+        let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
+        for _ in 0..3 {
+            gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
+        }
+        let got = y.to_host(s).unwrap();
+        let x64 = rm::quantize_activation(ty, &x);
+        assert_close(
+            &format!("matmul {ty} {rows}x{cols} T={t}"),
+            &got,
+            &rm::gemm(&w, rows, cols, &x64, t),
+            &abs_gemm(&w, rows, cols, &x64, t),
+        );
+    };
+    for (i, (cols, t)) in [(64usize, 1usize), (12800, 1), (96, 3), (4096, 5), (32, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        run(gpu.stream(), GgmlType::Q4_0, 37, cols, t, i as u64);
+        run(&s2, GgmlType::Q8_0, 19, cols, t, 100 + i as u64);
+    }
+    std::thread::scope(|sc| {
+        for k in 0..2u64 {
+            let run = &run;
+            sc.spawn(move || {
+                for i in 0..4 {
+                    let (ty, cols) = if k == 0 {
+                        (GgmlType::Q4_0, 4096)
+                    } else {
+                        (GgmlType::Q8_0, 2048 + 32 * i)
+                    };
+                    run(gpu.stream(), ty, 24, cols, 1 + (i & 1), 1000 * k + i as u64);
+                }
+            });
+        }
+    });
+}

@@ -66,6 +66,9 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     return r;
 }
 
+// A warp barrier (memory is shared by all fibers anyway).
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(EMU_WAIT_WARP); }
+
 inline unsigned __ballot_sync(unsigned, bool p) {
     unsigned t = threadIdx.x, w = t >> 5;
     emu_ux[t] = p ? 1u : 0u;
