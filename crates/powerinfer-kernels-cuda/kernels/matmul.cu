@@ -247,10 +247,11 @@ __device__ __forceinline__ void dot_quant(const u8* row, const u8* xq, const flo
 // One-token quantized rows (matmul_q8_0_t1 / matmul_q4_0_t1): a lane owns whole 32-blocks. The
 // row is cut into chunks of 32 consecutive blocks (576 bytes of Q4_0, 1088 of Q8_0); the G warps
 // sharing a row take chunks g, g + G, g + 2G, ... and a warp keeps U chunks in flight per loop
-// iteration. A chunk is copied from global to the warp's shared staging area with aligned 16-byte
-// cp.async copies (no registers held, U * 37 or U * 69 of them per warp in flight; the one or two
-// 16-byte pieces at the chunk's ends that stick out of it are copied as u16 instead, so nothing
-// outside the row is read). Then lane l takes block l of the chunk from shared memory (aligned u32
+// iteration (U = 4: a whole row of K = 4096). A chunk is copied from global to the warp's shared
+// staging area with aligned 16-byte cp.async copies, one commit group per chunk, and the lanes
+// wait for chunk u only when they reach it (no registers held, U * 37 or U * 69 of them per warp
+// in flight; the one or two 16-byte pieces at the chunk's ends that stick out of it are copied as
+// u16 instead, so nothing outside the row is read). Then lane l takes block l of the chunk from shared memory (aligned u32
 // reads, shifted by a byte permute since blocks are only 2-byte aligned), its 32 activation
 // values (two 16-byte loads, cached) and their scale, and adds d_w * d_x * (the block's exact
 // integer dot product, 8 dp4a).
@@ -276,9 +277,22 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 #endif
 }
 
-__device__ __forceinline__ void cp_async_wait_all() {
+// Closes the group of this thread's cp.async copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
 #ifndef CUDA_EMULATION
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most n (0..3) of this thread's committed groups are still pending.
+__device__ __forceinline__ void cp_async_wait_group(int n) {
+#ifndef CUDA_EMULATION
+    switch (n) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    }
 #endif
 }
 
@@ -323,25 +337,34 @@ __device__ __forceinline__ float block_dot(const u8* sh, int o, const u8* xq, fl
     uint4 x0 = xv[0], x1 = xv[1];
     u32 xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     u16 h = *(const u16*)(sh + o);
-    int s = 0;
+    // Two independent dp4a chains, added at the end.
+    int s0 = 0, s1 = 0;
     if (TY == TY_Q4_0) {
         u32 w[4];
         words_a2(sh, o + 2, 4, w);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            // Nibbles 0..15 to signed bytes n - 8 (see quant_dot): element 4i.. in the low
-            // nibbles of word i, element 16 + 4i.. in its high ones.
-            u32 lo = ((w[i] & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
-            u32 hi = (((w[i] >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
-            s = dp4a_s8(lo, xs[i], s);
-            s = dp4a_s8(hi, xs[4 + i], s);
+            // sum (n - 8) q = sum n q - 8 sum q: the nibbles n (0..15, element 4i.. in the low
+            // nibbles of word i, element 16 + 4i.. in its high ones) are non-negative bytes as
+            // they are, and 0xF8F8F8F8 is four bytes of -8 (one and / shift+and per 4 nibbles
+            // instead of and, add, xor).
+            u32 lo = w[i] & 0x0F0F0F0Fu;
+            u32 hi = (w[i] >> 4) & 0x0F0F0F0Fu;
+            s0 = dp4a_s8(lo, xs[i], s0);
+            s1 = dp4a_s8(hi, xs[4 + i], s1);
+            s0 = dp4a_s8(0xF8F8F8F8u, xs[i], s0);
+            s1 = dp4a_s8(0xF8F8F8F8u, xs[4 + i], s1);
         }
     } else {
         u32 w[8];
         words_a2(sh, o + 2, 8, w);
 #pragma unroll
-        for (int i = 0; i < 8; i++) s = dp4a_s8(w[i], xs[i], s);
+        for (int i = 0; i < 4; i++) {
+            s0 = dp4a_s8(w[i], xs[i], s0);
+            s1 = dp4a_s8(w[4 + i], xs[4 + i], s1);
+        }
     }
+    int s = s0 + s1;
     // |s| <= 32 * 128 * 127 < 2^22: exact as a float by the bias trick (see quant_dot).
     float sf = __int_as_float(s + 0x4B400000) - 12582912.0f;
     return (h2f(h) * dx) * sf;
@@ -357,6 +380,8 @@ __device__ __forceinline__ float dot_quant_t1(const u8* row, const u8* xq, const
     int nb = K >> 5, nc = (nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
     float acc = 0.0f;
     for (int c0 = g; c0 < nc; c0 += G * U) {
+        // One cp.async group per chunk (empty past the row's end), so that chunk u is used as
+        // soon as it has landed while the later ones are still in flight.
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + G * u;
@@ -365,15 +390,17 @@ __device__ __forceinline__ float dot_quant_t1(const u8* row, const u8* xq, const
                 stage_chunk<SLOTS>(stage + u * SLOTS * 16, row + (long)b0 * bb,
                                    row + (long)b1 * bb, lane);
             }
+            cp_async_commit();
         }
-        cp_async_wait_all();
-        __syncwarp();
         // Not unrolled: the blocks come from shared memory and L1, and ptxas keeps it in 48
         // registers.
 #pragma unroll 1
         for (int u = 0; u < U; u++) {
             int c = c0 + G * u;
             int b = c * CHUNK_BLOCKS + lane;
+            // Chunk u's group complete in every lane (the u16 copies of its ends included).
+            cp_async_wait_group(U - 1 - u);
+            __syncwarp();
             if (c < nc && b < nb) {
                 const u8* s = row + (long)c * CHUNK_BLOCKS * bb;
                 int o = u * SLOTS * 16 + (int)((unsigned long long)s & 15) + lane * bb;
@@ -481,7 +508,7 @@ __device__ __forceinline__ void matmul_rows_t1(const u8* w, long row_bytes, int 
     // Quantized types: per warp U chunks of SLOTS 16-byte staging slots (see dot_quant_t1), plus
     // 16 bytes that the last block's word reads may touch.
     const bool quant = TY == TY_Q8_0 || TY == TY_Q4_0;
-    const int U = TY == TY_Q8_0 ? 2 : 4;
+    const int U = 4;
     const int SLOTS = CHUNK_BLOCKS * (TY == TY_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES) / 16 + 1;
     __shared__ uint4 stage[quant ? 8 * U * SLOTS + 1 : 1];
     float acc[1] = {0.0f};
