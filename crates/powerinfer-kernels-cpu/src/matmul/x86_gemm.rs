@@ -1,13 +1,16 @@
-//! Cache-blocked dense GEMM kernels (x86-64, [`Backend::Avx512`]) for F32, F16, BF16 and Q8_0
-//! weights, used by [`MatMul::gemm`](super::MatMul::gemm) for at least [`MIN_TOKENS`] tokens
-//! (Q8_0: [`MIN_TOKENS_Q8_0`]); other types, backends and sizes take the general GEMM frame.
+//! Cache-blocked dense GEMM kernels (x86-64, [`Backend::Avx512`]) for F32, F16, BF16, Q8_0 and
+//! Q4_0 weights, used by [`MatMul::gemm`](super::MatMul::gemm) for at least [`MIN_TOKENS`] tokens
+//! (Q8_0: [`MIN_TOKENS_Q8_0`], Q4_0: [`MIN_TOKENS_Q4_0`]); other types, backends and sizes take
+//! the general GEMM frame.
 //! Compiled only with Rust ≥ 1.89 (stable AVX-512 intrinsics; `cfg(powerinfer_avx512)` from the
 //! crate's build.rs), so the crate keeps building with its MSRV.
 //!
 //! Measured on Zen 4 (2 threads, 128 tokens, LLaMA-7B shapes, best of 8 runs): F16 and Q8_0
 //! ~1.6× as fast as the general frame (whose 2 × 4 tile re-read 2 MiB of f32 activations from
 //! L3 per pair of rows), 1.05–1.2× llama.cpp; the float kernel runs near the FMA peak (~210
-//! GFLOP/s). 2–16 tokens: floats 1.5–2.5×, Q8_0 (≥ 8 tokens) 1.15–1.4×.
+//! GFLOP/s). 2–16 tokens: floats 1.5–2.5×, Q8_0 (≥ 8 tokens) 1.15–1.4×. Q4_0 (TinyLlama shapes
+//! 5632 × 2048, 2048 × 5632, 2048 × 2048, 2 threads, 64 tokens): ~2× the frame (~440 vs ~225
+//! GOP/s), 4–16 tokens 1.2–2×.
 //!
 //! Loop order per thread (each thread owns a contiguous run of row tiles): a block of rows whose
 //! weights stay in L2 ([`ROW_BLOCK_BYTES`]); inside it, groups of `N` tokens whose activations
@@ -30,6 +33,17 @@
 //!   stored as `q + 128` (unsigned), so `vpdpbusd(q + 128, w)` needs no sign handling; the
 //!   excess `128·Σw` (per four bytes) is subtracted exactly by starting the integer sum at
 //!   `−128·Σw`, computed once per row block when the weights are repacked.
+//! * Q4_0 ("outer product" layout): each group of 16 rows is repacked per row block so that one
+//!   512-bit vector holds four consecutive values (nibbles unpacked to `0..=15`) of each of the
+//!   16 rows; a `vpdpbusd` of it with four activation bytes broadcast to every lane adds four
+//!   products to each row's integer sum, so one instruction serves 16 rows and each weight
+//!   vector serves 2 tokens. The GEMV's 8-lane accumulator per (row, token)
+//!   (`x86_int::dot_q4_0_tile`: per pair of blocks, lane `l < 4` sums elements `4l..4l + 4` and
+//!   `16 + 4l..16 + 4l + 4` of the even block, lanes `4..8` those of the odd one, lane 0/4
+//!   starting from `−8·Σq_x` of its block; an odd last block one group of four per lane) becomes
+//!   8 vectors per token here, one row per element: the same exact integers, the same f32
+//!   products `d_w·d_x`, FMAs and final sums in `hsum`'s order, so the results equal the
+//!   GEMV's bit for bit.
 
 // Block formats are defined by element index; indexed loops read closest to the format.
 #![allow(clippy::needless_range_loop)]
@@ -51,6 +65,11 @@ pub(crate) const MIN_TOKENS: usize = 2;
 /// weight repacking costs about as much as 4 tokens' dot products (measured at 4096 × 4096,
 /// 2 threads: blocked 0.75–0.87× as fast at 2 and 4 tokens, 1.3× at 6).
 const MIN_TOKENS_Q8_0: usize = 6;
+/// Q4_0 GEMMs of fewer tokens go through the general GEMM frame: repacking reads every weight
+/// from memory with 16 rows as 16 streams, slower than the frame's reading (measured at
+/// 5632 × 2048 and 2048 × 5632, 2 threads: blocked 0.73–1.1× as fast at 2 tokens, 1.2–1.3× at
+/// 4, 1.5× at 6, 1.5–2× at 8 and more).
+const MIN_TOKENS_Q4_0: usize = 4;
 
 /// Weight bytes (as the micro-kernel reads them) per row block: the block's weights stay in L2
 /// (1 MiB per core on Zen 4) while every token group passes over them.
@@ -88,6 +107,9 @@ pub(crate) fn dense_gemm(
         GgmlType::BF16 => float_gemm::<LBF16>(pool, w, x, n_tokens, y),
         GgmlType::Q8_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q8_0 => {
             q8_0_gemm(pool, w, x, n_tokens, y)
+        }
+        GgmlType::Q4_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q4_0 => {
+            q4_0_gemm(pool, w, x, n_tokens, y)
         }
         _ => return false,
     }
@@ -480,6 +502,320 @@ fn q8_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
     });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Q4_0 weights.
+
+/// Rows per Q4_0 micro-kernel tile: one 512-bit vector holds 4 bytes of each of 16 rows.
+const Q4R: usize = 16;
+/// Tokens per Q4_0 micro-kernel tile (8 accumulators per token: 16 of the 32 registers).
+const Q4N: usize = 2;
+/// Bytes of one repacked Q4_0 block of [`Q4R`] rows: 8 vectors of 64 bytes, then the 16 rows'
+/// scales as f32. Vector `j` holds, in dword `r`, the unpacked values `0..=15` of four elements
+/// of row `r`: for `j < 4` elements `4j..4j + 4` (the low nibbles of bytes `4j..4j + 4`), for
+/// `j ≥ 4` elements `16 + 4(j − 4)..` (the high nibbles of bytes `4(j − 4)..4(j − 4) + 4`).
+const Q4BLK: usize = 576;
+/// Bytes ahead of the block being repacked that [`q4_0_pack`] prefetches in each row.
+const Q4_PREFETCH: usize = 256;
+
+/// Activations for [`q4_0_gemm`]: the GEMV's Q8_0 values and scales ([`super::act::ActBuf`]
+/// in [`ActFormat::Q8_0`](super::act::ActFormat::Q8_0) order, the same numbers as the
+/// `Q8_0Pairs` order the GEMV reads), plus per token `nb + 8` i32 offsets: `−8·Σq` of each
+/// block, then `−8·Σq` of each group of four values of the last block (the GEMV's offsets for a
+/// pair of blocks and for an odd last block).
+struct Q4Acts<'a> {
+    acts: super::act::ActBuf<'a>,
+    /// `nb + 8` values per token.
+    off: Vec<i32>,
+}
+
+impl<'a> Q4Acts<'a> {
+    /// Quantizes `x` (`n_tokens` × `cols`, `cols` a multiple of 32) exactly as the GEMV does.
+    fn new(x: &'a [f32], cols: usize, n_tokens: usize) -> Self {
+        let acts = super::act::ActBuf::new(super::act::ActFormat::Q8_0, x, cols);
+        let nb = cols / 32;
+        let mut off = vec![0i32; n_tokens * (nb + 8)];
+        for t in 0..n_tokens {
+            let q = acts.get(t).q;
+            let o = &mut off[t * (nb + 8)..(t + 1) * (nb + 8)];
+            for b in 0..nb {
+                o[b] = -8
+                    * q[b * 32..b * 32 + 32]
+                        .iter()
+                        .map(|&v| v as i32)
+                        .sum::<i32>();
+            }
+            for g in 0..8 {
+                let s = (nb - 1) * 32 + 4 * g;
+                o[nb + g] = -8 * q[s..s + 4].iter().map(|&v| v as i32).sum::<i32>();
+            }
+        }
+        Q4Acts { acts, off }
+    }
+}
+
+/// Repacks the row groups of rows `rows` (`rows.start` a multiple of [`Q4R`]) of the Q4_0 matrix
+/// `w` into `out` (`nb·Q4BLK` bytes per group of [`Q4R`] rows, block after block; rows past the
+/// matrix are zero with scale 0).
+///
+/// # Safety
+/// `out` holds `rows.len().div_ceil(Q4R)·nb·Q4BLK` bytes; AVX-512 F/BW/VL and F16C available.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn q4_0_pack(w: &Weights<'_>, rows: std::ops::Range<usize>, out: &mut [u8]) {
+    let nb = w.cols / 32;
+    let groups = rows.len().div_ceil(Q4R);
+    debug_assert!(out.len() >= groups * nb * Q4BLK);
+    let zero = [0u8; 18];
+    let mask = _mm512_set1_epi8(0x0F);
+    let mut o = out.as_mut_ptr();
+    for g in 0..groups {
+        let i0 = rows.start + g * Q4R;
+        // Block 0 of each of the group's rows (a zero block, read again for every block, for
+        // rows past the range).
+        let (p, step): ([*const u8; Q4R], [usize; Q4R]) = (
+            std::array::from_fn(|r| {
+                if i0 + r < rows.end {
+                    w.row(i0 + r).as_ptr()
+                } else {
+                    zero.as_ptr()
+                }
+            }),
+            std::array::from_fn(|r| if i0 + r < rows.end { 18 } else { 0 }),
+        );
+        for b in 0..nb {
+            // SAFETY: block `b < nb` of every row of the range lies within that row (whole
+            // 18-byte blocks), the zero block is 18 bytes; the `Q4BLK` bytes at `o` lie within
+            // `out` (one block of one group per step, checked above).
+            unsafe {
+                // (A macro: a closure would not inherit this function's target features.)
+                macro_rules! q {
+                    ($r:expr) => {
+                        _mm_loadu_si128(p[$r].add(b * step[$r] + 2) as *const __m128i)
+                    };
+                }
+                // The 16 rows are 16 streams from memory: prefetch ~4 lines ahead in each (the
+                // hardware prefetchers kept the packing latency-bound).
+                for r in 0..Q4R {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        p[r].wrapping_add((b * 18 + Q4_PREFETCH) * (step[r] / 18)) as *const i8,
+                    );
+                }
+                // Register `i`, 128-bit lane `l`: the 16 bytes of row `4l + i`; after the
+                // in-lane 4 × 4 transposition of dwords, register `j` lane `l` holds dword `j`
+                // of rows `4l..4l + 4`, i.e. dword `r` of register `j` is row `r`'s dword `j`.
+                let mut v = [_mm512_setzero_si512(); 4];
+                for i in 0..4 {
+                    let z = _mm512_castsi128_si512(q!(i));
+                    let z = _mm512_inserti32x4::<1>(z, q!(4 + i));
+                    let z = _mm512_inserti32x4::<2>(z, q!(8 + i));
+                    v[i] = _mm512_inserti32x4::<3>(z, q!(12 + i));
+                }
+                let t0 = _mm512_unpacklo_epi32(v[0], v[1]);
+                let t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+                let t2 = _mm512_unpacklo_epi32(v[2], v[3]);
+                let t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+                let d = [
+                    _mm512_unpacklo_epi64(t0, t2),
+                    _mm512_unpackhi_epi64(t0, t2),
+                    _mm512_unpacklo_epi64(t1, t3),
+                    _mm512_unpackhi_epi64(t1, t3),
+                ];
+                for j in 0..4 {
+                    let lo = _mm512_and_si512(d[j], mask);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(d[j]), mask);
+                    _mm512_storeu_si512(o.add(j * 64) as *mut __m512i, lo);
+                    _mm512_storeu_si512(o.add((4 + j) * 64) as *mut __m512i, hi);
+                }
+                let mut h = [0u16; Q4R];
+                for r in 0..Q4R {
+                    h[r] = std::ptr::read_unaligned(p[r].add(b * step[r]) as *const u16);
+                }
+                let dv = _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr() as *const __m256i));
+                _mm512_storeu_ps(o.add(512) as *mut f32, dv);
+                o = o.add(Q4BLK);
+            }
+        }
+    }
+}
+
+/// One group of [`Q4R`] repacked Q4_0 rows (`w`, `nb` blocks) · `N` tokens (values `xq[k]`,
+/// scales `xd[k]`, offsets `xo[k]` of [`Q4Acts`]), the first `nr` rows written to
+/// `out[(t0 + k)·stride + i0 + r]`. Per (row, token) the arithmetic of
+/// `x86_int::dot_q4_0_tile` (see the [module docs](self)): lane `l` of its 8-lane accumulator
+/// is the vector `acc[k][l]` here, one row per 32-bit element.
+///
+/// # Safety
+/// `w` is valid for `nb` packed blocks, each token's pointers for `nb` blocks (`nb + 8`
+/// offsets); the outputs are in bounds and written by this thread only; AVX-512 F/BW/VL/VNNI,
+/// AVX2, FMA and F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q4_0_tile<const N: usize>(
+    w: *const u8,
+    nb: usize,
+    xq: [*const i8; N],
+    xd: [*const f32; N],
+    xo: [*const i32; N],
+    out: OutPtr,
+    stride: usize,
+    i0: usize,
+    nr: usize,
+    t0: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 8]; N];
+    let zero = _mm512_setzero_si512();
+    // SAFETY: every load is within block `b < nb` of the group or of a token (`nb + 8`
+    // offsets); the writes are in bounds and this thread's own (caller).
+    unsafe {
+        // Four bytes of token `k`'s values at element `e` of block `b`, in every dword. (Macros:
+        // closures would not inherit this function's target features.)
+        macro_rules! bx {
+            ($k:expr, $b:expr, $e:expr) => {
+                _mm512_set1_epi32(std::ptr::read_unaligned(
+                    xq[$k].add($b * 32 + $e) as *const i32
+                ))
+            };
+        }
+        // Packed block `b`: its 8 value vectors and its scales.
+        macro_rules! load {
+            ($b:expr) => {{
+                let q = w.add($b * Q4BLK);
+                let mut wv = [_mm512_setzero_si512(); 8];
+                for j in 0..8 {
+                    wv[j] = _mm512_loadu_si512(q.add(j * 64) as *const __m512i);
+                }
+                (wv, _mm512_loadu_ps(q.add(512) as *const f32))
+            }};
+        }
+        let mut b = 0;
+        // Pairs of blocks: lanes 0..4 (block b) and 4..8 (block b + 1) of the GEMV's
+        // accumulator; lane l sums elements 4l..4l + 4 and 16 + 4l..16 + 4l + 4, lane 0 (4)
+        // starts from the block's −8·Σq.
+        while b + 2 <= nb {
+            for h in 0..2 {
+                let bb = b + h;
+                let (wv, dw) = load!(bb);
+                for k in 0..N {
+                    let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*xd[k].add(bb)));
+                    for l in 0..4 {
+                        let init = if l == 0 {
+                            _mm512_set1_epi32(*xo[k].add(bb))
+                        } else {
+                            zero
+                        };
+                        let s = _mm512_dpbusd_epi32(init, wv[l], bx!(k, bb, 4 * l));
+                        let s = _mm512_dpbusd_epi32(s, wv[4 + l], bx!(k, bb, 16 + 4 * l));
+                        let a = &mut acc[k][4 * h + l];
+                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, *a);
+                    }
+                }
+            }
+            b += 2;
+        }
+        // An odd last block: lane l sums elements 4l..4l + 4, starting from their −8·Σq.
+        if b < nb {
+            let (wv, dw) = load!(b);
+            for k in 0..N {
+                let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*xd[k].add(b)));
+                for l in 0..8 {
+                    // Vector j holds elements 4l (l < 4) or 16 + 4(l − 4) (l ≥ 4): lane l of
+                    // the GEMV's last block reads elements 4l..4l + 4 = vector l.
+                    let init = _mm512_set1_epi32(*xo[k].add(nb + l));
+                    let s = _mm512_dpbusd_epi32(init, wv[l], bx!(k, b, 4 * l));
+                    acc[k][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc[k][l]);
+                }
+            }
+        }
+        for k in 0..N {
+            // `hsum`'s order: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+            let a = &acc[k];
+            let mut s = [_mm512_setzero_ps(); 4];
+            for l in 0..4 {
+                s[l] = _mm512_add_ps(a[l], a[4 + l]);
+            }
+            let y = _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]));
+            let mut v = [0f32; Q4R];
+            _mm512_storeu_ps(v.as_mut_ptr(), y);
+            for r in 0..nr {
+                out.write((t0 + k) * stride + i0 + r, v[r]);
+            }
+        }
+    }
+}
+
+/// The Q4_0 GEMM (see the [module docs](self)).
+fn q4_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let nb = cols / 32;
+    let acts = Q4Acts::new(x, cols, n_tokens);
+    let packed_group = nb * Q4BLK;
+    let block_groups = (ROW_BLOCK_BYTES / packed_group).clamp(1, 16);
+    let out = OutPtr::new(y);
+    let n_groups = rows.div_ceil(Q4R);
+    pool.for_chunks(n_groups, |groups| {
+        // The thread's packing buffer, kept between calls: a fresh ~400 KiB allocation per call
+        // cost page faults worth ~a third of a 2-token product (every byte read is packed first).
+        let mut packed = Q4_PACKED.take();
+        let need = block_groups.min(groups.len()) * packed_group;
+        if packed.len() < need {
+            packed.resize(need, 0);
+        }
+        let mut g0 = groups.start;
+        while g0 < groups.end {
+            let g1 = (g0 + block_groups).min(groups.end);
+            let (r0, r1) = (g0 * Q4R, (g1 * Q4R).min(rows));
+            // SAFETY: `packed` holds `block_groups ≥ g1 − g0` packed groups; `dense_gemm`
+            // checked that the CPU has AVX-512 F/BW/VL (Backend::Avx512, which implies F16C).
+            unsafe { q4_0_pack(w, r0..r1, &mut packed) };
+            let mut t0 = 0;
+            while t0 < n_tokens {
+                let nt = (n_tokens - t0).min(Q4N);
+                let tok = |k: usize| acts.acts.get(t0 + k.min(nt - 1));
+                let xq: [*const i8; Q4N] = std::array::from_fn(|k| tok(k).q.as_ptr());
+                let xd: [*const f32; Q4N] = std::array::from_fn(|k| tok(k).d.as_ptr());
+                let xo: [*const i32; Q4N] =
+                    std::array::from_fn(|k| acts.off[(t0 + k.min(nt - 1)) * (nb + 8)..].as_ptr());
+                for g in g0..g1 {
+                    let i = g * Q4R;
+                    let nr = (rows - i).min(Q4R);
+                    let wp = packed[(g - g0) * packed_group..].as_ptr();
+                    // SAFETY: packed group `g − g0` < `g1 − g0` holds `nb` blocks; tokens
+                    // `t0 + k` < n_tokens have `nb` blocks of values and scales and `nb + 8`
+                    // offsets; outputs `(t0 + k)·rows + i + r` (r < nr) are in bounds and
+                    // belong to this thread's rows (disjoint groups); `dense_gemm` checked that
+                    // the CPU has AVX-512 F/BW/VL/VNNI.
+                    unsafe {
+                        match nt {
+                            2 => q4_0_tile::<2>(wp, nb, xq, xd, xo, out, rows, i, nr, t0),
+                            _ => q4_0_tile::<1>(
+                                wp,
+                                nb,
+                                [xq[0]],
+                                [xd[0]],
+                                [xo[0]],
+                                out,
+                                rows,
+                                i,
+                                nr,
+                                t0,
+                            ),
+                        }
+                    };
+                }
+                t0 += nt;
+            }
+            g0 = g1;
+        }
+        Q4_PACKED.set(packed);
+    });
+}
+
+thread_local! {
+    /// [`q4_0_gemm`]'s packing buffer of this thread (empty while in use or before the first
+    /// call).
+    static Q4_PACKED: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -495,7 +831,8 @@ mod tests {
             .collect()
     }
 
-    /// Raw weight bytes of `n` pseudo-random elements of `ty` (Q8_0 values span all of i8).
+    /// Raw weight bytes of `n` pseudo-random elements of `ty` (Q8_0 values span all of i8, Q4_0
+    /// all 16 nibbles).
     fn weight_bytes(ty: GgmlType, n: usize) -> Vec<u8> {
         let v = vals(n, 7);
         match ty {
@@ -521,6 +858,16 @@ mod tests {
                     blk
                 })
                 .collect(),
+            GgmlType::Q4_0 => v
+                .chunks_exact(32)
+                .flat_map(|b| {
+                    let mut blk = half::f16::from_f32(b[0].abs() / 8.0).to_le_bytes().to_vec();
+                    blk.extend(b[..16].iter().zip(&b[16..]).map(|(&l, &h)| {
+                        ((l * 8.0 + 8.0) as u8 & 15) | (((h * 8.0 + 8.0) as u8 & 15) << 4)
+                    }));
+                    blk
+                })
+                .collect(),
             _ => unreachable!(),
         }
     }
@@ -528,15 +875,28 @@ mod tests {
     /// Shapes that exercise several row blocks, partial tiles of rows and tokens, and float
     /// tails: the blocked GEMM equals, bit for bit, the backend's `dot_batch` (one (row, token)
     /// of a multi-token product, the order the frame's leftovers and sparse products use); for
-    /// Q8_0 that is also the GEMV's dot.
+    /// Q8_0 and Q4_0 that is also the GEMV's dot.
     #[test]
     fn blocked_gemm_equals_gemv() {
         if !Backend::Avx512.is_available() {
             return;
         }
-        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
-            for &(rows, cols, t) in &[(203usize, 1000usize, 13usize), (37, 4096 + 64, 7)] {
-                let cols = if ty == GgmlType::Q8_0 {
+        let types = [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+        ];
+        for ty in types {
+            for &(rows, cols, t) in &[
+                (203usize, 1000usize, 13usize),
+                (37, 4096 + 64, 7),
+                (17, 32, 2),
+                (16, 64, 5),
+                (600, 4096 + 64, 5),
+            ] {
+                let cols = if ty.block_size() == 32 {
                     cols / 32 * 32
                 } else {
                     cols + 3
@@ -555,7 +915,7 @@ mod tests {
                         let yk: Vec<f32> = (0..rows)
                             .map(|r| (ops.dot_batch)(w.row(r), &acts.get(k)))
                             .collect();
-                        if ty == GgmlType::Q8_0 {
+                        if ty.block_size() == 32 {
                             let mut yv = vec![f32::NAN; rows];
                             mm.gemv(&w, &x[k * cols..(k + 1) * cols], &mut yv).unwrap();
                             assert_eq!(yv, yk, "{ty:?} {threads}t token {k}: gemv");
