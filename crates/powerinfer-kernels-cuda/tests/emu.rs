@@ -377,6 +377,46 @@ proptest! {
     }
 
     #[test]
+    fn emulated_sparse_axpy_t1_low_density(ti in 0usize..4, n in 1usize..400, blocks in 1usize..200, density in 0usize..5, t in 1usize..5, all_rows in any::<bool>(), scored in any::<bool>(), seed in any::<u64>()) {
+        // The one-token kernels (axpy_*_t1, T <= 4) at the densities of decoding, from a few
+        // selected rows per block of 64 rows to all of them, on rows of 32 k columns, k not a
+        // multiple of 64: the last column block of 2048 is partial.
+        let Some(emu) = emu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let m = 32 * if blocks % 64 == 0 { blocks + 1 } else { blocks };
+        let frac = [0.02f32, 0.1, 0.3, 0.7, 1.0][density];
+        let mut rng = Rng::new(seed);
+        let (bytes, w) = random_weight(&mut rng, ty, n, m);
+        let rb = row_bytes(ty, m).unwrap();
+        let bucket = random_bucket(&mut rng, n, if all_rows { 1 } else { 2 });
+        let slice = gather(&bytes, rb, &bucket);
+        // Selected with probability `frac`: by the score (p[k] >= 0) or by a nonzero activation.
+        let mut a = vec![0.0f32; t * n];
+        let mut scores = vec![-1.0f32; t * n];
+        for k in 0..t * n {
+            let on = rng.uniform(0.0, 1.0) < frac;
+            if scored {
+                a[k] = rng.uniform(0.0, 1.0);
+                if on { scores[k] = 1.0; }
+            } else if on {
+                a[k] = rng.uniform(0.0, 1.0);
+            }
+        }
+        let (p, ref_scores) = if scored { (Some(&scores[..]), scores.clone()) } else { (None, vec![1.0f32; t * n]) };
+        let mut y = vec![0.0f32; t * m];
+        let l = geometry::axpy(ty, m, bucket.len(), t).unwrap();
+        prop_assert!(l.kernel.ends_with("_t1"), "{} is not a one-token kernel", l.kernel);
+        emu.rows(l, &slice, rb, bucket.len(), m, &a, t, p, Some(&bucket), 0.0, n, &mut y);
+        let mut skip = vec![true; n];
+        for &b in &bucket { skip[b as usize] = false; }
+        let a64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+        let want = rm::sparse_axpy(&w, n, m, &a64, t, &ref_scores, 0.0, Some(&skip), &vec![0.0; t * m]);
+        let wa: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+        let scale = rm::sparse_axpy(&wa, n, m, &a64, t, &vec![1.0; t * n], 0.0, None, &vec![0.0; t * m]);
+        close(&format!("axpy {} m={m} T={t} k={} density={frac}", l.kernel, bucket.len()), &y, &want, &scale)?;
+    }
+
+    #[test]
     fn emulated_norm_softmax_rope_gate_match_reference(rows in 1usize..4, n in 1usize..600, n_head in 1usize..4, half in 1usize..20, neox in any::<bool>(), seed in any::<u64>()) {
         let Some(emu) = emu() else { return Ok(()); };
         let mut rng = Rng::new(seed);
