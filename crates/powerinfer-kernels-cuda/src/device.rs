@@ -314,15 +314,20 @@ impl Gpu {
         &self.functions[name]
     }
 
+    /// Budget for a buffer of `len` elements of `T`. An empty buffer still takes one element on
+    /// the device, and is counted.
+    fn reserve_elements<T>(&self, len: usize) -> Result<Reservation> {
+        let bytes = (len.max(1) as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        Ok(self.budget.try_reserve(bytes)?)
+    }
+
     /// A zeroed device buffer of `len` elements, or a budget error (nothing allocated).
     pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
         &self,
         stream: &Stream,
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
-        // An empty buffer still takes one element on the device, and is counted.
-        let bytes = (len.max(1) as u64).saturating_mul(std::mem::size_of::<T>() as u64);
-        let reservation = self.budget.try_reserve(bytes)?;
+        let reservation = self.reserve_elements::<T>(len)?;
         // A driver failure drops the reservation: nothing stays accounted.
         let slice = stream.inner.alloc_zeros::<T>(len.max(1))?;
         Ok(DeviceBuffer {
@@ -340,8 +345,7 @@ impl Gpu {
         stream: &Stream,
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
-        let bytes = (len.max(1) as u64).saturating_mul(std::mem::size_of::<T>() as u64);
-        let reservation = self.budget.try_reserve(bytes)?;
+        let reservation = self.reserve_elements::<T>(len)?;
         // SAFETY: the callers' kernels write every element before any is read (see above); the
         // memory is stream-ordered on `stream`.
         let slice = unsafe { stream.inner.alloc::<T>(len.max(1)) }?;

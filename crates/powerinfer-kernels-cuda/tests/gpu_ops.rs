@@ -8,7 +8,9 @@ use common::{assert_close, gpu, random_bucket, random_weight, Rng};
 use half::f16;
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::reference::{matmul as rm, ops as ro};
-use powerinfer_kernels_cuda::{CudaError, DeviceTensor, Gpu, GpuSlice, KvCache, NoGpu, RopeMode};
+use powerinfer_kernels_cuda::{
+    CudaError, DeviceTensor, Gpu, GpuSlice, KvCache, NoGpu, RopeMode, Stream,
+};
 use proptest::prelude::*;
 
 const TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
@@ -31,14 +33,30 @@ fn abs_gemm(w: &[f64], rows: usize, cols: usize, x: &[f64], t: usize) -> Vec<f64
 /// A random `rows × cols` weight of type `ty` times `t` random tokens on the device, against
 /// the f64 reference of the activation the kernels multiply.
 fn check_dense_matmul(gpu: &Gpu, ty: GgmlType, rows: usize, cols: usize, t: usize, seed: u64) {
+    check_dense_matmul_on(gpu, gpu.stream(), ty, rows, cols, t, seed, 1);
+}
+
+/// [`check_dense_matmul`] on stream `s`, with the product computed `reps` times in a row.
+#[allow(clippy::too_many_arguments)]
+fn check_dense_matmul_on(
+    gpu: &Gpu,
+    s: &Stream,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    t: usize,
+    seed: u64,
+    reps: usize,
+) {
     let mut rng = Rng::new(seed);
     let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
     let x = rng.vec(t * cols);
-    let s = gpu.stream();
     let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
     let xd = gpu.upload(s, &x).unwrap();
     let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
-    gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
+    for _ in 0..reps {
+        gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
+    }
     let got = y.to_host(s).unwrap();
     // Q8_0/Q4_0 products multiply the activation quantized as the CPU kernels quantize it.
     let x64 = rm::quantize_activation(ty, &x);
@@ -421,29 +439,8 @@ fn quantized_products_reuse_the_scratch_across_sizes_streams_and_threads() {
     // must each read their own activation.
     let Some(gpu) = gpu() else { return };
     let s2 = gpu.new_stream().unwrap();
-    let run = |s: &powerinfer_kernels_cuda::Stream,
-               ty: GgmlType,
-               rows: usize,
-               cols: usize,
-               t: usize,
-               seed: u64| {
-        let mut rng = Rng::new(seed);
-        let (bytes, w) = random_weight(&mut rng, ty, rows, cols);
-        let x = rng.vec(t * cols);
-        let wd = DeviceTensor::upload(gpu, s, ty, rows, cols, &bytes).unwrap();
-        let xd = gpu.upload(s, &x).unwrap();
-        let mut y = gpu.alloc_zeros::<f32>(s, t * rows).unwrap();
-        for _ in 0..3 {
-            gpu.matmul(s, &wd, &xd, t, &mut y).unwrap();
-        }
-        let got = y.to_host(s).unwrap();
-        let x64 = rm::quantize_activation(ty, &x);
-        assert_close(
-            &format!("matmul {ty} {rows}x{cols} T={t}"),
-            &got,
-            &rm::gemm(&w, rows, cols, &x64, t),
-            &abs_gemm(&w, rows, cols, &x64, t),
-        );
+    let run = |s: &Stream, ty: GgmlType, rows: usize, cols: usize, t: usize, seed: u64| {
+        check_dense_matmul_on(gpu, s, ty, rows, cols, t, seed, 3)
     };
     for (i, (cols, t)) in [(64usize, 1usize), (12800, 1), (96, 3), (4096, 5), (32, 1)]
         .into_iter()
