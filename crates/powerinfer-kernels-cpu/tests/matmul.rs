@@ -670,3 +670,62 @@ fn row_range_views_give_the_same_rows() {
         assert!(matches!(w.row_range(reversed), Err(KernelError::Shape(_))));
     }
 }
+
+/// `read_rows` (the memory ceiling probe of `powerinfer bench kernels`) returns the wrapping
+/// sum of the listed rows' little-endian u64 words (a tail byte by byte) on every backend and
+/// thread count, and refuses bad lists like the indexed kernels.
+#[test]
+fn read_rows_checksums_the_listed_rows() {
+    let mut rng = Rng(11);
+    for (ty, cols) in [
+        (GgmlType::Q4_0, 4096),
+        (GgmlType::Q4_0, 96),
+        (GgmlType::F16, 4096 + 3),
+        (GgmlType::F32, 5),
+    ] {
+        let rows = 37;
+        let data = random_weights(ty, rows, cols, &mut rng);
+        let w = Weights::new(ty, rows, cols, &data).unwrap();
+        let row_bytes = data.len() / rows;
+        let lists: [Vec<u32>; 3] = [
+            vec![],
+            (0..rows as u32).collect(),
+            (0..rows as u32).filter(|i| i % 3 != 1).collect(),
+        ];
+        for list in &lists {
+            let mut want = 0u64;
+            for &i in list {
+                let row = &data[i as usize * row_bytes..(i as usize + 1) * row_bytes];
+                let words = row.len() / 8 * 8;
+                for c in row[..words].chunks(8) {
+                    want = want.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()));
+                }
+                for &b in &row[words..] {
+                    want = want.wrapping_add(b as u64);
+                }
+            }
+            for pool in pools() {
+                for backend in Backend::available() {
+                    let mm = MatMul::with_backend(&pool, backend).unwrap();
+                    let got = mm.read_rows(&w, list).unwrap();
+                    assert_eq!(
+                        got,
+                        want,
+                        "{ty:?} {cols} cols, {backend:?}, {} rows",
+                        list.len()
+                    );
+                }
+            }
+        }
+        let pool = ThreadPool::new(2);
+        let mm = MatMul::new(&pool);
+        assert!(matches!(
+            mm.read_rows(&w, &[3, rows as u32]),
+            Err(KernelError::IndexOutOfRange { .. })
+        ));
+        assert!(matches!(
+            mm.read_rows(&w, &[4, 4]),
+            Err(KernelError::IndicesNotIncreasing { position: 1, .. })
+        ));
+    }
+}

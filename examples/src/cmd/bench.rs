@@ -49,7 +49,8 @@ struct KernelArgs {
     /// Only these weight types (comma-separated ggml names, e.g. F16,Q4_0).
     #[arg(long, value_delimiter = ',')]
     types: Option<Vec<String>>,
-    /// Only these kernels (comma-separated: dense_gemv, dense_gemm, sparse_gemv, sparse_axpy).
+    /// Only these kernels (comma-separated: dense_gemv, dense_gemm, sparse_gemv, sparse_axpy,
+    /// sparse_read: the sparse kernels' rows read without arithmetic, their memory ceiling).
     #[arg(long, value_delimiter = ',')]
     kernels: Option<Vec<String>>,
     /// Tokens of the GEMM (prompt) measurement.
@@ -61,6 +62,15 @@ struct KernelArgs {
     /// MiB of weight copies to rotate through (0: one copy, cache-resident when small).
     #[arg(long)]
     cold_mib: Option<usize>,
+    /// Pages the weight copies live in: `huge` (transparent huge pages requested, as the
+    /// engine requests them for its weights, mapped or `--no-mmap`) or `small` (base pages,
+    /// as in a file mapping that was cached in small pages).
+    #[arg(long, default_value = "huge", value_parser = ["huge", "small"])]
+    pages: String,
+    /// Start each weight copy this many bytes past a page boundary (GGUF aligns tensor data
+    /// to 32 bytes only, so a model's matrices may start at 32 mod 64).
+    #[arg(long, default_value_t = 0)]
+    offset: usize,
 }
 
 /// Runs `powerinfer bench`.
@@ -169,22 +179,48 @@ pub(crate) fn read_bandwidth(pool: &ThreadPool, bytes: usize, passes: usize) -> 
     bytes as f64 / best
 }
 
+/// Anonymous memory holding a copy of `data` starting `offset` bytes past its (page-aligned)
+/// start, in transparent huge pages if `huge` (and the OS grants them), else in the OS's base
+/// pages.
+fn page_copy(data: &[u8], offset: usize, huge: bool) -> Result<memmap2::MmapMut, String> {
+    let mut m =
+        memmap2::MmapMut::map_anon(offset + data.len().max(1)).map_err(|e| e.to_string())?;
+    #[cfg(target_os = "linux")]
+    {
+        // Only a hint, given before the first write so that the pages are born huge.
+        let advice = if huge {
+            memmap2::Advice::HugePage
+        } else {
+            memmap2::Advice::NoHugePage
+        };
+        let _ = m.advise(advice);
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = huge;
+    m[offset..offset + data.len()].copy_from_slice(data);
+    Ok(m)
+}
+
 /// Copies of one matrix that together exceed the caches, visited in turn.
 struct Rotation {
-    copies: Vec<Vec<u8>>,
+    copies: Vec<memmap2::MmapMut>,
+    offset: usize,
+    len: usize,
 }
 impl Rotation {
-    fn new(one: Vec<u8>, total_bytes: usize) -> Self {
+    fn new(one: &[u8], total_bytes: usize, offset: usize, huge: bool) -> Result<Self, String> {
         let k = total_bytes.div_ceil(one.len().max(1)).max(1);
-        let mut copies = Vec::with_capacity(k);
-        for _ in 1..k {
-            copies.push(one.clone());
-        }
-        copies.push(one);
-        Rotation { copies }
+        let copies = (0..k)
+            .map(|_| page_copy(one, offset, huge))
+            .collect::<Result<_, _>>()?;
+        Ok(Rotation {
+            copies,
+            offset,
+            len: one.len(),
+        })
     }
     fn get(&self, i: usize) -> &[u8] {
-        &self.copies[i % self.copies.len()]
+        &self.copies[i % self.copies.len()][self.offset..self.offset + self.len]
     }
 }
 
@@ -235,6 +271,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
         (Duration::from_millis(600), 320usize << 20, 1usize << 30)
     };
     let rotate = a.cold_mib.map_or(rotate, |m| m << 20);
+    let huge = a.pages == "huge";
     let shapes: Vec<(usize, usize)> = match &a.shapes {
         Some(list) => list
             .iter()
@@ -271,10 +308,12 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
         if !a.json {
             println!(
                 "threads {} ({pool_name} pool), backend {}, memory read bandwidth {bw:.1} GB/s, \
-                 empty job {:.2} µs",
+                 empty job {:.2} µs, weights in {} pages at offset {}",
                 pool.n_threads(),
                 mm.backend(),
-                dispatch * 1e6
+                a.pages,
+                a.offset,
+                dispatch * 1e6,
             );
             println!(
                 "{:<12} {:<5} {:>6} {:>6} {:>7} {:>9} {:>8} {:>6} {:>8}",
@@ -309,7 +348,8 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
             results.push(json!({
                 "kernel": kernel, "type": ty.name(), "rows": rows, "cols": cols,
                 "density": density, "tokens": tokens, "threads": pool.n_threads(),
-                "pool": pool_name, "backend": mm.backend().name(),
+                "pool": pool_name, "backend": mm.backend().name(), "pages": a.pages,
+                "offset": a.offset,
                 "ms": secs * 1e3, "gbps": gbps, "gflops": gflops,
                 "bandwidth_gbps": bw, "ratio": gbps / bw,
             }));
@@ -321,7 +361,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                 }
                 let one = random_weights(ty, rows, cols, &mut rng);
                 let bytes = one.len() as f64;
-                let rot = Rotation::new(one, rotate);
+                let rot = Rotation::new(&one, rotate, a.offset, huge)?;
                 let w =
                     |i: usize| Weights::new(ty, rows, cols, rot.get(i)).map_err(|e| e.to_string());
                 let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
@@ -357,7 +397,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                     GgmlType::Q8_0,
                     GgmlType::Q4_0,
                 ];
-                if (want("sparse_gemv") || want("sparse_axpy"))
+                if (want("sparse_gemv") || want("sparse_axpy") || want("sparse_read"))
                     && (sparse_types.contains(&ty) || a.types.is_some())
                     && (rows == 11008 || a.shapes.is_some())
                 {
@@ -369,7 +409,8 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         let active_bytes = bytes * n_active as f64 / rows as f64;
                         let n_sets = ((96.0 * (1u64 << 20) as f64 / active_bytes).ceil() as usize)
                             .clamp(1, 256);
-                        let mut sets: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(n_sets);
+                        let mut sets: Vec<(Vec<f32>, Vec<f32>, Vec<u32>)> =
+                            Vec::with_capacity(n_sets);
                         for _ in 0..n_sets {
                             let mut idx: Vec<usize> = (0..rows).collect();
                             for k in 0..n_active {
@@ -382,7 +423,10 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                                 scores[i] = 1.0;
                                 act[i] = 0.5 + 0.5 * rng.f32().abs();
                             }
-                            sets.push((scores, act));
+                            let mut list: Vec<u32> =
+                                idx[..n_active].iter().map(|&i| i as u32).collect();
+                            list.sort_unstable();
+                            sets.push((scores, act, list));
                         }
                         let sel = |i: usize| RowSelect {
                             scores: &sets[i % n_sets].0,
@@ -413,6 +457,22 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                                 }
                             });
                             emit("sparse_axpy", ty, rows, cols, density, 1, s, active_bytes);
+                        }
+                        if want("sparse_read") {
+                            // The same rows read without arithmetic: the memory ceiling of
+                            // this access pattern (at 100%, of a dense pass).
+                            let s = best_time(budget, 5, |i| {
+                                match w(i).and_then(|w| {
+                                    mm.read_rows(&w, &sets[i % n_sets].2)
+                                        .map_err(|e| e.to_string())
+                                }) {
+                                    Ok(sum) => {
+                                        std::hint::black_box(sum);
+                                    }
+                                    Err(e) => err = Some(e),
+                                }
+                            });
+                            emit("sparse_read", ty, rows, cols, density, 1, s, active_bytes);
                         }
                     }
                 }

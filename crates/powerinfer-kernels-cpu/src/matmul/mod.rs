@@ -73,6 +73,23 @@ const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 /// rows one per pass, 0.88–0.99× four per pass, 0.77–0.97× with every row one per pass).
 const FLOAT_ONE_ROW_MAX_COLS: usize = 4096;
 
+/// [`MatMul::read_rows`]'s per-thread reading without a prefetch stream: the wrapping sum of
+/// the listed rows' bytes as little-endian u64 words (a short tail byte by byte).
+fn read_list_portable(rows: &ListedRows<'_>) -> u64 {
+    let mut sum = 0u64;
+    for &i in rows.list {
+        let row = &rows.data[i as usize * rows.row_bytes..][rows.start..rows.end];
+        let mut words = row.chunks_exact(8);
+        for w in &mut words {
+            sum = sum.wrapping_add(u64::from_le_bytes(w.try_into().unwrap_or_default()));
+        }
+        for &b in words.remainder() {
+            sum = sum.wrapping_add(b as u64);
+        }
+    }
+    sum
+}
+
 /// A borrowed weight matrix in ggml layout. See the [module docs](self).
 #[derive(Clone, Copy, Debug)]
 pub struct Weights<'a> {
@@ -507,6 +524,35 @@ impl<'p> MatMul<'p> {
             None,
         );
         self.gemv_indexed_unchecked(w, x, &active, y)
+    }
+
+    /// Reads the bytes of the rows of `w` listed in `active` (strictly increasing, below
+    /// `rows`) with the row-sparse product's thread split and access order, and on AVX-512 its
+    /// software prefetch stream, but no arithmetic; returns a checksum of them. Timing it gives
+    /// the memory ceiling of a sparse product over the same rows (with every row listed: of a
+    /// dense pass over the matrix): `powerinfer bench kernels` reports it as `sparse_read`.
+    pub fn read_rows(&self, w: &Weights<'_>, active: &[u32]) -> Result<u64, KernelError> {
+        check_active(active, w.rows)?;
+        let sum = std::sync::atomic::AtomicU64::new(0);
+        self.pool.for_chunks(active.len(), |r| {
+            let rows = ListedRows {
+                data: w.data,
+                row_bytes: w.row_bytes,
+                start: 0,
+                end: w.row_bytes,
+                list: &active[r],
+            };
+            #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+            let s = if self.backend == Backend::Avx512 {
+                x86_sparse::read_list(&rows)
+            } else {
+                read_list_portable(&rows)
+            };
+            #[cfg(not(all(target_arch = "x86_64", powerinfer_avx512)))]
+            let s = read_list_portable(&rows);
+            sum.fetch_add(s, std::sync::atomic::Ordering::Relaxed);
+        });
+        Ok(sum.into_inner())
     }
 
     /// Row-sparse product for one token over an explicit list of active rows: `y[i] = row_i · x`
