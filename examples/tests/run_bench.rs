@@ -161,3 +161,96 @@ fn closed_stdout_ends_quietly() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(out.status.code(), Some(141), "{err}");
 }
+
+/// `--rounds` with `--llama-bench`: every configuration and llama.cpp once per round, medians
+/// over the rounds, and ratios that are medians of the per-round ratios. llama.cpp is stood in
+/// for by a script that prints `llama-bench`'s JSON with a different speed on each call (the
+/// order of the calls is what the script records).
+#[cfg(unix)]
+#[test]
+fn bench_decode_rounds_pair_each_round_with_llama() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = synth();
+    let dir = tempfile::tempdir().unwrap();
+    let count = dir.path().join("calls");
+    let fake = dir.path().join("llama-bench");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0)\nn=$((n + 1))\necho $n > {c}\n\
+             echo \"[{{\\\"n_prompt\\\": 0, \\\"n_gen\\\": 2, \\\"avg_ts\\\": $((n * 100))}}]\"\n",
+            c = count.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = powerinfer(&[
+        "bench",
+        "decode",
+        "-m",
+        s(&f.sparse),
+        "-m",
+        s(&f.dense),
+        "-t",
+        "1",
+        "-n",
+        "2",
+        "--prompt",
+        "2",
+        "-r",
+        "1",
+        "--sparse-only",
+        "--rounds",
+        "3",
+        "--llama-bench",
+        s(&fake),
+        "--json",
+    ]);
+    let rows: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(std::fs::read_to_string(&count).unwrap().trim(), "3");
+    let list = |r: &Json, k: &str| -> Vec<f64> {
+        r[k].as_array()
+            .unwrap_or_else(|| panic!("{k} in {r}"))
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    let median3 = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[1]
+    };
+    // JSON numbers come back within an ulp or two (serde_json's default float parsing).
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(b.abs());
+    let (sparse, dense) = (&rows[0], &rows[1]);
+    // llama.cpp ran once per round: 100, 200, 300 tok/s, in that order.
+    assert_eq!(list(dense, "llama_cpp_tps_rounds"), [100.0, 200.0, 300.0]);
+    assert_eq!(dense["llama_cpp_tps"].as_f64(), Some(200.0));
+    for r in [sparse, dense] {
+        assert_eq!(r["rounds"].as_u64(), Some(3));
+        let tps = list(r, "decode_tps_rounds");
+        assert_eq!(tps.len(), 3);
+        assert!(close(
+            r["decode_tps"].as_f64().unwrap(),
+            median3(tps.clone())
+        ));
+        // The only file llama.cpp ran is every row's twin: per-round ratios, then the median.
+        let want: Vec<f64> = tps
+            .iter()
+            .zip([100.0, 200.0, 300.0])
+            .map(|(o, l)| o / l)
+            .collect();
+        let got = list(r, "vs_llama_twin_rounds");
+        assert!(
+            got.len() == 3 && got.iter().zip(&want).all(|(g, w)| close(*g, *w)),
+            "{got:?} vs {want:?}"
+        );
+        assert!(close(r["vs_llama_twin"].as_f64().unwrap(), median3(want)));
+    }
+    assert!(close(
+        dense["vs_llama_cpp"].as_f64().unwrap(),
+        dense["vs_llama_twin"].as_f64().unwrap()
+    ));
+    assert!(sparse.get("vs_llama_cpp").is_none());
+}

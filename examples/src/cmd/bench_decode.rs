@@ -22,6 +22,14 @@
 //! With `--llama-bench PATH` (llama.cpp's `llama-bench`), each dense GGUF file is also run by
 //! llama.cpp in the same invocation (`-p 0 -n TOKENS -t THREADS -r REPEATS -o json`) and its
 //! tokens/s is printed beside ours, with the ratio.
+//!
+//! With `--rounds K`, the whole set (every file and mode, and llama.cpp) is measured K times,
+//! the order reversed every other round, and each figure is the median over the rounds; the
+//! ratios to llama.cpp are medians of the ratios within each round. On a machine whose memory
+//! bandwidth drifts from minute to minute (shared VMs), ratios of runs made seconds apart are
+//! far steadier than the speeds themselves. When exactly one file was run by llama.cpp, every
+//! row is also compared with it (`vs llama twin`: e.g. a PowerInfer file's sparse decode
+//! against llama.cpp's dense decode of its dense twin).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -71,6 +79,10 @@ pub struct DecodeArgs {
     /// [`Engine::eval`] per sequence) instead of in one batch, for comparison.
     #[arg(long)]
     sequential: bool,
+    /// Measure everything this many times, alternating the order, and report medians (and
+    /// per-round ratios to llama.cpp).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Print a JSON array of result objects instead of a table.
     #[arg(long)]
     json: bool,
@@ -232,6 +244,24 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
     })
 }
 
+/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// The index in `v` of its (lower) median element.
+fn median_index(v: &[f64]) -> usize {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&i, &j| v[i].total_cmp(&v[j]));
+    idx.get(v.len().saturating_sub(1) / 2).copied().unwrap_or(0)
+}
+
 fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
@@ -296,34 +326,81 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             bw / 1e9
         );
     }
-    let mut rows = Vec::new();
-    let mut llama = Vec::new();
+    // Configurations in the order of the command line: (file, dense mode?).
+    let mut configs: Vec<(PathBuf, bool)> = Vec::new();
     for path in &models {
-        let bm = byte_model(path)?;
-        if bm.is_powerinfer {
-            rows.push(measure(path, &a, false)?);
+        if byte_model(path)?.is_powerinfer {
+            configs.push((path.clone(), false));
             if !a.sparse_only {
-                rows.push(measure(path, &a, true)?);
+                configs.push((path.clone(), true));
             }
         } else {
-            rows.push(measure(path, &a, true)?);
-            if let Some(bin) = &a.llama_bench {
-                llama.push((
-                    path.display().to_string(),
-                    llama_bench(bin, path, &a, threads)?,
-                ));
-            }
-        }
-        if !a.json {
-            let r = rows.last().expect("a row was pushed");
-            eprintln!("measured {} ({}): {:.2} tok/s", r.model, r.mode, r.tps);
+            configs.push((path.clone(), true));
         }
     }
-    let llama_of = |m: &str| llama.iter().find(|(p, _)| p == m).map(|&(_, t)| t);
-    let objects: Vec<serde_json::Value> = rows
+    let llama_files: Vec<&PathBuf> = match &a.llama_bench {
+        Some(_) => models
+            .iter()
+            .filter(|p| byte_model(p).is_ok_and(|b| !b.is_powerinfer))
+            .collect(),
+        None => Vec::new(),
+    };
+    let rounds = a.rounds.max(1);
+    // measured[c][r]: configuration c in round r; llama[f][r]: llama.cpp on llama_files[f].
+    let mut measured: Vec<Vec<Row>> = (0..configs.len()).map(|_| Vec::new()).collect();
+    let mut llama: Vec<Vec<f64>> = vec![Vec::new(); llama_files.len()];
+    for round in 0..rounds {
+        // Every job of the round: ours (configuration index) or llama.cpp (file index).
+        let mut jobs: Vec<(bool, usize)> = Vec::new();
+        for (c, (path, _)) in configs.iter().enumerate() {
+            jobs.push((false, c));
+            if let Some(f) = llama_files.iter().position(|p| *p == path) {
+                jobs.push((true, f));
+            }
+        }
+        if round % 2 == 1 {
+            jobs.reverse();
+        }
+        for (is_llama, i) in jobs {
+            if is_llama {
+                let bin = a.llama_bench.as_ref().expect("llama files need the binary");
+                let tps = llama_bench(bin, llama_files[i], &a, threads)?;
+                if !a.json {
+                    eprintln!(
+                        "round {}: llama.cpp {}: {tps:.2} tok/s",
+                        round + 1,
+                        llama_files[i].display()
+                    );
+                }
+                llama[i].push(tps);
+            } else {
+                let (path, dense) = &configs[i];
+                let r = measure(path, &a, *dense)?;
+                if !a.json {
+                    eprintln!(
+                        "round {}: measured {} ({}): {:.2} tok/s",
+                        round + 1,
+                        r.model,
+                        r.mode,
+                        r.tps
+                    );
+                }
+                measured[i].push(r);
+            }
+        }
+    }
+    let llama_index = |m: &Path| llama_files.iter().position(|p| p.as_path() == m);
+    // The one file llama.cpp ran, if there is exactly one: every row's twin reference.
+    let twin = (llama_files.len() == 1).then_some(0);
+    let objects: Vec<serde_json::Value> = configs
         .iter()
-        .map(|r| {
-            let gbps = r.bytes_per_token * r.tps / 1e9;
+        .zip(&measured)
+        .map(|((path, _), runs)| {
+            let tps_rounds: Vec<f64> = runs.iter().map(|r| r.tps).collect();
+            let tps = median(&tps_rounds);
+            // The row of the median round supplies density and bytes (they hardly vary).
+            let r = &runs[median_index(&tps_rounds)];
+            let gbps = r.bytes_per_token * tps / 1e9;
             let mut o = json!({
                 "model": r.model,
                 "mode": r.mode,
@@ -331,7 +408,9 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "tokens": a.tokens,
                 "batch": a.batch.max(1),
                 "batch_mode": if a.sequential { "sequential" } else { "batched" },
-                "decode_tps": r.tps,
+                "rounds": rounds,
+                "decode_tps": tps,
+                "decode_tps_rounds": tps_rounds,
                 "ffn_density": r.density,
                 "bytes_per_token": r.bytes_per_token,
                 "gbps": gbps,
@@ -341,9 +420,22 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "load_ms": r.load_ms,
                 "prompt_ms": r.prompt_ms,
             });
-            if let Some(l) = llama_of(&r.model) {
-                o["llama_cpp_tps"] = l.into();
-                o["vs_llama_cpp"] = (r.tps / l).into();
+            let ratios = |f: usize| -> Vec<f64> {
+                tps_rounds
+                    .iter()
+                    .zip(&llama[f])
+                    .map(|(o, l)| o / l)
+                    .collect()
+            };
+            if let Some(f) = llama_index(path) {
+                o["llama_cpp_tps"] = median(&llama[f]).into();
+                o["llama_cpp_tps_rounds"] = llama[f].clone().into();
+                o["vs_llama_cpp"] = median(&ratios(f)).into();
+                o["vs_llama_cpp_rounds"] = ratios(f).into();
+            }
+            if let Some(f) = twin {
+                o["vs_llama_twin"] = median(&ratios(f)).into();
+                o["vs_llama_twin_rounds"] = ratios(f).into();
             }
             o
         })
@@ -352,28 +444,87 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         println!("{}", serde_json::Value::Array(objects));
         return Ok(());
     }
+    if rounds > 1 {
+        println!("medians of {rounds} rounds (ratios: medians of the per-round ratios)");
+    }
     println!(
-        "{:<44} {:>6} {:>8} {:>7} {:>9} {:>7} {:>6} {:>8} {:>10}",
-        "model", "mode", "tok/s", "density", "MB/token", "GB/s", "ratio", "ceiling", "llama.cpp"
+        "{:<44} {:>6} {:>8} {:>7} {:>9} {:>7} {:>6} {:>8} {:>10}{}",
+        "model",
+        "mode",
+        "tok/s",
+        "density",
+        "MB/token",
+        "GB/s",
+        "ratio",
+        "ceiling",
+        "llama.cpp",
+        if twin.is_some() {
+            format!(" {:>14}", "vs llama twin")
+        } else {
+            String::new()
+        }
     );
-    for (r, o) in rows.iter().zip(&objects) {
-        let name = Path::new(&r.model)
+    for o in &objects {
+        let model = o["model"].as_str().unwrap_or("");
+        let name = Path::new(model)
             .file_name()
-            .map_or(r.model.clone(), |n| n.to_string_lossy().into_owned());
-        let llama =
-            llama_of(&r.model).map_or(String::from("-"), |l| format!("{l:.2} ({:.2}x)", r.tps / l));
+            .map_or(model.to_string(), |n| n.to_string_lossy().into_owned());
+        let num = |k: &str| o[k].as_f64().unwrap_or(0.0);
+        let llama = match o.get("llama_cpp_tps") {
+            Some(l) => format!(
+                "{:.2} ({:.2}x)",
+                l.as_f64().unwrap_or(0.0),
+                num("vs_llama_cpp")
+            ),
+            None => String::from("-"),
+        };
+        let twin_col = if twin.is_some() {
+            format!(" {:>13.2}x", num("vs_llama_twin"))
+        } else {
+            String::new()
+        };
         println!(
-            "{:<44} {:>6} {:>8.2} {:>7.3} {:>9.1} {:>7.1} {:>6.2} {:>8.1} {:>10}",
+            "{:<44} {:>6} {:>8.2} {:>7.3} {:>9.1} {:>7.1} {:>6.2} {:>8.1} {:>10}{}",
             name,
-            r.mode,
-            r.tps,
-            r.density,
-            r.bytes_per_token / 1e6,
-            o["gbps"].as_f64().unwrap_or(0.0),
-            o["ratio"].as_f64().unwrap_or(0.0),
-            o["ceiling_tps"].as_f64().unwrap_or(0.0),
-            llama
+            o["mode"].as_str().unwrap_or(""),
+            num("decode_tps"),
+            num("ffn_density"),
+            num("bytes_per_token") / 1e6,
+            num("gbps"),
+            num("ratio"),
+            num("ceiling_tps"),
+            llama,
+            twin_col
         );
+        if rounds > 1 {
+            let list = |k: &str| {
+                o[k].as_array()
+                    .map(|v| {
+                        v.iter()
+                            .map(|x| format!("{:.2}", x.as_f64().unwrap_or(0.0)))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    })
+                    .unwrap_or_default()
+            };
+            println!("    tok/s by round: {}", list("decode_tps_rounds"));
+            if o.get("vs_llama_cpp_rounds").is_some() {
+                println!(
+                    "    llama.cpp tok/s by round: {}",
+                    list("llama_cpp_tps_rounds")
+                );
+                println!(
+                    "    ratio to llama.cpp by round: {}",
+                    list("vs_llama_cpp_rounds")
+                );
+            }
+            if twin.is_some() {
+                println!(
+                    "    ratio to llama twin by round: {}",
+                    list("vs_llama_twin_rounds")
+                );
+            }
+        }
     }
     Ok(())
 }
