@@ -729,3 +729,51 @@ fn read_rows_checksums_the_listed_rows() {
         ));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// The repacked one-token Q4_0 product equals the GEMV bit for bit (whole groups of eight
+    /// rows and a tail, 1 and 3 threads); where no packed kernel exists, `pack_q4_0` says so.
+    #[test]
+    fn packed_q4_0_equals_gemv_bitwise(rows in 1usize..40, pairs in 1usize..70, seed in any::<u64>()) {
+        let mut rng = Rng(seed);
+        let cols = 64 * pairs;
+        let data = random_weights(GgmlType::Q4_0, rows, cols, &mut rng);
+        let w = Weights::new(GgmlType::Q4_0, rows, cols, &data).unwrap();
+        let x = random_vec(cols, &mut rng);
+        for pool in pools() {
+            for backend in Backend::available() {
+                let mm = MatMul::with_backend(&pool, backend).unwrap();
+                let Some(p) = mm.pack_q4_0(&w) else {
+                    prop_assert!(backend != Backend::Avx512, "no packed kernel on {backend:?}");
+                    continue;
+                };
+                prop_assert_eq!((p.rows(), p.cols(), p.bytes()), (rows, cols, data.len()));
+                let mut want = vec![0f32; rows];
+                mm.gemv(&w, &x, &mut want).unwrap();
+                let mut got = vec![f32::NAN; rows];
+                mm.gemv_packed(&p, &x, &mut got).unwrap();
+                prop_assert_eq!(bits(&got), bits(&want), "{:?}, {} threads", backend, pool.n_threads());
+                // Wrong lengths are refused.
+                prop_assert!(mm.gemv_packed(&p, &x[1..], &mut got).is_err());
+            }
+        }
+    }
+}
+
+/// `pack_q4_0` declines other types and rows of an odd number of blocks.
+#[test]
+fn pack_q4_0_declines_what_it_cannot_pack() {
+    let mut rng = Rng(3);
+    let pool = ThreadPool::new(2);
+    let mm = MatMul::new(&pool);
+    let odd = random_weights(GgmlType::Q4_0, 9, 96, &mut rng);
+    assert!(mm
+        .pack_q4_0(&Weights::new(GgmlType::Q4_0, 9, 96, &odd).unwrap())
+        .is_none());
+    let q8 = random_weights(GgmlType::Q8_0, 9, 128, &mut rng);
+    assert!(mm
+        .pack_q4_0(&Weights::new(GgmlType::Q8_0, 9, 128, &q8).unwrap())
+        .is_none());
+}

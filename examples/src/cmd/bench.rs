@@ -49,8 +49,9 @@ struct KernelArgs {
     /// Only these weight types (comma-separated ggml names, e.g. F16,Q4_0).
     #[arg(long, value_delimiter = ',')]
     types: Option<Vec<String>>,
-    /// Only these kernels (comma-separated: dense_gemv, dense_gemm, sparse_gemv, sparse_axpy,
-    /// sparse_read: the sparse kernels' rows read without arithmetic, their memory ceiling).
+    /// Only these kernels (comma-separated: dense_gemv, dense_gemv_packed (Q4_0 repacked by
+    /// `MatMul::pack_q4_0`), dense_gemm, sparse_gemv, sparse_axpy, sparse_read: the sparse
+    /// kernels' rows read without arithmetic, their memory ceiling).
     #[arg(long, value_delimiter = ',')]
     kernels: Option<Vec<String>>,
     /// Tokens of the GEMM (prompt) measurement.
@@ -376,6 +377,24 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         }
                     });
                     emit("dense_gemv", ty, rows, cols, 1.0, 1, s, bytes);
+                }
+                if want("dense_gemv_packed") && ty == GgmlType::Q4_0 {
+                    // Packed copies of every rotated copy (ordinary heap memory, not
+                    // necessarily in huge pages).
+                    let mut packs = Vec::new();
+                    for i in 0..rot.copies.len() {
+                        if let Some(p) = mm.pack_q4_0(&w(i)?) {
+                            packs.push(p);
+                        }
+                    }
+                    if !packs.is_empty() {
+                        let s = best_time(budget, 5, |i| {
+                            if let Err(e) = mm.gemv_packed(&packs[i % packs.len()], &x, &mut y) {
+                                err = Some(e.to_string());
+                            }
+                        });
+                        emit("dense_gemv_packed", ty, rows, cols, 1.0, 1, s, bytes);
+                    }
                 }
                 if want("dense_gemm") {
                     let t = a.tokens;
