@@ -18,7 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use powerinfer_gguf::GgufFile;
-use powerinfer_kernels_cpu::ThreadPool;
+use powerinfer_kernels_cpu::{MatMul, ThreadPool};
 
 use crate::error::{EngineError, Result};
 /// A block of one sequence's new tokens in a batch (re-exported from [`forward`]).
@@ -53,6 +53,13 @@ pub struct EngineOptions {
     /// dense up to +33%) but loading costs a copy and huge-page compaction (7B Q4_0: 5-10 s
     /// instead of 20 ms).
     pub mmap: bool,
+    /// Copy the dense Q4_0 matrices (attention, a dense file's FFN, the output head) into a
+    /// layout whose one-token product needs less arithmetic ([`MatMul::pack_q4_0`]; results
+    /// unchanged, bit for bit), as llama.cpp repacks Q4_0 at load. Costs those matrices' size in
+    /// memory and a pass over them at load; only on CPUs with the packed kernel (AVX-512).
+    ///
+    /// [`MatMul::pack_q4_0`]: powerinfer_kernels_cpu::MatMul::pack_q4_0
+    pub repack: bool,
 }
 
 impl Default for EngineOptions {
@@ -64,6 +71,7 @@ impl Default for EngineOptions {
             ctx_len: 0,
             batch: 64,
             mmap: true,
+            repack: false,
         }
     }
 }
@@ -109,13 +117,17 @@ impl Engine {
         } else {
             GgufFile::open_in_memory(path)?
         };
-        let model = Model::from_file(file)?;
+        let mut model = Model::from_file(file)?;
         let tokenizer = Tokenizer::from_gguf(model.file())?;
         let threads = if options.threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
             options.threads
         };
+        let pool = ThreadPool::new(threads);
+        if options.repack {
+            model.pack_dense_q4_0(&MatMul::new(&pool))?;
+        }
         let threshold = resolve_threshold(
             options.sparse_threshold,
             model.hparams.file_sparse_threshold,
@@ -127,7 +139,7 @@ impl Engine {
         };
         Ok(Engine {
             tokenizer,
-            pool: ThreadPool::new(threads),
+            pool,
             forward: ForwardOptions {
                 threshold,
                 dense: options.dense,

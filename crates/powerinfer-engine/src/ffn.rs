@@ -222,7 +222,7 @@ fn hidden_dense(
     let up = layer.ffn.up();
     match layer.ffn.gate() {
         Some(gate) => {
-            if t == 1 && fused::enabled() {
+            if t == 1 && fused::enabled() && !model.is_packed(gate) {
                 let jobs = vec![
                     GemvJob {
                         w: model.weights(gate)?,
@@ -237,13 +237,13 @@ fn hidden_dense(
                 ];
                 gemv_multi(mm, jobs)?;
             } else {
-                mm.gemm(&model.weights(gate)?, cur, t, &mut s.gate)?;
-                mm.gemm(&model.weights(up)?, cur, t, &mut s.up)?;
+                model.product(mm, gate, cur, t, &mut s.gate)?;
+                model.product(mm, up, cur, t, &mut s.up)?;
             }
             activate(model.ffn_act, &mut s.gate, &s.up)?;
         }
         None => {
-            mm.gemm(&model.weights(up)?, cur, t, &mut s.gate)?;
+            model.product(mm, up, cur, t, &mut s.gate)?;
             add_bias(&mut s.gate, layer.up_b.as_deref())?;
             relu(&mut s.gate);
         }
@@ -265,7 +265,7 @@ fn down_dense(
     let nff = model.hparams.n_ff;
     let ne = model.hparams.n_embd;
     match &layer.ffn {
-        Ffn::Dense { down, .. } => mm.gemm(&model.weights(down)?, act, t, out)?,
+        Ffn::Dense { down, .. } => model.product(mm, down, act, t, out)?,
         Ffn::Sparse { down_t, .. } => {
             let all: Vec<u32> = (0..nff as u32).collect();
             let down = model.weights(down_t)?;

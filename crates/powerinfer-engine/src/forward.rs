@@ -230,7 +230,7 @@ fn eval_segments(
                 bk,
                 bv,
             } => {
-                if t == 1 && fused::enabled() {
+                if t == 1 && fused::enabled() && !model.is_packed(wq) {
                     // One token: the three products in one dispatch.
                     let jobs = vec![
                         GemvJob {
@@ -251,9 +251,9 @@ fn eval_segments(
                     ];
                     gemv_multi(&mm, jobs)?;
                 } else {
-                    mm.gemm(&model.weights(wq)?, attn_in, t, &mut q)?;
-                    mm.gemm(&model.weights(wk)?, attn_in, t, &mut k)?;
-                    mm.gemm(&model.weights(wv)?, attn_in, t, &mut v)?;
+                    model.product(&mm, wq, attn_in, t, &mut q)?;
+                    model.product(&mm, wk, attn_in, t, &mut k)?;
+                    model.product(&mm, wv, attn_in, t, &mut v)?;
                 }
                 add_bias(&mut q, bq.as_deref())?;
                 add_bias(&mut k, bk.as_deref())?;
@@ -262,7 +262,7 @@ fn eval_segments(
             Qkv::Fused(w) => {
                 let width = ne + 2 * nkv;
                 qkv.resize(t * width, 0.0);
-                mm.gemm(&model.weights(w)?, attn_in, t, &mut qkv)?;
+                model.product(&mm, w, attn_in, t, &mut qkv)?;
                 for (i, row) in qkv.chunks_exact(width).enumerate() {
                     q[i * ne..(i + 1) * ne].copy_from_slice(&row[..ne]);
                     k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
@@ -289,7 +289,7 @@ fn eval_segments(
             let (q_s, out_s) = (&q[s0 * ne..][..n * ne], &mut attn[s0 * ne..][..n * ne]);
             attention_block(pool, q_s, kc, vc, n, &ap, out_s)?;
         }
-        mm.gemm(&model.weights(&layer.wo)?, &attn, t, &mut tmp)?;
+        model.product(&mm, &layer.wo, &attn, t, &mut tmp)?;
         add_bias(&mut tmp, layer.bo.as_deref())?;
         if parallel {
             // Falcon: the FFN reads attn_norm(x), the predictor the layer input x.
@@ -361,7 +361,7 @@ fn eval_segments(
     }
     let nv = hp.n_vocab;
     let mut logits = vec![0f32; n_out * nv];
-    mm.gemm(&model.weights(&model.output)?, &normed, n_out, &mut logits)?;
+    model.product(&mm, &model.output, &normed, n_out, &mut logits)?;
     let mut outs = Vec::with_capacity(segments.len());
     let mut row = 0;
     for (sg, &s0) in segments.iter().zip(&starts) {

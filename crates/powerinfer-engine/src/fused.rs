@@ -126,6 +126,7 @@ mod tests {
                 ctx_len: 64,
                 batch: 64,
                 mmap: false,
+                repack: false,
             },
         )
         .unwrap();

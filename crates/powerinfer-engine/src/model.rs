@@ -40,7 +40,7 @@
 use std::path::Path;
 
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile, Metadata, TensorInfo};
-use powerinfer_kernels_cpu::Weights;
+use powerinfer_kernels_cpu::{MatMul, PackedQ4_0, Weights};
 
 use crate::error::{EngineError, Result};
 
@@ -349,6 +349,9 @@ pub struct Model {
     pub ffn_act: FfnAct,
     /// Names of the file's tensors that no part of the model reads, in file order.
     unused: Vec<String>,
+    /// Repacked copies of dense Q4_0 matrices for one-token products, by tensor name
+    /// ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
+    packed: std::collections::HashMap<String, PackedQ4_0>,
 }
 
 impl std::fmt::Debug for Model {
@@ -539,6 +542,7 @@ impl Model {
             layers,
             ffn_act,
             unused,
+            packed: Default::default(),
         };
         // Check every matrix once against the kernels' type and size rules.
         model.weights(&model.output)?;
@@ -605,6 +609,65 @@ impl Model {
             t.cols,
             self.file.data_of(&t.info),
         )?)
+    }
+
+    /// Makes repacked copies ([`MatMul::pack_q4_0`]) of the Q4_0 matrices that one-token
+    /// decoding multiplies densely: attention Q/K/V (separate or fused) and output, a dense
+    /// file's FFN gate, up and down, and the output head. Where `mm`'s backend has no packed
+    /// kernel nothing is copied. Returns the bytes copied.
+    pub(crate) fn pack_dense_q4_0(&mut self, mm: &MatMul<'_>) -> Result<usize> {
+        let mut refs: Vec<&TensorRef> = vec![&self.output];
+        for layer in &self.layers {
+            match &layer.qkv {
+                Qkv::Separate { wq, wk, wv, .. } => refs.extend([wq, wk, wv]),
+                Qkv::Fused(w) => refs.push(w),
+            }
+            refs.push(&layer.wo);
+            if let Ffn::Dense { gate, up, down } = &layer.ffn {
+                refs.extend(gate.iter());
+                refs.extend([up, down]);
+            }
+        }
+        let mut packed = std::collections::HashMap::new();
+        let mut bytes = 0;
+        for t in refs {
+            if t.ty != GgmlType::Q4_0 || packed.contains_key(&t.name) {
+                continue;
+            }
+            if let Some(p) = mm.pack_q4_0(&self.weights(t)?) {
+                bytes += p.bytes();
+                packed.insert(t.name.clone(), p);
+            }
+        }
+        self.packed = packed;
+        Ok(bytes)
+    }
+
+    /// `y = W x` for `t` tokens with `W = t_ref`: through its repacked copy for one token
+    /// when there is one (bit-identical results), else the ordinary GEMM.
+    pub(crate) fn product(
+        &self,
+        mm: &MatMul<'_>,
+        t_ref: &TensorRef,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+    ) -> Result<()> {
+        match self.packed.get(&t_ref.name) {
+            Some(p) if t == 1 => mm.gemv_packed(p, x, y)?,
+            _ => mm.gemm(&self.weights(t_ref)?, x, t, y)?,
+        }
+        Ok(())
+    }
+
+    /// Whether `t_ref` has a repacked copy.
+    pub(crate) fn is_packed(&self, t_ref: &TensorRef) -> bool {
+        self.packed.contains_key(&t_ref.name)
+    }
+
+    /// Bytes of repacked copies held ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
+    pub fn packed_bytes(&self) -> usize {
+        self.packed.values().map(|p| p.bytes()).sum()
     }
 
     /// Writes the embedding of `token` (dequantized row of `token_embd`) into `out`.

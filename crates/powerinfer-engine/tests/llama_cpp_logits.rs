@@ -91,6 +91,7 @@ fn check(ty: GgmlType, file: &str, bound: f64, target: f64) {
             ctx_len: 64,
             batch: 64,
             mmap: false,
+            repack: false,
         },
     )
     .unwrap();

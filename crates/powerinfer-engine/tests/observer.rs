@@ -69,6 +69,7 @@ fn observed_eval_reports_every_layer_and_equals_dense() {
                 ctx_len: 128,
                 batch: 8,
                 mmap: false,
+                repack: false,
             },
         )
         .unwrap()

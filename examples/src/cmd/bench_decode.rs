@@ -65,6 +65,9 @@ pub struct DecodeArgs {
     /// Read the model files into memory (huge pages requested) instead of mapping them.
     #[arg(long = "no-mmap")]
     no_mmap: bool,
+    /// Repack dense Q4_0 matrices at load (`EngineOptions::repack`, like llama.cpp's default).
+    #[arg(long)]
+    repack: bool,
     /// Only the sparse mode of PowerInfer files (skip their dense mode).
     #[arg(long)]
     sparse_only: bool,
@@ -179,6 +182,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         ctx_len: (a.prompt + a.tokens + 8).max(64),
         batch: 64,
         mmap: !a.no_mmap,
+        repack: a.repack,
     };
     let t0 = Instant::now();
     let engine = Engine::load(path, opts).map_err(|e| format!("{}: {e}", path.display()))?;

@@ -72,6 +72,10 @@ pub struct Args {
     /// faster decode (see `EngineOptions::mmap`).
     #[arg(long = "no-mmap")]
     pub no_mmap: bool,
+    /// Repack dense Q4_0 matrices at load for a faster one-token product (llama.cpp's
+    /// `--repack`; results unchanged, costs their size in memory; see `EngineOptions::repack`).
+    #[arg(long)]
+    pub repack: bool,
     /// Do not read or write a GPU index (all FFN neurons on the CPU).
     #[arg(long = "disable-gpu-index")]
     pub disable_gpu_index: bool,
@@ -98,6 +102,7 @@ impl Args {
             dense,
             ctx_len: self.ctx_size,
             mmap: !self.no_mmap,
+            repack: self.repack,
             ..Default::default()
         }
     }

@@ -11,6 +11,7 @@ pub fn opts(dense: bool) -> EngineOptions {
         ctx_len: 256,
         batch: 64,
         mmap: false,
+        repack: false,
     }
 }
 
