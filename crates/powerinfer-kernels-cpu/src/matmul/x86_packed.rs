@@ -81,7 +81,6 @@ pub(crate) fn gemv_groups(packed: &[u8], nb: usize, a: &Act<'_>, out: &mut [f32]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
 unsafe fn group(q: *const u8, nb: usize, a: &Act<'_>) -> [f32; GROUP] {
     let mask = _mm256_set1_epi8(0x0F);
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     let mut acc = [_mm256_setzero_ps(); GROUP];
     // Lanes 0..4 take row r's scale of block b, lanes 4..8 that of block b + 1.
     let pick: [__m512i; GROUP] = std::array::from_fn(|r| {
@@ -110,12 +109,7 @@ unsafe fn group(q: *const u8, nb: usize, a: &Act<'_>) -> [f32; GROUP] {
     unsafe {
         while b + 2 <= nb {
             let p = q.add(b / 2 * PAIR_BYTES);
-            let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
-            let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
-            let xq = a.q.as_ptr().add(b * 32);
-            let x0 = _mm256_loadu_si256(xq as *const __m256i);
-            let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
-            let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
+            let (dx, x0, x1, init) = super::x86_sparse::q4_0_pair_act(a, b);
             let scales = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
             for r in 0..GROUP {
                 let dw = _mm512_castps512_ps256(_mm512_permutexvar_ps(pick[r], scales));

@@ -149,6 +149,28 @@ impl<'a> Stream<'a> {
 // ---------------------------------------------------------------------------------------------
 // Row-sparse products (the same operations as `x86_int::vnni`).
 
+/// The activation side of a Q4_0 pair step at blocks `b`, `b + 1`: `d_x` of block `b` in lanes
+/// 0..4 and of `b + 1` in lanes 4..8, the values that meet the low and the high nibbles, and the
+/// pair's offset vector ([`ActFormat::Q8_0Pairs`](super::act::ActFormat)).
+///
+/// # Safety
+/// `a` holds values, scales and pair offsets for blocks `b`, `b + 1` (`b` even); AVX2 available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_0_pair_act(a: &Act<'_>, b: usize) -> (__m256, __m256i, __m256i, __m256i) {
+    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    // SAFETY: the entries of blocks b, b + 1 exist (caller).
+    unsafe {
+        let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
+        let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
+        let xq = a.q.as_ptr().add(b * 32);
+        let x0 = _mm256_loadu_si256(xq as *const __m256i);
+        let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
+        let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
+        (dx, x0, x1, init)
+    }
+}
+
 /// `R` Q4_0 rows (block 0 at `p[r]`, `nb` blocks, `nb` even) · an activation in
 /// [`ActFormat::Q8_0Pairs`](super::act::ActFormat) order, with the operations of the dense
 /// VNNI kernel (`q4_0_pair` then `hsum`), feeding `st` as it reads.
@@ -172,12 +194,7 @@ unsafe fn dot_q4_0_rows<const R: usize>(
     unsafe {
         while b + 2 <= nb {
             st.consume(R * 36);
-            let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
-            let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
-            let xq = a.q.as_ptr().add(b * 32);
-            let x0 = _mm256_loadu_si256(xq as *const __m256i);
-            let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
-            let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
+            let (dx, x0, x1, init) = q4_0_pair_act(a, b);
             for r in 0..R {
                 let q = p[r].add(b * 18);
                 let raw = _mm256_loadu2_m128i(
