@@ -614,8 +614,8 @@ impl Model {
     /// Makes repacked copies ([`MatMul::pack_q4_0`]) of the Q4_0 matrices that one-token
     /// decoding multiplies densely: attention Q/K/V (separate or fused) and output, a dense
     /// file's FFN gate, up and down, and the output head. Where `mm`'s backend has no packed
-    /// kernel nothing is copied. Returns the bytes copied.
-    pub(crate) fn pack_dense_q4_0(&mut self, mm: &MatMul<'_>) -> Result<usize> {
+    /// kernel nothing is copied ([`packed_bytes`](Self::packed_bytes) tells what was).
+    pub(crate) fn pack_dense_q4_0(&mut self, mm: &MatMul<'_>) -> Result<()> {
         let mut refs: Vec<&TensorRef> = vec![&self.output];
         for layer in &self.layers {
             match &layer.qkv {
@@ -629,18 +629,16 @@ impl Model {
             }
         }
         let mut packed = std::collections::HashMap::new();
-        let mut bytes = 0;
         for t in refs {
             if t.ty != GgmlType::Q4_0 || packed.contains_key(&t.name) {
                 continue;
             }
             if let Some(p) = mm.pack_q4_0(&self.weights(t)?) {
-                bytes += p.bytes();
                 packed.insert(t.name.clone(), p);
             }
         }
         self.packed = packed;
-        Ok(bytes)
+        Ok(())
     }
 
     /// `y = W x` for `t` tokens with `W = t_ref`: through its repacked copy for one token
@@ -653,16 +651,20 @@ impl Model {
         t: usize,
         y: &mut [f32],
     ) -> Result<()> {
-        match self.packed.get(&t_ref.name) {
-            Some(p) if t == 1 => mm.gemv_packed(p, x, y)?,
-            _ => mm.gemm(&self.weights(t_ref)?, x, t, y)?,
+        // Without repacking (the default) no name is hashed on the decode path.
+        match (t == 1 && !self.packed.is_empty())
+            .then(|| self.packed.get(&t_ref.name))
+            .flatten()
+        {
+            Some(p) => mm.gemv_packed(p, x, y)?,
+            None => mm.gemm(&self.weights(t_ref)?, x, t, y)?,
         }
         Ok(())
     }
 
     /// Whether `t_ref` has a repacked copy.
     pub(crate) fn is_packed(&self, t_ref: &TensorRef) -> bool {
-        self.packed.contains_key(&t_ref.name)
+        !self.packed.is_empty() && self.packed.contains_key(&t_ref.name)
     }
 
     /// Bytes of repacked copies held ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).

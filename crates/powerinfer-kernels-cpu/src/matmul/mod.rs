@@ -75,21 +75,26 @@ const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 /// rows one per pass, 0.88–0.99× four per pass, 0.77–0.97× with every row one per pass).
 const FLOAT_ONE_ROW_MAX_COLS: usize = 4096;
 
-/// [`MatMul::read_rows`]'s per-thread reading without a prefetch stream: the wrapping sum of
-/// the listed rows' bytes as little-endian u64 words (a short tail byte by byte).
-fn read_list_portable(rows: &ListedRows<'_>) -> u64 {
+/// The wrapping sum of `bytes` as little-endian u64 words, a last partial word byte by byte
+/// ([`MatMul::read_rows`]'s checksum).
+fn word_sum(bytes: &[u8]) -> u64 {
+    let mut words = bytes.chunks_exact(8);
     let mut sum = 0u64;
-    for &i in rows.list {
-        let row = &rows.data[i as usize * rows.row_bytes..][rows.start..rows.end];
-        let mut words = row.chunks_exact(8);
-        for w in &mut words {
-            sum = sum.wrapping_add(u64::from_le_bytes(w.try_into().unwrap_or_default()));
-        }
-        for &b in words.remainder() {
-            sum = sum.wrapping_add(b as u64);
-        }
+    for w in &mut words {
+        sum = sum.wrapping_add(u64::from_le_bytes(w.try_into().unwrap_or_default()));
     }
-    sum
+    words
+        .remainder()
+        .iter()
+        .fold(sum, |s, &b| s.wrapping_add(b as u64))
+}
+
+/// [`MatMul::read_rows`]'s per-thread reading without a prefetch stream.
+fn read_list_portable(rows: &ListedRows<'_>) -> u64 {
+    rows.list.iter().fold(0u64, |sum, &i| {
+        let row = &rows.data[i as usize * rows.row_bytes..][rows.start..rows.end];
+        sum.wrapping_add(word_sum(row))
+    })
 }
 
 /// A Q4_0 matrix repacked for the one-token product ([`MatMul::pack_q4_0`],

@@ -412,13 +412,7 @@ unsafe fn read_list_avx512(rows: &ListedRows<'_>) -> u64 {
                 o += 64;
             }
             let rest = std::slice::from_raw_parts(p.add(o), len - o);
-            let mut words = rest.chunks_exact(8);
-            for w in &mut words {
-                tail = tail.wrapping_add(u64::from_le_bytes(w.try_into().unwrap_or_default()));
-            }
-            for &b in words.remainder() {
-                tail = tail.wrapping_add(b as u64);
-            }
+            tail = tail.wrapping_add(super::word_sum(rest));
         }
     }
     (_mm512_reduce_add_epi64(acc) as u64).wrapping_add(tail)
