@@ -312,9 +312,9 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                  empty job {:.2} µs, weights in {} pages at offset {}",
                 pool.n_threads(),
                 mm.backend(),
+                dispatch * 1e6,
                 a.pages,
                 a.offset,
-                dispatch * 1e6,
             );
             println!(
                 "{:<12} {:<5} {:>6} {:>6} {:>7} {:>9} {:>8} {:>6} {:>8}",
