@@ -254,3 +254,68 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     ));
     assert!(sparse.get("vs_llama_cpp").is_none());
 }
+
+#[test]
+fn run_profile_reports_every_operation() {
+    let f = synth();
+    let base = [
+        "run",
+        "-m",
+        s(&f.sparse),
+        "-n",
+        "5",
+        "-t",
+        "2",
+        "--temp",
+        "0",
+        "--json",
+    ];
+    let plain: Json = serde_json::from_slice(&powerinfer(&base).stdout).unwrap();
+    let mut args = base.to_vec();
+    args.push("--profile");
+    let prof: Json = serde_json::from_slice(&powerinfer(&args).stdout).unwrap();
+    assert_eq!(
+        plain["tokens"], prof["tokens"],
+        "--profile changed the tokens"
+    );
+    assert!(plain.get("profile").is_none());
+    let rows = prof["profile"].as_array().unwrap();
+    let ops: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
+    assert_eq!(
+        ops,
+        [
+            "norm",
+            "qkv",
+            "attention",
+            "attn_output",
+            "predictor",
+            "ffn_up_gate",
+            "ffn_down",
+            "output_head",
+            "other",
+            "total"
+        ]
+    );
+    let f64_of = |r: &Json, k: &str| r[k].as_f64().unwrap();
+    let (ops_rows, total) = rows.split_at(rows.len() - 1);
+    for k in ["ms_per_token", "mb_per_token"] {
+        let sum: f64 = ops_rows.iter().map(|r| f64_of(r, k)).sum();
+        let t = f64_of(&total[0], k);
+        assert!((sum - t).abs() <= 1e-9 * t.max(1.0), "{k}: {sum} vs {t}");
+    }
+    for r in ops_rows {
+        let op = r["op"].as_str().unwrap();
+        let reads = !matches!(op, "norm" | "other");
+        assert_eq!(f64_of(r, "mb_per_token") > 0.0, reads, "{op}");
+        assert!(f64_of(r, "bandwidth_gbps") > 0.0);
+    }
+    // The table on stderr.
+    let mut args = base[..base.len() - 1].to_vec();
+    args.push("--profile");
+    let err = String::from_utf8(powerinfer(&args).stderr).unwrap();
+    assert!(err.contains("decode profile: 5 steps"), "{err}");
+    assert!(
+        err.contains("ffn_up_gate") && err.contains("output_head"),
+        "{err}"
+    );
+}

@@ -26,6 +26,7 @@ pub use crate::forward::Segment;
 use crate::forward::{self, EvalOutput, FfnObserver, ForwardOptions};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::Model;
+use crate::profile::OpProfile;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -48,10 +49,11 @@ pub struct EngineOptions {
     pub batch: usize,
     /// Map the file (`true`, the default: loading is nearly free and the weights stay in the
     /// OS page cache) or read it into anonymous memory with transparent huge pages requested
-    /// (`false`, llama.cpp's `--no-mmap`): decode then reads the weights faster (TinyLlama
-    /// shape, 2 threads, interleaved runs on a noisy machine: Q4_0 sparse decode +3-13%, F16
-    /// dense up to +33%) but loading costs a copy and huge-page compaction (7B Q4_0: 5-10 s
-    /// instead of 20 ms).
+    /// (`false`, llama.cpp's `--no-mmap`). Copying helps decode where the page cache holds the
+    /// file in 4 KiB pages (measured then: TinyLlama shape, 2 threads, Q4_0 sparse +3-13%, F16
+    /// dense up to +33%); where it holds it in 2 MiB folios (ext4/XFS on Linux ≥ 6.16, see
+    /// [`GgufFile::open`]) alternated runs showed no difference. Loading then costs a copy
+    /// (7B Q4_0: 2-9 s on a VM instead of 20 ms).
     pub mmap: bool,
     /// Copy the dense Q4_0 matrices (attention, a dense file's FFN, the output head) into a
     /// layout whose one-token product needs less arithmetic ([`MatMul::pack_q4_0`]; results
@@ -212,6 +214,28 @@ impl Engine {
         )
     }
 
+    /// [`Engine::eval`], adding each operation's time, calls and bytes read to `prof` (see
+    /// [`crate::profile`]).
+    pub fn eval_profiled(
+        &self,
+        cache: &mut KvCache,
+        seq: SeqId,
+        tokens: &[u32],
+        all_logits: bool,
+        prof: &mut OpProfile,
+    ) -> Result<EvalOutput> {
+        forward::eval_profiled(
+            &self.model,
+            &self.pool,
+            self.forward,
+            cache,
+            seq,
+            tokens,
+            all_logits,
+            prof,
+        )
+    }
+
     /// [`Engine::eval`] with an observer of every layer's FFN (computed densely, see
     /// [`forward::eval_observed`]).
     pub fn eval_observed(
@@ -280,6 +304,7 @@ impl Engine {
                 load_time: self.load_time,
                 ..Stats::default()
             },
+            profile: None,
         }
     }
 }
@@ -354,6 +379,7 @@ pub struct Session<'e> {
     cache: KvCache,
     seq: SeqId,
     stats: Stats,
+    profile: Option<OpProfile>,
 }
 
 impl<'e> Session<'e> {
@@ -365,6 +391,20 @@ impl<'e> Session<'e> {
     /// Statistics so far.
     pub fn stats(&self) -> &Stats {
         &self.stats
+    }
+
+    /// Starts (`true`, from an empty profile) or stops recording where the decode steps'
+    /// time goes ([`Session::profile`]). Only single-token decode steps (those of
+    /// [`Session::generate`] after the prompt) are recorded; the clock is read between
+    /// operations, which costs well under a microsecond per layer.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(OpProfile::new);
+    }
+
+    /// Time, calls and bytes read per operation over the decode steps since
+    /// [`set_profiling(true)`](Session::set_profiling); `None` when not recording.
+    pub fn profile(&self) -> Option<&OpProfile> {
+        self.profile.as_ref()
     }
 
     /// Tokens in the KV cache.
@@ -428,9 +468,12 @@ impl<'e> Session<'e> {
     ) -> Result<Vec<f32>> {
         let start = Instant::now();
         let e = self.engine;
-        let out = match observer {
-            Some(o) => e.eval_observed(&mut self.cache, self.seq, tokens, all, o),
-            None => e.eval(&mut self.cache, self.seq, tokens, all),
+        let out = match (observer, self.profile.as_mut()) {
+            (Some(o), _) => e.eval_observed(&mut self.cache, self.seq, tokens, all, o),
+            (None, Some(p)) if !prompt => {
+                e.eval_profiled(&mut self.cache, self.seq, tokens, all, p)
+            }
+            (None, _) => e.eval(&mut self.cache, self.seq, tokens, all),
         }
         .inspect_err(|_| self.reset())?;
         let dt = start.elapsed();

@@ -11,7 +11,8 @@ use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
 use crate::error::Result;
 use crate::forward::{add_bias, ForwardOptions};
 use crate::fused::{self, gemv_multi, run_threads, GemvJob};
-use crate::model::{Ffn, FfnAct, Layer, Model};
+use crate::model::{Ffn, FfnAct, Layer, Model, TensorRef};
+use crate::profile::{Laps, Op};
 
 /// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
 /// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
@@ -100,8 +101,22 @@ pub(crate) fn ffn_forward<'o>(
     out: &mut [f32],
     density: &mut [f32],
     observer: Option<&mut (dyn FfnObserver + 'o)>,
+    laps: &mut Laps<'_>,
 ) -> Result<()> {
     let nff = model.hparams.n_ff;
+    let bytes_of = |t: &TensorRef| -> u64 { model.weights(t).map_or(0, |w| w.data().len() as u64) };
+    let row_bytes = |t: &TensorRef| -> u64 { model.weights(t).map_or(0, |w| w.row_bytes() as u64) };
+    let gate_up_bytes = || layer.ffn.gate().map_or(0, bytes_of) + bytes_of(layer.ffn.up());
+    // Bytes of the gate and up rows of one neuron.
+    let gate_up_row = || layer.ffn.gate().map_or(0, row_bytes) + row_bytes(layer.ffn.up());
+    let down_ref = match &layer.ffn {
+        Ffn::Dense { down, .. } => down,
+        Ffn::Sparse { down_t, .. } => down_t,
+    };
+    let predictor_bytes = || match &layer.ffn {
+        Ffn::Sparse { fc1, fc2, .. } => bytes_of(fc1) + bytes_of(fc2),
+        Ffn::Dense { .. } => 0,
+    };
     let gate = layer.ffn.gate();
     let fused_sparse = t == 1
         && fused::enabled()
@@ -116,23 +131,32 @@ pub(crate) fn ffn_forward<'o>(
     }
     if let Some(obs) = observer {
         predict(mm, model, layer, h, t, s)?;
+        laps.lap(Op::Predictor, predictor_bytes);
         hidden_dense(model, mm, layer, cur, t, s)?;
         let scores = matches!(layer.ffn, Ffn::Sparse { .. }).then_some(&s.scores[..]);
         obs.observe(index, t, h, &s.gate, scores);
+        laps.lap(Op::FfnUpGate, gate_up_bytes);
         down_dense(model, mm, layer, &mut s.gate, t, out)?;
         add_bias(out, layer.down_b.as_deref())?;
+        laps.lap(Op::FfnDown, || bytes_of(down_ref));
         density.iter_mut().for_each(|d| *d += 1.0);
         return Ok(());
     }
     match &layer.ffn {
         Ffn::Dense { .. } => {
             hidden_dense(model, mm, layer, cur, t, s)?;
+            laps.lap(Op::FfnUpGate, gate_up_bytes);
             down_dense(model, mm, layer, &mut s.gate, t, out)?;
+            add_bias(out, layer.down_b.as_deref())?;
+            laps.lap(Op::FfnDown, || bytes_of(down_ref));
             density.iter_mut().for_each(|d| *d += 1.0);
         }
         Ffn::Sparse { .. } if opts.dense => {
             hidden_dense(model, mm, layer, cur, t, s)?;
+            laps.lap(Op::FfnUpGate, gate_up_bytes);
             down_dense(model, mm, layer, &mut s.gate, t, out)?;
+            add_bias(out, layer.down_b.as_deref())?;
+            laps.lap(Op::FfnDown, || bytes_of(down_ref));
             density.iter_mut().for_each(|d| *d += 1.0);
         }
         Ffn::Sparse {
@@ -147,6 +171,7 @@ pub(crate) fn ffn_forward<'o>(
             resize(&mut s.hidden, fc1.rows);
             mm.gemv(&model.weights(fc1)?, h, &mut s.hidden)?;
             relu(&mut s.hidden);
+            laps.lap(Op::Predictor, || bytes_of(fc1));
             let gate_w = match gate {
                 Some(g) => Some(model.weights(g)?),
                 None => None,
@@ -163,12 +188,20 @@ pub(crate) fn ffn_forward<'o>(
                 cur,
                 s,
             )?;
+            let n_active = s.active.len() as u64;
+            laps.lap(Op::FfnUpGate, || bytes_of(fc2) + n_active * gate_up_row());
             out.fill(0.0);
             mm.sparse_axpy_indexed(&model.weights(down_t)?, &s.gate, &s.active, out)?;
             density[0] += s.active.len() as f32 / nff as f32;
+            add_bias(out, layer.down_b.as_deref())?;
+            // The axpy reads the rows of the active neurons whose activation is not zero.
+            laps.lap(Op::FfnDown, || {
+                nonzero(&s.gate, &s.active) * row_bytes(down_t)
+            });
         }
         Ffn::Sparse { up, down_t, .. } => {
             predict(mm, model, layer, h, t, s)?;
+            laps.lap(Op::Predictor, predictor_bytes);
             out.fill(0.0);
             // Token by token: the active list once, then the indexed kernels (the axpy's
             // four-row fast path); the predictor above ran once for all tokens. For blocks
@@ -200,12 +233,16 @@ pub(crate) fn ffn_forward<'o>(
                     mm.sparse_gemv_indexed(&up_w, x, &s.active, g)?;
                     relu_bias_active(g, &s.active, layer.up_b.as_deref());
                 }
+                let n_active = s.active.len() as u64;
+                laps.lap(Op::FfnUpGate, || n_active * gate_up_row());
                 mm.sparse_axpy_indexed(&down_w, g, &s.active, y)?;
                 density[i] += s.active.len() as f32 / nff as f32;
+                laps.lap(Op::FfnDown, || nonzero(g, &s.active) * row_bytes(down_t));
             }
+            add_bias(out, layer.down_b.as_deref())?;
+            laps.lap(Op::Other, || 0);
         }
     }
-    add_bias(out, layer.down_b.as_deref())?;
     Ok(())
 }
 
@@ -366,6 +403,11 @@ fn sparse_hidden_fused(
         s.active.extend(list.iter().map(|&i| i + start));
     }
     Ok(())
+}
+
+/// How many of the listed neurons have a non-zero activation (the rows the axpy reads).
+fn nonzero(act: &[f32], active: &[u32]) -> u64 {
+    active.iter().filter(|&&i| act[i as usize] != 0.0).count() as u64
 }
 
 /// `h[i] = ReLU(h[i] + b[i])` for the listed neurons (the gate-less FFN's activation; `bias`

@@ -33,7 +33,8 @@ pub use crate::ffn::FfnObserver;
 use crate::ffn::{ffn_forward, FfnScratch};
 use crate::fused::{self, gemv_multi, GemvJob};
 use crate::kv_cache::{KvCache, SeqId};
-use crate::model::{Arch, Model, Norm, Qkv};
+use crate::model::{Arch, Model, Norm, Qkv, TensorRef};
+use crate::profile::{Laps, Op, OpProfile};
 
 /// How the FFN of a PowerInfer file is computed.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -102,6 +103,33 @@ pub fn eval_observed(
         &[Segment { seq, tokens }],
         all_logits,
         observer,
+        None,
+    )?;
+    Ok(out.pop().expect("one output per segment"))
+}
+
+/// [`eval`], adding the time, calls and bytes read of each operation to `prof` (see
+/// [`crate::profile`]). The results are those of [`eval`].
+#[allow(clippy::too_many_arguments)]
+pub fn eval_profiled(
+    model: &Model,
+    pool: &ThreadPool,
+    opts: ForwardOptions,
+    cache: &mut KvCache,
+    seq: SeqId,
+    tokens: &[u32],
+    all_logits: bool,
+    prof: &mut OpProfile,
+) -> Result<EvalOutput> {
+    let mut out = eval_segments(
+        model,
+        pool,
+        opts,
+        cache,
+        &[Segment { seq, tokens }],
+        all_logits,
+        None,
+        Some(prof),
     )?;
     Ok(out.pop().expect("one output per segment"))
 }
@@ -127,7 +155,7 @@ pub fn eval_batch(
     segments: &[Segment<'_>],
     all_logits: bool,
 ) -> Result<Vec<EvalOutput>> {
-    eval_segments(model, pool, opts, cache, segments, all_logits, None)
+    eval_segments(model, pool, opts, cache, segments, all_logits, None, None)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -139,7 +167,9 @@ fn eval_segments(
     segments: &[Segment<'_>],
     all_logits: bool,
     mut observer: Option<&mut dyn FfnObserver>,
+    prof: Option<&mut OpProfile>,
 ) -> Result<Vec<EvalOutput>> {
+    let mut laps = Laps::new(prof);
     let hp = &model.hparams;
     // Token offsets of the segments, positions of every token.
     let mut starts = Vec::with_capacity(segments.len());
@@ -210,6 +240,9 @@ fn eval_segments(
     let ap = AttentionParams::new(hp.n_head, hp.n_head_kv, hd);
     let mut density = vec![0f32; t];
     let mut ffn = FfnScratch::default();
+    let bytes_of = |t: &TensorRef| -> u64 { model.weights(t).map_or(0, |w| w.data().len() as u64) };
+    laps.eval(t);
+    laps.lap(Op::Other, || 0);
 
     for (l, layer) in model.layers.iter().enumerate() {
         norm(&x, &layer.attn_norm, eps, &mut cur)?;
@@ -221,6 +254,7 @@ fn eval_segments(
             }
             None => &cur,
         };
+        laps.lap(Op::Norm, || 0);
         match &layer.qkv {
             Qkv::Separate {
                 wq,
@@ -258,6 +292,7 @@ fn eval_segments(
                 add_bias(&mut q, bq.as_deref())?;
                 add_bias(&mut k, bk.as_deref())?;
                 add_bias(&mut v, bv.as_deref())?;
+                laps.lap(Op::Qkv, || bytes_of(wq) + bytes_of(wk) + bytes_of(wv));
             }
             Qkv::Fused(w) => {
                 let width = ne + 2 * nkv;
@@ -268,8 +303,10 @@ fn eval_segments(
                     k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
                     v[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne + nkv..]);
                 }
+                laps.lap(Op::Qkv, || bytes_of(w));
             }
         }
+        let mut kv_bytes = 0u64;
         if let Some(rope) = &rope {
             rope_block(&mut q, hp.n_head, hd, &positions, rope)?;
             rope_block(&mut k, hp.n_head_kv, hd, &positions, rope)?;
@@ -286,11 +323,14 @@ fn eval_segments(
                 &v[s0 * nkv..][..n * nkv],
             )?;
             let (kc, vc) = cache.layer(sg.seq, l)?;
+            kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
             let (q_s, out_s) = (&q[s0 * ne..][..n * ne], &mut attn[s0 * ne..][..n * ne]);
             attention_block(pool, q_s, kc, vc, n, &ap, out_s)?;
         }
+        laps.lap(Op::Attention, || kv_bytes);
         model.product(&mm, &layer.wo, &attn, t, &mut tmp)?;
         add_bias(&mut tmp, layer.bo.as_deref())?;
+        laps.lap(Op::AttnOutput, || bytes_of(&layer.wo));
         if parallel {
             // Falcon: the FFN reads attn_norm(x), the predictor the layer input x.
             ffn_forward(
@@ -306,14 +346,18 @@ fn eval_segments(
                 &mut ffn_out,
                 &mut density,
                 observer.as_deref_mut(),
+                &mut laps,
             )?;
             add(&mut ffn_out, &tmp)?;
             add(&mut x, &ffn_out)?;
+            laps.lap(Op::Other, || 0);
             continue;
         }
         add(&mut x, &tmp)?; // x = ffn_inp
+        laps.lap(Op::Other, || 0);
         if let Some(n) = &layer.ffn_norm {
             norm(&x, n, eps, &mut cur)?;
+            laps.lap(Op::Norm, || 0);
         }
         ffn_forward(
             model,
@@ -328,8 +372,10 @@ fn eval_segments(
             &mut tmp,
             &mut density,
             observer.as_deref_mut(),
+            &mut laps,
         )?;
         add(&mut x, &tmp)?;
+        laps.lap(Op::Other, || 0);
     }
     for sg in segments {
         cache.advance(sg.seq, sg.tokens.len())?;
@@ -349,6 +395,7 @@ fn eval_segments(
             .collect()
     };
     let n_out = rows.len();
+    laps.lap(Op::Other, || 0);
     let mut normed = vec![0f32; n_out * ne];
     if rows.len() == t {
         norm(&x, &model.output_norm, eps, &mut normed)?;
@@ -359,9 +406,11 @@ fn eval_segments(
         }
         norm(&picked, &model.output_norm, eps, &mut normed)?;
     }
+    laps.lap(Op::Norm, || 0);
     let nv = hp.n_vocab;
     let mut logits = vec![0f32; n_out * nv];
     model.product(&mm, &model.output, &normed, n_out, &mut logits)?;
+    laps.lap(Op::OutputHead, || bytes_of(&model.output));
     let mut outs = Vec::with_capacity(segments.len());
     let mut row = 0;
     for (sg, &s0) in segments.iter().zip(&starts) {
@@ -377,6 +426,7 @@ fn eval_segments(
         });
         row += k;
     }
+    laps.lap(Op::Other, || 0);
     Ok(outs)
 }
 

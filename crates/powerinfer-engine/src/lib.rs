@@ -10,6 +10,7 @@
 //!   memory map);
 //! - [`forward`]: the CPU forward pass on `powerinfer-kernels-cpu`, and [`ffn`]: each layer's
 //!   FFN (dense, predictor-driven sparse, or observed for profiling: [`ffn::FfnObserver`]);
+//! - [`profile`]: time, calls and bytes read per operation of the forward pass;
 //! - [`kv_cache`]: an F16 KV cache for several sequences;
 //! - [`sampling`]: greedy, temperature, top-k/top-p/min-p, penalties, seeded RNG;
 //! - [`engine`]: the generation API ([`engine::Engine`], [`engine::Session`]).
@@ -25,6 +26,7 @@ pub mod forward;
 mod fused;
 pub mod kv_cache;
 pub mod model;
+pub mod profile;
 pub mod sampling;
 pub mod synth;
 pub mod tokenizer;

@@ -11,9 +11,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use powerinfer_engine::engine::{Engine, EngineOptions, Stats};
+use powerinfer_engine::profile::OpProfile;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
 use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::ThreadPool;
 use powerinfer_placement::{plan_model, IndexSource, PlanOptions};
 
 /// Arguments of `powerinfer run`.
@@ -68,8 +70,9 @@ pub struct Args {
     /// Rebuild the GPU index even if a cached one is valid.
     #[arg(long = "reset-gpu-index")]
     pub reset_gpu_index: bool,
-    /// Read the model into memory (huge pages requested) instead of mapping it: slower load,
-    /// faster decode (see `EngineOptions::mmap`).
+    /// Read the model into memory (huge pages requested) instead of mapping it: slower load;
+    /// faster decode only where the page cache holds the file in small pages (see
+    /// `EngineOptions::mmap`).
     #[arg(long = "no-mmap")]
     pub no_mmap: bool,
     /// Repack dense Q4_0 matrices at load for a faster one-token product (llama.cpp's
@@ -79,6 +82,12 @@ pub struct Args {
     /// Do not read or write a GPU index (all FFN neurons on the CPU).
     #[arg(long = "disable-gpu-index")]
     pub disable_gpu_index: bool,
+    /// Record where decode time goes: per operation (norms, Q/K/V, attention, predictor, FFN
+    /// up/gate, FFN down, output head) its time, bytes read per token and read bandwidth,
+    /// against this machine's measured read bandwidth (a table on stderr; with `--json`, a
+    /// `profile` array).
+    #[arg(long)]
+    pub profile: bool,
 }
 
 impl Args {
@@ -114,10 +123,12 @@ struct Run {
     text: String,
     stats: Stats,
     prompt_tokens: usize,
+    profile: Option<OpProfile>,
 }
 
 fn generate(engine: &Engine, args: &Args, stream: bool) -> Result<Run, String> {
     let mut session = engine.session();
+    session.set_profiling(args.profile);
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut out = std::io::stdout().lock();
@@ -134,7 +145,9 @@ fn generate(engine: &Engine, args: &Args, stream: bool) -> Result<Run, String> {
         let _ = writeln!(out);
     }
     let stats = session.stats().clone();
+    let profile = session.profile().cloned();
     Ok(Run {
+        profile,
         tokens,
         text,
         prompt_tokens: stats.prompt_tokens,
@@ -168,6 +181,73 @@ fn summary(label: &str, engine: &Engine, s: &Stats) {
         engine.threshold(),
         engine.threads()
     );
+}
+
+/// One row per operation of a decode profile: `(name, ms/token, MB/token, GB/s)`, then the
+/// total.
+fn profile_rows(p: &OpProfile) -> Vec<(&'static str, f64, f64, f64)> {
+    let per = |x: f64| x / p.tokens.max(1) as f64;
+    let row = |name, t: std::time::Duration, bytes: u64| {
+        let s = t.as_secs_f64();
+        let gbps = if s > 0.0 { bytes as f64 / s / 1e9 } else { 0.0 };
+        (name, per(s * 1e3), per(bytes as f64 / 1e6), gbps)
+    };
+    let mut rows: Vec<_> = p
+        .iter()
+        .map(|(op, o)| row(op.name(), o.time, o.bytes))
+        .collect();
+    rows.push(row("total", p.total_time(), p.total_bytes()));
+    rows
+}
+
+/// The decode profile as a table on stderr, with each operation's read bandwidth against the
+/// machine's (`bandwidth`, bytes/s).
+fn print_profile(p: &OpProfile, bandwidth: f64) {
+    eprintln!(
+        "decode profile: {} steps, memory read bandwidth {:.1} GB/s",
+        p.tokens,
+        bandwidth / 1e9
+    );
+    eprintln!(
+        "{:<12} {:>10} {:>6} {:>9} {:>7} {:>6}",
+        "op", "ms/token", "share", "MB/token", "GB/s", "ratio"
+    );
+    let total_ms = p.total_time().as_secs_f64() * 1e3 / p.tokens.max(1) as f64;
+    for (name, ms, mb, gbps) in profile_rows(p) {
+        let share = if total_ms > 0.0 { ms / total_ms } else { 0.0 };
+        let (gb, ratio) = if mb > 0.0 {
+            (
+                format!("{gbps:.1}"),
+                format!("{:.2}", gbps * 1e9 / bandwidth),
+            )
+        } else {
+            ("-".to_string(), "-".to_string())
+        };
+        eprintln!(
+            "{name:<12} {ms:>10.3} {:>5.1}% {mb:>9.1} {gb:>7} {ratio:>6}",
+            share * 100.0
+        );
+    }
+}
+
+/// The decode profile as JSON: one object per operation and the total.
+fn profile_json(p: &OpProfile, bandwidth: f64) -> serde_json::Value {
+    let rows: Vec<serde_json::Value> = profile_rows(p)
+        .into_iter()
+        .map(|(name, ms, mb, gbps)| {
+            serde_json::json!({
+                "op": name, "ms_per_token": ms, "mb_per_token": mb, "gbps": gbps,
+                "bandwidth_gbps": bandwidth / 1e9,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(rows)
+}
+
+/// This machine's read bandwidth with the engine's thread count (bytes/s), for `--profile`.
+fn bandwidth(engine: &Engine) -> f64 {
+    let pool = ThreadPool::new(engine.threads());
+    super::bench::read_bandwidth(&pool, 256 << 20, 3)
 }
 
 fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
@@ -258,10 +338,18 @@ pub fn run(args: Args) -> Result<(), String> {
         gpu_index(model, &args, engine.ctx_len())?;
     }
     let run = generate(&engine, &args, !args.json)?;
+    let bw = run.profile.as_ref().map(|_| bandwidth(&engine));
     if args.json {
-        println!("{}", json(&run, &[]));
+        let extra: Vec<(&str, serde_json::Value)> = match (&run.profile, bw) {
+            (Some(p), Some(bw)) => vec![("profile", profile_json(p, bw))],
+            _ => Vec::new(),
+        };
+        println!("{}", json(&run, &extra));
     } else {
         summary("", &engine, &run.stats);
+        if let (Some(p), Some(bw)) = (&run.profile, bw) {
+            print_profile(p, bw);
+        }
     }
     Ok(())
 }

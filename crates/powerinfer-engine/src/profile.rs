@@ -1,0 +1,224 @@
+//! Where evaluation time goes: wall time, calls and bytes read per operation of the forward pass
+//! ([`OpProfile`]), recorded when asked for ([`Session::set_profiling`],
+//! [`forward::eval_profiled`]).
+//!
+//! The times are the calling thread's wall clock between the ends of consecutive operations,
+//! so they add up to the time of the whole pass (worker threads run inside the operations that
+//! dispatch them). `bytes` are the bytes each operation had to read from weights (only the
+//! active rows of a sparse product) and, for attention, from the KV cache: bytes over time is
+//! the operation's achieved read bandwidth, to set against the machine's.
+//!
+//! [`Session::set_profiling`]: crate::engine::Session::set_profiling
+//! [`forward::eval_profiled`]: crate::forward::eval_profiled
+
+use std::time::{Duration, Instant};
+
+/// An operation of the forward pass, as [`OpProfile`] counts them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// RMSNorm / LayerNorm before attention, before the FFN and before the output head.
+    Norm,
+    /// The Q, K and V products (separate or fused) and their biases.
+    Qkv,
+    /// RoPE, appending K and V to the cache, and attention over the cache (bytes: the K and V
+    /// rows read).
+    Attention,
+    /// The attention output product and its bias.
+    AttnOutput,
+    /// The predictor of a PowerInfer layer: `fc1` (and `fc2` where the scores of a block are
+    /// computed together; a one-token sparse FFN computes `fc2` inside [`Op::FfnUpGate`]).
+    Predictor,
+    /// The FFN's up and gate products and the activation: every neuron (dense), or the active
+    /// ones (sparse; for one token together with the predictor's `fc2` scores and the active
+    /// list, which run in the same dispatch).
+    FfnUpGate,
+    /// The FFN's down product (dense) or the axpy over the active rows of `ffn_down_t`, and its
+    /// bias.
+    FfnDown,
+    /// The output head (logits).
+    OutputHead,
+    /// Everything else: embedding, residual additions, copying out logits.
+    Other,
+}
+
+impl Op {
+    /// Every operation, in the order of a layer.
+    pub const ALL: [Op; 9] = [
+        Op::Norm,
+        Op::Qkv,
+        Op::Attention,
+        Op::AttnOutput,
+        Op::Predictor,
+        Op::FfnUpGate,
+        Op::FfnDown,
+        Op::OutputHead,
+        Op::Other,
+    ];
+
+    /// A short name (`qkv`, `ffn_up_gate`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Norm => "norm",
+            Op::Qkv => "qkv",
+            Op::Attention => "attention",
+            Op::AttnOutput => "attn_output",
+            Op::Predictor => "predictor",
+            Op::FfnUpGate => "ffn_up_gate",
+            Op::FfnDown => "ffn_down",
+            Op::OutputHead => "output_head",
+            Op::Other => "other",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Totals of one [`Op`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpTime {
+    /// Wall time.
+    pub time: Duration,
+    /// Times the operation ran (per layer per evaluation for layer operations).
+    pub calls: u64,
+    /// Bytes read from weights and, for attention, the KV cache.
+    pub bytes: u64,
+}
+
+impl OpTime {
+    /// Bytes per second (0 when no time was recorded).
+    pub fn bytes_per_second(&self) -> f64 {
+        let s = self.time.as_secs_f64();
+        if s > 0.0 {
+            self.bytes as f64 / s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Per-operation totals over the evaluations recorded into it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpProfile {
+    /// Evaluations (forward passes) recorded.
+    pub evals: u64,
+    /// Tokens evaluated in them.
+    pub tokens: u64,
+    ops: [OpTime; Op::ALL.len()],
+}
+
+impl OpProfile {
+    /// An empty profile.
+    pub fn new() -> OpProfile {
+        OpProfile::default()
+    }
+
+    /// The totals of `op`.
+    pub fn get(&self, op: Op) -> &OpTime {
+        &self.ops[op.index()]
+    }
+
+    /// Every operation with its totals, in [`Op::ALL`] order.
+    pub fn iter(&self) -> impl Iterator<Item = (Op, &OpTime)> + '_ {
+        Op::ALL.iter().map(|&op| (op, self.get(op)))
+    }
+
+    /// The sum of all operations' times (the evaluations' wall time).
+    pub fn total_time(&self) -> Duration {
+        self.ops.iter().map(|o| o.time).sum()
+    }
+
+    /// The sum of all operations' bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.ops.iter().map(|o| o.bytes).sum()
+    }
+
+    /// Adds `other`'s counts to these.
+    pub fn merge(&mut self, other: &OpProfile) {
+        self.evals += other.evals;
+        self.tokens += other.tokens;
+        for (a, b) in self.ops.iter_mut().zip(&other.ops) {
+            a.time += b.time;
+            a.calls += b.calls;
+            a.bytes += b.bytes;
+        }
+    }
+
+    fn add(&mut self, op: Op, time: Duration, bytes: u64) {
+        let o = &mut self.ops[op.index()];
+        o.time += time;
+        o.calls += 1;
+        o.bytes += bytes;
+    }
+}
+
+/// Records the time since the previous lap into an operation of a profile; does nothing (not
+/// even read the clock) without one.
+pub(crate) struct Laps<'p> {
+    prof: Option<&'p mut OpProfile>,
+    last: Option<Instant>,
+}
+
+impl<'p> Laps<'p> {
+    /// Laps into `prof` (if any), starting now.
+    pub(crate) fn new(prof: Option<&'p mut OpProfile>) -> Laps<'p> {
+        let last = prof.is_some().then(Instant::now);
+        Laps { prof, last }
+    }
+
+    /// Charges the time since the previous lap to `op`, with `bytes` read.
+    #[inline]
+    pub(crate) fn lap(&mut self, op: Op, bytes: impl FnOnce() -> u64) {
+        if let (Some(p), Some(last)) = (self.prof.as_deref_mut(), self.last.as_mut()) {
+            let now = Instant::now();
+            p.add(op, now - *last, bytes());
+            *last = now;
+        }
+    }
+
+    /// Counts one evaluation of `tokens` tokens.
+    pub(crate) fn eval(&mut self, tokens: usize) {
+        if let Some(p) = self.prof.as_deref_mut() {
+            p.evals += 1;
+            p.tokens += tokens as u64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn laps_add_up_and_merge() {
+        let mut p = OpProfile::new();
+        {
+            let mut l = Laps::new(Some(&mut p));
+            l.eval(3);
+            std::thread::sleep(Duration::from_millis(2));
+            l.lap(Op::Qkv, || 100);
+            l.lap(Op::Qkv, || 20);
+            l.lap(Op::FfnDown, || 7);
+        }
+        assert_eq!((p.evals, p.tokens), (1, 3));
+        let q = p.get(Op::Qkv);
+        assert_eq!((q.calls, q.bytes), (2, 120));
+        assert!(q.time >= Duration::from_millis(2));
+        assert_eq!(p.get(Op::FfnDown).bytes, 7);
+        assert_eq!(p.get(Op::Norm), &OpTime::default());
+        assert_eq!(p.total_bytes(), 127);
+        assert_eq!(
+            p.total_time(),
+            p.iter().map(|(_, o)| o.time).sum::<Duration>()
+        );
+        let mut twice = p.clone();
+        twice.merge(&p);
+        assert_eq!((twice.evals, twice.tokens), (2, 6));
+        assert_eq!(twice.get(Op::Qkv).bytes, 240);
+        assert_eq!(twice.total_time(), p.total_time() * 2);
+        // Without a profile nothing is computed.
+        let mut off = Laps::new(None);
+        off.lap(Op::Qkv, || unreachable!("bytes computed without a profile"));
+    }
+}

@@ -1,0 +1,153 @@
+//! The decode profile ([`Session::set_profiling`]): per-operation calls and bytes agree with the
+//! model's tensors, the times add up within the decode time, and profiling changes no result.
+
+use std::path::Path;
+
+use powerinfer_engine::engine::Engine;
+use powerinfer_engine::profile::Op;
+use powerinfer_engine::sampling::SamplingParams;
+use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_gguf::{GgmlType, GgufFile};
+
+// Only the options helper is used here.
+#[allow(dead_code)]
+mod common;
+use common::opts;
+
+/// Sum of the sizes of the tensors named one of `suffixes` or ending with `.` and one of them.
+fn bytes(path: &Path, suffixes: &[&str]) -> u64 {
+    let f = GgufFile::open(path).unwrap();
+    f.tensors()
+        .iter()
+        .filter(|t| {
+            suffixes
+                .iter()
+                .any(|s| t.name() == *s || t.name().ends_with(&format!(".{s}")))
+        })
+        .map(|t| t.n_bytes())
+        .sum()
+}
+
+/// Greedy generation of `n` tokens with or without profiling: the tokens, the session's
+/// statistics and its profile.
+fn generate(
+    engine: &Engine,
+    n: usize,
+    profile: bool,
+) -> (
+    Vec<u32>,
+    powerinfer_engine::engine::Stats,
+    Option<powerinfer_engine::profile::OpProfile>,
+) {
+    let mut s = engine.session();
+    s.set_profiling(profile);
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: n,
+        ..Default::default()
+    };
+    let toks: Vec<u32> = s
+        .generate("once upon a time", params)
+        .map(|t| t.unwrap().id)
+        .collect();
+    (toks, s.stats().clone(), s.profile().cloned())
+}
+
+#[test]
+fn profile_counts_match_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let sparse = dir.path().join("m.powerinfer.gguf");
+    let dense = dir.path().join("m.gguf");
+    let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
+    cfg.ty = GgmlType::Q4_0;
+    cfg.arch = Arch::Llama;
+    cfg.seed = 11;
+    let out = SynthOutputs {
+        model: sparse.clone(),
+        dense: Some(dense.clone()),
+        activation_dir: None,
+        predictor_dir: None,
+    };
+    synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
+    let n_layer = Shape::preset("tiny").unwrap().n_layer as u64;
+    let n = 6;
+
+    for (path, dense_mode) in [(&dense, false), (&sparse, false), (&sparse, true)] {
+        let engine = Engine::load(path, opts(dense_mode)).unwrap();
+        let (plain, _, none) = generate(&engine, n, false);
+        assert!(none.is_none());
+        let (toks, stats, p) = generate(&engine, n, true);
+        let p = p.unwrap();
+        let what = format!("{} dense={dense_mode}", path.display());
+        assert_eq!(toks, plain, "profiling changed the tokens: {what}");
+
+        // Decode steps only (the prompt is not recorded).
+        let steps = stats.decode_tokens as u64;
+        assert!(steps >= 1, "{what}");
+        assert_eq!((p.evals, p.tokens), (steps, steps), "{what}");
+        assert!(p.total_time() <= stats.decode_time, "{what}");
+        for op in [
+            Op::Qkv,
+            Op::Attention,
+            Op::AttnOutput,
+            Op::FfnUpGate,
+            Op::FfnDown,
+        ] {
+            assert_eq!(p.get(op).calls, n_layer * steps, "{op:?} {what}");
+        }
+        assert_eq!(p.get(Op::OutputHead).calls, steps, "{what}");
+
+        // Dense products read whole tensors once per step.
+        let per_step = |suffixes: &[&str]| bytes(path, suffixes) * steps;
+        assert_eq!(
+            p.get(Op::Qkv).bytes,
+            per_step(&["attn_q.weight", "attn_k.weight", "attn_v.weight"]),
+            "{what}"
+        );
+        assert_eq!(
+            p.get(Op::AttnOutput).bytes,
+            per_step(&["attn_output.weight"]),
+            "{what}"
+        );
+        assert_eq!(
+            p.get(Op::OutputHead).bytes,
+            per_step(&["output.weight"]),
+            "{what}"
+        );
+        let gate_up = per_step(&["ffn_gate.weight", "ffn_up.weight"]);
+        let down = per_step(&["ffn_down.weight", "ffn_down_t.weight"]);
+        let sparse_run = path == &sparse && !dense_mode;
+        if sparse_run {
+            // fc1 alone; fc2 with the active gate/up rows; only active rows of down.
+            let fc2 = per_step(&["fc2.weight"]);
+            assert_eq!(p.get(Op::Predictor).bytes, per_step(&["fc1.weight"]));
+            let ug = p.get(Op::FfnUpGate).bytes;
+            assert!(ug > fc2 && ug < fc2 + gate_up, "{ug} vs {fc2} + {gate_up}");
+            let d = p.get(Op::FfnDown).bytes;
+            assert!(d > 0 && d < down, "{d} vs {down}");
+            // Whole neurons' rows: gate + up rows per active neuron, a down row per active
+            // neuron with a non-zero activation (at most the active ones).
+            let n_ff = Shape::preset("tiny").unwrap().n_ff as u64;
+            let neurons = n_layer * n_ff * steps;
+            let (ug_row, down_row) = (gate_up / neurons, down / neurons);
+            assert_eq!((ug - fc2) % ug_row, 0, "{what}");
+            assert_eq!(d % down_row, 0, "{what}");
+            let active = (ug - fc2) / ug_row;
+            assert!(d / down_row <= active, "{what}");
+            // The active share is about the FFN density (which also counts the prompt).
+            let share = active as f64 / neurons as f64;
+            assert!(
+                (share - stats.ffn_density()).abs() < 0.05,
+                "{share} vs {}",
+                stats.ffn_density()
+            );
+        } else {
+            assert_eq!(p.get(Op::Predictor), &Default::default(), "{what}");
+            assert_eq!(p.get(Op::FfnUpGate).bytes, gate_up, "{what}");
+            assert_eq!(p.get(Op::FfnDown).bytes, down, "{what}");
+        }
+        // Attention reads the cache: K and V, f16, of every position so far, per layer.
+        let att = p.get(Op::Attention).bytes;
+        assert!(att > 0 && att % (n_layer * 2 * 2) == 0, "{att}");
+    }
+}
