@@ -175,6 +175,116 @@ pub(crate) unsafe fn axpy4_f16(acc: &mut [f32], a: [f32; 4], v: [&[f16]; 4]) {
     }
 }
 
+/// Row `r` of `dst` (rows of `d` values, a multiple of 8) = `src[start + r·stride..][..d]`
+/// widened from f16, for every row of `dst`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `dst.len()` a multiple of `d`, `d` of 8, and every
+/// source row inside `src`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn widen_rows_f16(
+    src: &[f16],
+    start: usize,
+    stride: usize,
+    d: usize,
+    dst: &mut [f32],
+) {
+    debug_assert!(d % 8 == 0 && dst.len() % d.max(1) == 0);
+    for (r, row) in dst.chunks_exact_mut(d).enumerate() {
+        let from = &src[start + r * stride..][..d];
+        let mut i = 0;
+        while i + 8 <= d {
+            // SAFETY: values `i..i + 8` exist in both rows.
+            unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(i), load_f16x8(from.as_ptr().add(i))) };
+            i += 8;
+        }
+    }
+}
+
+/// `scale · (q · tile[r])` for the eight rows `r` of `tile` (`8 × q.len()` values, row-major;
+/// `q.len()` a multiple of 8), lane `r` of the result: one accumulator per row over the
+/// eight-value chunks in order, then the eight accumulators reduced together (a `hadd` tree)
+/// instead of one horizontal sum per row.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the lengths as above.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dots8(q: &[f32], tile: &[f32], scale: f32) -> [f32; 8] {
+    let d = q.len();
+    debug_assert!(tile.len() == 8 * d && d % 8 == 0);
+    let (qp, tp) = (q.as_ptr(), tile.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut c = 0;
+    while c + 8 <= d {
+        // SAFETY: values `c..c + 8` of `q` and of every row of `tile` exist.
+        unsafe {
+            let qv = _mm256_loadu_ps(qp.add(c));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(tp.add(r * d + c)), *a);
+            }
+        }
+        c += 8;
+    }
+    // Lane r of `s` = the sum of the lanes of acc[r].
+    let t0 = _mm256_hadd_ps(acc[0], acc[1]);
+    let t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    let t2 = _mm256_hadd_ps(acc[4], acc[5]);
+    let t3 = _mm256_hadd_ps(acc[6], acc[7]);
+    let u0 = _mm256_hadd_ps(t0, t1);
+    let u1 = _mm256_hadd_ps(t2, t3);
+    let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+    let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+    let s = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale));
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 values.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
+    out
+}
+
+/// `acc[i] = fma(w[r], tile[r][i], acc[i])` for `r = 0, 1, …` in order (`w.len() ≤ 8` rows of
+/// `acc.len()` values in `tile`, row-major; `acc.len()` a multiple of 8): the operations of
+/// [`axpy4_f16`] / [`axpy_f16`] position after position, so the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the lengths as above.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_tile(acc: &mut [f32], w: &[f32], tile: &[f32]) {
+    let d = acc.len();
+    debug_assert!(w.len() <= 8 && tile.len() >= w.len() * d && d % 8 == 0);
+    let (ap, tp) = (acc.as_mut_ptr(), tile.as_ptr());
+    let mut c = 0;
+    // Four chunks of eight outputs at a time: four independent FMA chains (one chain runs at
+    // the FMA latency, 4 cycles a position).
+    while c + 32 <= d {
+        // SAFETY: values `c..c + 32` of `acc` and of the first `w.len()` rows of `tile` exist.
+        unsafe {
+            let mut r = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(ap.add(c + o)));
+            for (p, &wp) in w.iter().enumerate() {
+                let wv = _mm256_set1_ps(wp);
+                let row = tp.add(p * d + c);
+                for (i, ri) in r.iter_mut().enumerate() {
+                    *ri = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * i)), *ri);
+                }
+            }
+            for (i, ri) in r.iter().enumerate() {
+                _mm256_storeu_ps(ap.add(c + 8 * i), *ri);
+            }
+        }
+        c += 32;
+    }
+    while c + 8 <= d {
+        // SAFETY: values `c..c + 8` of `acc` and of the first `w.len()` rows of `tile` exist.
+        unsafe {
+            let mut r = _mm256_loadu_ps(ap.add(c));
+            for (p, &wp) in w.iter().enumerate() {
+                r = _mm256_fmadd_ps(_mm256_set1_ps(wp), _mm256_loadu_ps(tp.add(p * d + c)), r);
+            }
+            _mm256_storeu_ps(ap.add(c), r);
+        }
+        c += 8;
+    }
+}
+
 /// `x[i] *= s`.
 ///
 /// # Safety
