@@ -778,3 +778,48 @@ fn pack_q4_0_declines_what_it_cannot_pack() {
         .pack_q4_0(&Weights::new(GgmlType::Q8_0, 9, 128, &q8).unwrap())
         .is_none());
 }
+
+/// One-token products over long quantized rows (which AVX-512 routes through the sparse list
+/// kernel over every row): bit-identical to the AVX2 GEMV, to the sparse product over every
+/// row, and across thread counts; within the bound of the reference. Q4_0 with an even and an
+/// odd block count, Q8_0 just above and far above the routing length.
+#[test]
+fn long_quantized_rows_gemv() {
+    let mut rng = Rng(4242);
+    for (ty, cols) in [
+        (GgmlType::Q4_0, 16384 + 64),
+        (GgmlType::Q4_0, 11008 + 32),
+        (GgmlType::Q8_0, 4096 + 32),
+        (GgmlType::Q8_0, 11008),
+    ] {
+        let rows = 19;
+        let c = make_case(ty, rows, cols, &mut rng);
+        let w = Weights::new(ty, rows, cols, &c.data).unwrap();
+        let x = random_vec(cols, &mut rng);
+        let xq = quantized_acts(ty, &x, cols);
+        let want = r::gemm(&c.w, rows, cols, &xq, 1);
+        let (tight, _) = product_bounds(ty, &c.abs_w, rows, cols, &x, &xq, 1);
+        let mut first: Option<Vec<u32>> = None;
+        for backend in Backend::available() {
+            for threads in [1usize, 2, 3] {
+                let pool = ThreadPool::new(threads);
+                let mm = MatMul::with_backend(&pool, backend).unwrap();
+                let mut y = vec![0f32; rows];
+                mm.gemv(&w, &x, &mut y).unwrap();
+                let what = format!("{ty:?} {cols} {backend:?} {threads}");
+                assert_close(&what, &y, &want, &tight);
+                if backend == Backend::Scalar || backend == Backend::Neon {
+                    continue;
+                }
+                let all: Vec<u32> = (0..rows as u32).collect();
+                let mut ys = vec![0f32; rows];
+                mm.sparse_gemv_indexed(&w, &x, &all, &mut ys).unwrap();
+                assert_eq!(bits(&y), bits(&ys), "{ty:?} {cols} {backend:?} {threads}");
+                match &first {
+                    None => first = Some(bits(&y)),
+                    Some(f) => assert_eq!(f, &bits(&y), "{ty:?} {cols} {backend:?} {threads}"),
+                }
+            }
+        }
+    }
+}

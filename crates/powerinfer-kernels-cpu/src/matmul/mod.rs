@@ -64,6 +64,14 @@ use table::{ListedRows, RowOps};
 /// 432 B 27.5 vs 34.5 and 576 B 10.8 vs 36.0; Q8_0 272 B 38.3 vs 37.9, 408 B 31.1 vs 37.3.
 const SHORT_ROW_BYTES: usize = 384;
 
+/// Quantized rows of at least this many bytes go through the sparse list kernel over every row
+/// in the one-token product, where the backend has one (AVX-512 Q4_0/Q8_0): one row at a time,
+/// a long row's activation (Q4_0 at 16384 columns: ~26 KB) no longer stays in L1 beside the
+/// weight stream. Zen 4, one thread, Q4_0: 1024×16384 8.9 → 26 GB/s, 4096×11008 (LLaMA-7B's
+/// `ffn_down`) 23 → 26 GB/s, and from a 7B file's 32 `ffn_down` matrices 9–13 GB/s one row at
+/// a time; rows of 2304 bytes (4096 columns) run at the same speed either way.
+const LIST_GEMV_ROW_BYTES: usize = 4096;
+
 /// One-token sparse axpy over rows of at least this many bytes splits the active rows between
 /// threads (with a list kernel; [`MatMul::axpy_rows_split`]), shorter rows split the columns
 /// (5632×2048 Q4_0, 1152-byte rows: no gain measured).
@@ -482,6 +490,24 @@ impl<'p> MatMul<'p> {
         let acts = ActBuf::new(ops.act, x, w.cols);
         let act = acts.get(0);
         let out = OutPtr::new(y);
+        if let (Some(dot_list), true) = (ops.dot_list, w.row_bytes >= LIST_GEMV_ROW_BYTES) {
+            // Long quantized rows: the list kernel over every row (8 rows per pass share each
+            // activation load; same per-row operations, same bits).
+            let all: Vec<u32> = (0..w.rows as u32).collect();
+            self.pool.for_chunks(w.rows, |r| {
+                // SAFETY: `for_chunks` hands out disjoint row ranges within `0..rows == y.len()`.
+                let y = unsafe { out.slice(r.clone()) };
+                let rows = ListedRows {
+                    data: w.data,
+                    row_bytes: w.row_bytes,
+                    start: 0,
+                    end: w.row_bytes,
+                    list: &all[r],
+                };
+                dot_list(&rows, &act, y);
+            });
+            return Ok(());
+        }
         // Static halves, not ranges taken by whichever thread is free: with ranges of
         // rows/(16·threads) rows the sparse Q4_0 TinyLlama decode (whose attention, head and
         // predictor are dense GEMVs) ran 3–5% slower and the dense Q4_0 one 3–15% slower
