@@ -95,17 +95,9 @@ pub fn eval_observed(
     all_logits: bool,
     observer: Option<&mut dyn FfnObserver>,
 ) -> Result<EvalOutput> {
-    let mut out = eval_segments(
-        model,
-        pool,
-        opts,
-        cache,
-        &[Segment { seq, tokens }],
-        all_logits,
-        observer,
-        None,
-    )?;
-    Ok(out.pop().expect("one output per segment"))
+    eval_one(
+        model, pool, opts, cache, seq, tokens, all_logits, observer, None,
+    )
 }
 
 /// [`eval`], adding the time, calls and bytes read of each operation to `prof` (see
@@ -121,15 +113,35 @@ pub fn eval_profiled(
     all_logits: bool,
     prof: &mut OpProfile,
 ) -> Result<EvalOutput> {
-    let mut out = eval_segments(
+    eval_one(
         model,
         pool,
         opts,
         cache,
-        &[Segment { seq, tokens }],
+        seq,
+        tokens,
         all_logits,
         None,
         Some(prof),
+    )
+}
+
+/// [`eval_segments`] on one segment.
+#[allow(clippy::too_many_arguments)]
+fn eval_one(
+    model: &Model,
+    pool: &ThreadPool,
+    opts: ForwardOptions,
+    cache: &mut KvCache,
+    seq: SeqId,
+    tokens: &[u32],
+    all_logits: bool,
+    observer: Option<&mut dyn FfnObserver>,
+    prof: Option<&mut OpProfile>,
+) -> Result<EvalOutput> {
+    let segment = [Segment { seq, tokens }];
+    let mut out = eval_segments(
+        model, pool, opts, cache, &segment, all_logits, observer, prof,
     )?;
     Ok(out.pop().expect("one output per segment"))
 }

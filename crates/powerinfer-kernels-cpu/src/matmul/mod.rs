@@ -497,13 +497,7 @@ impl<'p> MatMul<'p> {
             self.pool.for_chunks(w.rows, |r| {
                 // SAFETY: `for_chunks` hands out disjoint row ranges within `0..rows == y.len()`.
                 let y = unsafe { out.slice(r.clone()) };
-                let rows = ListedRows {
-                    data: w.data,
-                    row_bytes: w.row_bytes,
-                    start: 0,
-                    end: w.row_bytes,
-                    list: &all[r],
-                };
+                let rows = ListedRows::whole(w.data, w.row_bytes, &all[r]);
                 dot_list(&rows, &act, y);
             });
             return Ok(());
@@ -676,13 +670,7 @@ impl<'p> MatMul<'p> {
         check_active(active, w.rows)?;
         let sum = std::sync::atomic::AtomicU64::new(0);
         self.pool.for_chunks(active.len(), |r| {
-            let rows = ListedRows {
-                data: w.data,
-                row_bytes: w.row_bytes,
-                start: 0,
-                end: w.row_bytes,
-                list: &active[r],
-            };
+            let rows = ListedRows::whole(w.data, w.row_bytes, &active[r]);
             #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
             let s = if self.backend == Backend::Avx512 {
                 x86_sparse::read_list(&rows)
@@ -731,13 +719,7 @@ impl<'p> MatMul<'p> {
             self.pool.for_chunks(active.len(), |r| {
                 let part = &active[r];
                 let mut res = vec![0f32; part.len()];
-                let rows = ListedRows {
-                    data: w.data,
-                    row_bytes: w.row_bytes,
-                    start: 0,
-                    end: w.row_bytes,
-                    list: part,
-                };
+                let rows = ListedRows::whole(w.data, w.row_bytes, part);
                 dot_list(&rows, &act, &mut res);
                 for (&i, &v) in part.iter().zip(&res) {
                     // SAFETY: `active` is strictly increasing and below `rows == y.len()`, and
@@ -1038,13 +1020,7 @@ impl<'p> MatMul<'p> {
             // SAFETY: thread `tid` owns `parts[tid * cols..(tid + 1) * cols]`, within the
             // `n * cols` values (tid < n).
             let part = unsafe { out.slice(tid * cols..(tid + 1) * cols) };
-            let rows = ListedRows {
-                data: w.data,
-                row_bytes: w.row_bytes,
-                start: 0,
-                end: w.row_bytes,
-                list,
-            };
+            let rows = ListedRows::whole(w.data, w.row_bytes, list);
             axpy_list(&rows, a, part);
         });
         let (first, rest) = parts.split_at(cols);

@@ -40,6 +40,19 @@ pub(crate) struct ListedRows<'a> {
     /// The row indices, in the order to visit them.
     pub list: &'a [u32],
 }
+impl<'a> ListedRows<'a> {
+    /// The whole rows `list` of a matrix of `row_bytes`-byte rows held in `data`.
+    pub(crate) fn whole(data: &'a [u8], row_bytes: usize, list: &'a [u32]) -> ListedRows<'a> {
+        ListedRows {
+            data,
+            row_bytes,
+            start: 0,
+            end: row_bytes,
+            list,
+        }
+    }
+}
+
 /// Dot products of every listed (whole) row with one activation into `res`, in list order,
 /// each exactly as `RowOps::dot` computes it: the row-sparse GEMV of one thread.
 pub(crate) type DotListFn = fn(&ListedRows<'_>, &Act<'_>, &mut [f32]);
