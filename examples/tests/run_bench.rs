@@ -319,3 +319,49 @@ fn run_profile_reports_every_operation() {
         "{err}"
     );
 }
+
+/// The built-in demo (no `-m`: the README's main command), written into a fresh cache
+/// directory, with `--profile --json`: both runs' profiles, the speed ratio.
+#[test]
+fn demo_runs_and_profiles_both_modes() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .args([
+            "run",
+            "-n",
+            "3",
+            "-t",
+            "2",
+            "--temp",
+            "0",
+            "--profile",
+            "--json",
+        ])
+        .env("XDG_CACHE_HOME", cache.path())
+        .output()
+        .expect("run powerinfer");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SYNTHETIC"), "{err}");
+    let v: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["sparse_speedup"].as_f64().unwrap() > 0.0);
+    assert!(v["ffn_density"].as_f64().unwrap() < 0.5);
+    for key in ["profile", "dense_profile"] {
+        let rows = v[key].as_array().unwrap();
+        assert_eq!(rows.len(), 10, "{key}");
+        assert_eq!(rows[9]["op"], "total", "{key}");
+        assert!(rows[9]["mb_per_token"].as_f64().unwrap() > 0.0, "{key}");
+    }
+    // The sparse run reads its predictor; the dense twin has none.
+    let predictor_mb = |key: &str| {
+        v[key].as_array().unwrap()[4]["mb_per_token"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(predictor_mb("profile") > 0.0);
+    assert_eq!(predictor_mb("dense_profile"), 0.0);
+}

@@ -446,17 +446,22 @@ fn demo(args: &Args) -> Result<(), String> {
     let s = generate(&sparse, args, !args.json)?;
     summary("sparse ", &sparse, &s.stats);
     let ratio = s.stats.decode_tps() / d.stats.decode_tps().max(1e-9);
+    let bw = s.profile.as_ref().map(|_| bandwidth(&sparse));
     if args.json {
-        println!(
-            "{}",
-            json(
-                &s,
-                &[
-                    ("dense_decode_tps", d.stats.decode_tps().into()),
-                    ("sparse_speedup", ratio.into()),
-                ]
-            )
-        );
+        let mut extra = vec![
+            ("dense_decode_tps", d.stats.decode_tps().into()),
+            ("sparse_speedup", ratio.into()),
+        ];
+        if let (Some(dp), Some(sp), Some(bw)) = (&d.profile, &s.profile, bw) {
+            extra.push(("dense_profile", profile_json(dp, bw)));
+            extra.push(("profile", profile_json(sp, bw)));
+        }
+        println!("{}", json(&s, &extra));
+    } else if let (Some(dp), Some(sp), Some(bw)) = (&d.profile, &s.profile, bw) {
+        eprintln!("--- dense FFN ---");
+        print_profile(dp, bw);
+        eprintln!("--- sparse FFN ---");
+        print_profile(sp, bw);
     }
     eprintln!(
         "decode: dense {:.2} tokens/s, sparse {:.2} tokens/s, sparse/dense = {:.2}x (FFN density {:.3})",
