@@ -104,17 +104,16 @@ pub(crate) fn ffn_forward<'o>(
     laps: &mut Laps<'_>,
 ) -> Result<()> {
     let nff = model.hparams.n_ff;
-    let bytes_of = |t: &TensorRef| -> u64 { model.weights(t).map_or(0, |w| w.data().len() as u64) };
-    let row_bytes = |t: &TensorRef| -> u64 { model.weights(t).map_or(0, |w| w.row_bytes() as u64) };
-    let gate_up_bytes = || layer.ffn.gate().map_or(0, bytes_of) + bytes_of(layer.ffn.up());
+    let gate_up_bytes = || layer.ffn.gate().map_or(0, TensorRef::bytes) + layer.ffn.up().bytes();
     // Bytes of the gate and up rows of one neuron.
-    let gate_up_row = || layer.ffn.gate().map_or(0, row_bytes) + row_bytes(layer.ffn.up());
+    let gate_up_row =
+        || layer.ffn.gate().map_or(0, TensorRef::row_bytes) + layer.ffn.up().row_bytes();
     let down_ref = match &layer.ffn {
         Ffn::Dense { down, .. } => down,
         Ffn::Sparse { down_t, .. } => down_t,
     };
     let predictor_bytes = || match &layer.ffn {
-        Ffn::Sparse { fc1, fc2, .. } => bytes_of(fc1) + bytes_of(fc2),
+        Ffn::Sparse { fc1, fc2, .. } => fc1.bytes() + fc2.bytes(),
         Ffn::Dense { .. } => 0,
     };
     let gate = layer.ffn.gate();
@@ -138,7 +137,7 @@ pub(crate) fn ffn_forward<'o>(
         laps.lap(Op::FfnUpGate, gate_up_bytes);
         down_dense(model, mm, layer, &mut s.gate, t, out)?;
         add_bias(out, layer.down_b.as_deref())?;
-        laps.lap(Op::FfnDown, || bytes_of(down_ref));
+        laps.lap(Op::FfnDown, || down_ref.bytes());
         density.iter_mut().for_each(|d| *d += 1.0);
         return Ok(());
     }
@@ -148,7 +147,7 @@ pub(crate) fn ffn_forward<'o>(
             laps.lap(Op::FfnUpGate, gate_up_bytes);
             down_dense(model, mm, layer, &mut s.gate, t, out)?;
             add_bias(out, layer.down_b.as_deref())?;
-            laps.lap(Op::FfnDown, || bytes_of(down_ref));
+            laps.lap(Op::FfnDown, || down_ref.bytes());
             density.iter_mut().for_each(|d| *d += 1.0);
         }
         Ffn::Sparse { .. } if opts.dense => {
@@ -156,7 +155,7 @@ pub(crate) fn ffn_forward<'o>(
             laps.lap(Op::FfnUpGate, gate_up_bytes);
             down_dense(model, mm, layer, &mut s.gate, t, out)?;
             add_bias(out, layer.down_b.as_deref())?;
-            laps.lap(Op::FfnDown, || bytes_of(down_ref));
+            laps.lap(Op::FfnDown, || down_ref.bytes());
             density.iter_mut().for_each(|d| *d += 1.0);
         }
         Ffn::Sparse {
@@ -171,7 +170,7 @@ pub(crate) fn ffn_forward<'o>(
             resize(&mut s.hidden, fc1.rows);
             mm.gemv(&model.weights(fc1)?, h, &mut s.hidden)?;
             relu(&mut s.hidden);
-            laps.lap(Op::Predictor, || bytes_of(fc1));
+            laps.lap(Op::Predictor, || fc1.bytes());
             let gate_w = match gate {
                 Some(g) => Some(model.weights(g)?),
                 None => None,
@@ -189,14 +188,14 @@ pub(crate) fn ffn_forward<'o>(
                 s,
             )?;
             let n_active = s.active.len() as u64;
-            laps.lap(Op::FfnUpGate, || bytes_of(fc2) + n_active * gate_up_row());
+            laps.lap(Op::FfnUpGate, || fc2.bytes() + n_active * gate_up_row());
             out.fill(0.0);
             mm.sparse_axpy_indexed(&model.weights(down_t)?, &s.gate, &s.active, out)?;
             density[0] += s.active.len() as f32 / nff as f32;
             add_bias(out, layer.down_b.as_deref())?;
             // The axpy reads the rows of the active neurons whose activation is not zero.
             laps.lap(Op::FfnDown, || {
-                nonzero(&s.gate, &s.active) * row_bytes(down_t)
+                nonzero(&s.gate, &s.active) * down_t.row_bytes()
             });
         }
         Ffn::Sparse { up, down_t, .. } => {
@@ -237,7 +236,7 @@ pub(crate) fn ffn_forward<'o>(
                 laps.lap(Op::FfnUpGate, || n_active * gate_up_row());
                 mm.sparse_axpy_indexed(&down_w, g, &s.active, y)?;
                 density[i] += s.active.len() as f32 / nff as f32;
-                laps.lap(Op::FfnDown, || nonzero(g, &s.active) * row_bytes(down_t));
+                laps.lap(Op::FfnDown, || nonzero(g, &s.active) * down_t.row_bytes());
             }
             add_bias(out, layer.down_b.as_deref())?;
             laps.lap(Op::Other, || 0);

@@ -33,7 +33,7 @@ pub use crate::ffn::FfnObserver;
 use crate::ffn::{ffn_forward, FfnScratch};
 use crate::fused::{self, gemv_multi, GemvJob};
 use crate::kv_cache::{KvCache, SeqId};
-use crate::model::{Arch, Model, Norm, Qkv, TensorRef};
+use crate::model::{Arch, Model, Norm, Qkv};
 use crate::profile::{Laps, Op, OpProfile};
 
 /// How the FFN of a PowerInfer file is computed.
@@ -252,7 +252,6 @@ fn eval_segments(
     let ap = AttentionParams::new(hp.n_head, hp.n_head_kv, hd);
     let mut density = vec![0f32; t];
     let mut ffn = FfnScratch::default();
-    let bytes_of = |t: &TensorRef| -> u64 { model.weights(t).map_or(0, |w| w.data().len() as u64) };
     laps.eval(t);
     laps.lap(Op::Other, || 0);
 
@@ -304,7 +303,7 @@ fn eval_segments(
                 add_bias(&mut q, bq.as_deref())?;
                 add_bias(&mut k, bk.as_deref())?;
                 add_bias(&mut v, bv.as_deref())?;
-                laps.lap(Op::Qkv, || bytes_of(wq) + bytes_of(wk) + bytes_of(wv));
+                laps.lap(Op::Qkv, || wq.bytes() + wk.bytes() + wv.bytes());
             }
             Qkv::Fused(w) => {
                 let width = ne + 2 * nkv;
@@ -315,7 +314,7 @@ fn eval_segments(
                     k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
                     v[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne + nkv..]);
                 }
-                laps.lap(Op::Qkv, || bytes_of(w));
+                laps.lap(Op::Qkv, || w.bytes());
             }
         }
         let mut kv_bytes = 0u64;
@@ -342,7 +341,7 @@ fn eval_segments(
         laps.lap(Op::Attention, || kv_bytes);
         model.product(&mm, &layer.wo, &attn, t, &mut tmp)?;
         add_bias(&mut tmp, layer.bo.as_deref())?;
-        laps.lap(Op::AttnOutput, || bytes_of(&layer.wo));
+        laps.lap(Op::AttnOutput, || layer.wo.bytes());
         if parallel {
             // Falcon: the FFN reads attn_norm(x), the predictor the layer input x.
             ffn_forward(
@@ -422,7 +421,7 @@ fn eval_segments(
     let nv = hp.n_vocab;
     let mut logits = vec![0f32; n_out * nv];
     model.product(&mm, &model.output, &normed, n_out, &mut logits)?;
-    laps.lap(Op::OutputHead, || bytes_of(&model.output));
+    laps.lap(Op::OutputHead, || model.output.bytes());
     let mut outs = Vec::with_capacity(segments.len());
     let mut row = 0;
     for (sg, &s0) in segments.iter().zip(&starts) {

@@ -228,6 +228,18 @@ pub struct TensorRef {
     info: TensorInfo,
 }
 
+impl TensorRef {
+    /// Bytes of the whole matrix in the file.
+    pub fn bytes(&self) -> u64 {
+        self.info.n_bytes()
+    }
+
+    /// Bytes of one row (0 for a matrix without rows).
+    pub fn row_bytes(&self) -> u64 {
+        self.bytes().checked_div(self.rows as u64).unwrap_or(0)
+    }
+}
+
 /// A norm's weight and, for LayerNorm, its bias (copied out of the file, f32).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Norm {

@@ -1,45 +1,17 @@
 //! End-to-end tests of the CPU engine on tiny synthetic models written into a temp dir.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use powerinfer_engine::engine::{Engine, EngineOptions, Segment};
 use powerinfer_engine::error::EngineError;
 use powerinfer_engine::kv_cache::KvCache;
 use powerinfer_engine::model::Model;
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::synth::Arch;
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter};
 
 mod common;
-use common::{opts, rel_diff, PROMPT};
-
-struct Files {
-    _dir: tempfile::TempDir,
-    sparse: PathBuf,
-    dense: PathBuf,
-}
-
-fn make(ty: GgmlType, arch: Arch, seed: u64) -> Files {
-    let dir = tempfile::tempdir().unwrap();
-    let sparse = dir.path().join("model.powerinfer.gguf");
-    let dense = dir.path().join("model.gguf");
-    let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
-    cfg.ty = ty;
-    cfg.arch = arch;
-    cfg.seed = seed;
-    let out = SynthOutputs {
-        model: sparse.clone(),
-        dense: Some(dense.clone()),
-        activation_dir: None,
-        predictor_dir: None,
-    };
-    synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
-    Files {
-        _dir: dir,
-        sparse,
-        dense,
-    }
-}
+use common::{make, opts, rel_diff, PROMPT};
 
 #[test]
 fn sparse_with_perfect_predictor_equals_dense_relu() {

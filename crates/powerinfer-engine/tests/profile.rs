@@ -6,13 +6,11 @@ use std::path::Path;
 use powerinfer_engine::engine::Engine;
 use powerinfer_engine::profile::Op;
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::synth::{Arch, Shape};
 use powerinfer_gguf::{GgmlType, GgufFile};
 
-// Only the options helper is used here.
-#[allow(dead_code)]
 mod common;
-use common::opts;
+use common::{make, opts};
 
 /// Sum of the sizes of the tensors named one of `suffixes` or ending with `.` and one of them.
 fn bytes(path: &Path, suffixes: &[&str]) -> u64 {
@@ -55,20 +53,8 @@ fn generate(
 
 #[test]
 fn profile_counts_match_the_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let sparse = dir.path().join("m.powerinfer.gguf");
-    let dense = dir.path().join("m.gguf");
-    let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
-    cfg.ty = GgmlType::Q4_0;
-    cfg.arch = Arch::Llama;
-    cfg.seed = 11;
-    let out = SynthOutputs {
-        model: sparse.clone(),
-        dense: Some(dense.clone()),
-        activation_dir: None,
-        predictor_dir: None,
-    };
-    synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
+    let f = make(GgmlType::Q4_0, Arch::Llama, 11);
+    let (sparse, dense) = (f.sparse.clone(), f.dense.clone());
     let n_layer = Shape::preset("tiny").unwrap().n_layer as u64;
     let n = 6;
 

@@ -1,6 +1,11 @@
-//! Helpers shared by the engine's integration tests.
+//! Helpers shared by the engine's integration tests (each test crate uses a subset).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
 
 use powerinfer_engine::engine::EngineOptions;
+use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_gguf::GgmlType;
 
 /// Engine options of the tests: 2 threads, θ = 0, a 256-position context.
 pub fn opts(dense: bool) -> EngineOptions {
@@ -29,4 +34,34 @@ pub fn rel_diff(a: &[f32], b: &[f64]) -> f64 {
         .map(|(&x, &y)| (x as f64 - y).abs())
         .fold(0.0, f64::max);
     max / var.sqrt()
+}
+
+/// A tiny synthetic PowerInfer file and its dense twin in a temporary directory.
+pub struct Files {
+    _dir: tempfile::TempDir,
+    pub sparse: PathBuf,
+    pub dense: PathBuf,
+}
+
+/// Writes the `tiny` shape of type `ty` and architecture `arch` with `seed`.
+pub fn make(ty: GgmlType, arch: Arch, seed: u64) -> Files {
+    let dir = tempfile::tempdir().unwrap();
+    let sparse = dir.path().join("model.powerinfer.gguf");
+    let dense = dir.path().join("model.gguf");
+    let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
+    cfg.ty = ty;
+    cfg.arch = arch;
+    cfg.seed = seed;
+    let out = SynthOutputs {
+        model: sparse.clone(),
+        dense: Some(dense.clone()),
+        activation_dir: None,
+        predictor_dir: None,
+    };
+    synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
+    Files {
+        _dir: dir,
+        sparse,
+        dense,
+    }
 }

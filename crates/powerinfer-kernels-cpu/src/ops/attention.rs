@@ -337,8 +337,7 @@ fn attend_group(
     if tiled {
         tile.clear();
         tile.resize(TILE * d, 0.0);
-        let mut p0 = 0;
-        while p0 < n_ctx {
+        for p0 in (0..n_ctx).step_by(TILE) {
             let np = (n_ctx - p0).min(TILE);
             widen_rows(isa, k, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
             tile[np * d..].fill(0.0);
@@ -346,23 +345,21 @@ fn attend_group(
                 let s = dots8(isa, qh, tile, scale);
                 scores[j * n_ctx + p0..][..np].copy_from_slice(&s[..np]);
             }
-            p0 += TILE;
         }
-    }
-    for (p, krow) in k.chunks_exact(kv_row).take(n_ctx).enumerate() {
-        if tiled {
-            break;
-        }
-        let kh = &krow[kv_off..kv_off + d];
-        if isa.is_avx2() {
-            for (j, qh) in q.chunks_exact(d).enumerate() {
-                scores[j * n_ctx + p] = dot_f32_f16(isa, qh, kh) * scale;
-            }
-        } else {
-            // Widen the row once (in bulk, which `half` vectorises where it can), then plain f32.
-            kh.convert_to_f32_slice(row);
-            for (j, qh) in q.chunks_exact(d).enumerate() {
-                scores[j * n_ctx + p] = dot_f32(qh, row) * scale;
+    } else {
+        for (p, krow) in k.chunks_exact(kv_row).take(n_ctx).enumerate() {
+            let kh = &krow[kv_off..kv_off + d];
+            if isa.is_avx2() {
+                for (j, qh) in q.chunks_exact(d).enumerate() {
+                    scores[j * n_ctx + p] = dot_f32_f16(isa, qh, kh) * scale;
+                }
+            } else {
+                // Widen the row once (in bulk, which `half` vectorises where it can), then
+                // plain f32.
+                kh.convert_to_f32_slice(row);
+                for (j, qh) in q.chunks_exact(d).enumerate() {
+                    scores[j * n_ctx + p] = dot_f32(qh, row) * scale;
+                }
             }
         }
     }
@@ -382,14 +379,12 @@ fn attend_group(
     }
     let mut p_start = 0;
     if tiled {
-        let mut p0 = 0;
-        while p0 < n_ctx {
+        for p0 in (0..n_ctx).step_by(TILE) {
             let np = (n_ctx - p0).min(TILE);
             widen_rows(isa, v, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
             for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
                 axpy_tile(isa, oh, &scores[j * n_ctx + p0..][..np], tile);
             }
-            p0 += TILE;
         }
         p_start = n_ctx;
     } else if isa.is_avx2() {
