@@ -6,11 +6,11 @@ use std::sync::Mutex;
 
 use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
 use powerinfer_kernels_cpu::pool::split_range;
-use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
+use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul, Weights};
 
 use crate::error::Result;
 use crate::forward::{add_bias, ForwardOptions};
-use crate::fused::{self, gemv_multi, run_threads, GemvJob};
+use crate::fused::{self, gemv_multi, run_threads};
 use crate::model::{Ffn, FfnAct, Layer, Model, TensorRef};
 use crate::profile::{Laps, Op};
 

@@ -26,12 +26,12 @@ use powerinfer_kernels_cpu::ops::activation::add;
 use powerinfer_kernels_cpu::ops::attention::{attention_block, AttentionParams};
 use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::{rope_block, RopeMode, RopeParams};
-use powerinfer_kernels_cpu::{MatMul, ThreadPool};
+use powerinfer_kernels_cpu::{GemvJob, MatMul, ThreadPool};
 
 use crate::error::{EngineError, Result};
 pub use crate::ffn::FfnObserver;
 use crate::ffn::{ffn_forward, FfnScratch};
-use crate::fused::{self, gemv_multi, GemvJob};
+use crate::fused::{self, gemv_multi};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{Arch, Model, Norm, Qkv};
 use crate::profile::{Laps, Op, OpProfile};

@@ -1,17 +1,17 @@
 //! Single-token decode helpers that put several row-parallel products into one thread-pool
-//! dispatch (`ThreadPool::run`): the Q/K/V products, the gate and up products of a dense FFN,
-//! and the predictor's second layer together with the sparse gate/up products of a PowerInfer
-//! FFN. Each thread runs the ordinary kernels on a one-thread pool over a row-range view of each
-//! matrix, so every output row is computed by the same kernel code as the multi-threaded call
-//! (results are bit-identical to it); only the number of dispatches changes.
+//! dispatch (`ThreadPool::run`): the Q/K/V products and the gate and up products of a dense
+//! FFN ([`MatMul::gemv_multi`]), and the predictor's second layer together with the sparse
+//! gate/up products of a PowerInfer FFN (each thread runs the ordinary kernels on a one-thread
+//! pool over a row-range view of each matrix, its own contiguous range of neurons). Every
+//! output row is computed by the same kernel code as the separate multi-threaded calls
+//! (results are bit-identical to them); only the number of dispatches changes.
 //!
 //! Setting the environment variable `POWERINFER_NOFUSE` turns these paths off (one dispatch per
 //! product, as for a block of tokens), for A/B measurements.
 
 use std::sync::Mutex;
 
-use powerinfer_kernels_cpu::pool::split_range;
-use powerinfer_kernels_cpu::{KernelError, MatMul, ThreadPool, Weights};
+use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul, ThreadPool};
 
 use crate::error::Result;
 
@@ -47,58 +47,9 @@ where
     }
 }
 
-/// One product `y = W x` of [`gemv_multi`].
-pub(crate) struct GemvJob<'a> {
-    pub w: Weights<'a>,
-    pub x: &'a [f32],
-    pub y: &'a mut [f32],
-}
-
-/// `y = W x` for every job, in one dispatch: the rows of all jobs, concatenated, are split into
-/// one contiguous near-equal part per thread.
-pub(crate) fn gemv_multi<'a>(mm: &MatMul<'_>, jobs: Vec<GemvJob<'a>>) -> Result<()> {
-    let n = mm.pool().n_threads();
-    if n == 1 {
-        for j in jobs {
-            mm.gemv(&j.w, j.x, j.y)?;
-        }
-        return Ok(());
-    }
-    let total: usize = jobs.iter().map(|j| j.w.rows()).sum();
-    // (thread, (weights view, x, y part)); each piece is locked by its own thread only.
-    type Piece<'a> = (Weights<'a>, &'a [f32], &'a mut [f32]);
-    let mut pieces: Vec<(usize, Mutex<Piece<'a>>)> = Vec::with_capacity(jobs.len() + n);
-    let mut offset = 0;
-    for j in jobs {
-        let rows = j.w.rows();
-        if j.y.len() != rows || j.x.len() != j.w.cols() {
-            // Let the kernel report the shape error.
-            mm.gemv(&j.w, j.x, j.y)?;
-            continue;
-        }
-        let mut rest: &'a mut [f32] = j.y;
-        for tid in 0..n {
-            let t = split_range(total, n, tid);
-            let s = t.start.max(offset);
-            let e = t.end.min(offset + rows);
-            if s >= e {
-                continue;
-            }
-            let (part, tail) = rest.split_at_mut(e - s);
-            rest = tail;
-            let w = j.w.row_range(s - offset..e - offset)?;
-            pieces.push((tid, Mutex::new((w, j.x, part))));
-        }
-        offset += rows;
-    }
-    run_threads(mm, |tid, m| {
-        for (_, p) in pieces.iter().filter(|(owner, _)| *owner == tid) {
-            let mut g = p.lock().unwrap_or_else(|e| e.into_inner());
-            let (w, x, y) = &mut *g;
-            m.gemv(w, x, y)?;
-        }
-        Ok(())
-    })
+/// `y = W x` for every job, in one dispatch ([`MatMul::gemv_multi`]).
+pub(crate) fn gemv_multi(mm: &MatMul<'_>, mut jobs: Vec<GemvJob<'_>>) -> Result<()> {
+    Ok(mm.gemv_multi(&mut jobs)?)
 }
 
 #[cfg(test)]

@@ -144,6 +144,118 @@ impl ThreadPool {
             }
         });
     }
+    /// The grains [`for_grains`](Self::for_grains) cuts `0..n_items` into, in order: each
+    /// thread's range ([`split_range`]) cut into pieces of `grain` items from its start, the
+    /// last piece of a range possibly shorter. `grain == 0` is taken as 1 (and `grain` is
+    /// raised where a range would have more than `u32::MAX` grains).
+    pub fn grain_ranges(&self, n_items: usize, grain: usize) -> Vec<Range<usize>> {
+        let grain = grain.max(1).max(n_items.div_ceil(u32::MAX as usize));
+        let n = self.n_threads;
+        (0..n)
+            .flat_map(|t| {
+                let r = split_range(n_items, n, t);
+                r.clone()
+                    .step_by(grain)
+                    .map(move |s| s..(s + grain).min(r.end))
+            })
+            .collect()
+    }
+
+    /// Calls `f(k, range)` once for every grain of [`grain_ranges`](Self::grain_ranges)
+    /// (`k` its index there), concurrently. Each thread runs the grains of its own range front
+    /// to back; a thread that has run all of its own takes the grains other threads have not
+    /// started yet, from the back of their ranges. Which thread runs a grain depends on timing;
+    /// the grains do not (they depend on `n_items`, `grain` and the thread count only). On a
+    /// quiet machine each thread thus reads one sequential stream, as with
+    /// [`for_chunks`](Self::for_chunks); a thread delayed by the OS leaves its tail to the
+    /// others instead of making them wait.
+    pub fn for_grains<F: Fn(usize, Range<usize>) + Sync>(
+        &self,
+        n_items: usize,
+        grain: usize,
+        f: F,
+    ) {
+        // At most 2^32 - 1 grains per range (the packed counters of `GrainSlot`).
+        let grain = grain.max(1).max(n_items.div_ceil(u32::MAX as usize));
+        let n = self.n_threads;
+        if n == 1 {
+            for (k, s) in (0..n_items).step_by(grain).enumerate() {
+                f(k, s..(s + grain).min(n_items));
+            }
+            return;
+        }
+        // Per thread: its first grain's index and its grains not taken yet.
+        let mut first = 0usize;
+        let slots: Vec<(usize, GrainSlot)> = (0..n)
+            .map(|t| {
+                let g = split_range(n_items, n, t).len().div_ceil(grain);
+                let slot = (first, GrainSlot(AtomicU64::new(g as u64)));
+                first += g;
+                slot
+            })
+            .collect();
+        let run_grain = |owner: usize, g: usize| {
+            let r = split_range(n_items, n, owner);
+            let start = r.start + g * grain;
+            f(slots[owner].0 + g, start..(start + grain).min(r.end));
+        };
+        self.run(|tid| {
+            while let Some(g) = slots[tid].1.take_front() {
+                run_grain(tid, g);
+            }
+            for k in 1..n {
+                let victim = (tid + k) % n;
+                while let Some(g) = slots[victim].1.take_back() {
+                    run_grain(victim, g);
+                }
+            }
+        });
+    }
+}
+
+/// The grains of one thread's range not yet taken: the index of the next one from the front
+/// in the high 32 bits, the end of the untaken ones in the low 32 bits (a range of more than
+/// 2^32 grains would need 2^32 items per grain-sized piece of memory: not made by the
+/// kernels). On its own cache line: the other threads touch it only once they steal.
+#[repr(align(64))]
+struct GrainSlot(AtomicU64);
+
+impl GrainSlot {
+    fn take_front(&self) -> Option<usize> {
+        let mut cur = self.0.load(Ordering::Relaxed);
+        loop {
+            let (front, back) = (cur >> 32, cur & 0xffff_ffff);
+            if front >= back {
+                return None;
+            }
+            match self.0.compare_exchange_weak(
+                cur,
+                cur + (1 << 32),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(front as usize),
+                Err(x) => cur = x,
+            }
+        }
+    }
+
+    fn take_back(&self) -> Option<usize> {
+        let mut cur = self.0.load(Ordering::Relaxed);
+        loop {
+            let (front, back) = (cur >> 32, cur & 0xffff_ffff);
+            if front >= back {
+                return None;
+            }
+            match self
+                .0
+                .compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => return Some(back as usize - 1),
+                Err(x) => cur = x,
+            }
+        }
+    }
 }
 
 /// The `part`-th of `n_parts` contiguous ranges that cover `0..n_items`: the first
@@ -419,6 +531,69 @@ mod tests {
                     });
                     assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn for_grains_runs_each_grain_once_with_its_index() {
+        for kind in kinds() {
+            for n in 1..=4 {
+                let pool = ThreadPool::with_kind(n, kind);
+                for n_items in [0usize, 1, 2, 7, 100, 1001] {
+                    for grain in [0usize, 1, 3, 64, 5000] {
+                        let ranges = pool.grain_ranges(n_items, grain);
+                        // The grains tile 0..n_items in order, none empty, none over `grain`.
+                        let mut next = 0;
+                        for r in &ranges {
+                            assert_eq!(r.start, next);
+                            assert!(!r.is_empty() && r.len() <= grain.max(1));
+                            next = r.end;
+                        }
+                        assert_eq!(next, n_items);
+                        let hits: Vec<AtomicUsize> =
+                            ranges.iter().map(|_| AtomicUsize::new(0)).collect();
+                        pool.for_grains(n_items, grain, |k, r| {
+                            assert_eq!(ranges[k], r, "{kind:?} {n} {n_items} {grain}");
+                            hits[k].fetch_add(1, Ordering::Relaxed);
+                        });
+                        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn for_grains_moves_a_delayed_threads_grains() {
+        for kind in kinds() {
+            let pool = ThreadPool::with_kind(2, kind);
+            // Thread 0 owns grains 0..5 and is held up in grain 0 until grains 1..5 have run
+            // (at most 20 s, however slowly the machine schedules the other thread): the other
+            // thread, done with grains 5..10, must take 4, 3, 2 and 1.
+            let who: Vec<Mutex<Option<std::thread::ThreadId>>> =
+                (0..10).map(|_| Mutex::new(None)).collect();
+            let done_of_first = AtomicUsize::new(0);
+            pool.for_grains(100, 10, |k, _| {
+                if k == 0 {
+                    let t = std::time::Instant::now();
+                    while done_of_first.load(Ordering::SeqCst) < 4
+                        && t.elapsed() < std::time::Duration::from_secs(20)
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                } else if k < 5 {
+                    done_of_first.fetch_add(1, Ordering::SeqCst);
+                }
+                *who[k].lock().unwrap() = Some(std::thread::current().id());
+            });
+            let id = |k: usize| who[k].lock().unwrap().expect("grain ran");
+            for k in 1..5 {
+                assert_ne!(
+                    id(k),
+                    id(0),
+                    "{kind:?}: grain {k} waited for the delayed thread"
+                );
             }
         }
     }

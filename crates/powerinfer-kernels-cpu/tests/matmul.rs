@@ -10,7 +10,9 @@ use matmul_common::{
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
 use powerinfer_kernels_cpu::reference::matmul as r;
-use powerinfer_kernels_cpu::{Backend, KernelError, MatMul, RowSelect, ThreadPool, Weights};
+use powerinfer_kernels_cpu::{
+    Backend, GemvJob, KernelError, MatMul, RowSelect, ThreadPool, Weights,
+};
 use proptest::prelude::*;
 
 const THREADS: [usize; 2] = [1, 3];
@@ -820,6 +822,84 @@ fn long_quantized_rows_gemv() {
                     Some(f) => assert_eq!(f, &bits(&y), "{ty:?} {cols} {backend:?} {threads}"),
                 }
             }
+        }
+    }
+}
+
+/// Several products in one dispatch (`gemv_multi`, also what `gemv` runs): bit-identical to
+/// one `gemv` per matrix and across thread counts, for jobs of different types, long and short
+/// rows, many grains per thread (so threads take each other's grains), and an empty job; a bad
+/// job fails the call before any output is written.
+#[test]
+fn gemv_multi_equals_separate_products() {
+    let mut rng = Rng(77);
+    let shapes = [
+        (GgmlType::F16, 203, 1024),
+        (GgmlType::Q4_0, 301, 2048),
+        (GgmlType::Q8_0, 0, 64),
+        (GgmlType::Q8_0, 45, 4096 + 32),
+        (GgmlType::Q4_K, 70, 512),
+        (GgmlType::F32, 9, 33),
+    ];
+    // (type, rows, cols, weight bytes, activation)
+    type Job = (GgmlType, usize, usize, Vec<u8>, Vec<f32>);
+    let cases: Vec<Job> = shapes
+        .iter()
+        .map(|&(ty, rows, cols)| {
+            let data = random_weights(ty, rows, cols, &mut rng);
+            let x = random_vec(cols, &mut rng);
+            (ty, rows, cols, data, x)
+        })
+        .collect();
+    let weights: Vec<Weights<'_>> = cases
+        .iter()
+        .map(|(ty, rows, cols, data, _)| Weights::new(*ty, *rows, *cols, data).unwrap())
+        .collect();
+    for backend in Backend::available() {
+        let mut first: Option<Vec<Vec<u32>>> = None;
+        for threads in [1usize, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            let mm = MatMul::with_backend(&pool, backend).unwrap();
+            let mut outs: Vec<Vec<f32>> = cases.iter().map(|c| vec![f32::NAN; c.1]).collect();
+            let mut jobs: Vec<GemvJob<'_>> = weights
+                .iter()
+                .zip(&cases)
+                .zip(outs.iter_mut())
+                .map(|((w, c), y)| GemvJob { w: *w, x: &c.4, y })
+                .collect();
+            mm.gemv_multi(&mut jobs).unwrap();
+            let got: Vec<Vec<u32>> = outs.iter().map(|y| bits(y)).collect();
+            for (k, (w, c)) in weights.iter().zip(&cases).enumerate() {
+                let mut y = vec![0f32; c.1];
+                mm.gemv(w, &c.4, &mut y).unwrap();
+                assert_eq!(
+                    got[k],
+                    bits(&y),
+                    "{backend:?} {threads}t job {k} ({:?})",
+                    c.0
+                );
+            }
+            match &first {
+                None => first = Some(got),
+                Some(f) => assert_eq!(f, &got, "{backend:?}: {threads} threads vs 1"),
+            }
+            // A job whose output has the wrong length: an error, and no job computed.
+            let mut y0 = vec![f32::NAN; cases[0].1];
+            let mut bad = vec![0f32; cases[1].1 + 1];
+            let r = mm.gemv_multi(&mut [
+                GemvJob {
+                    w: weights[0],
+                    x: &cases[0].4,
+                    y: &mut y0,
+                },
+                GemvJob {
+                    w: weights[1],
+                    x: &cases[1].4,
+                    y: &mut bad,
+                },
+            ]);
+            assert!(matches!(r, Err(KernelError::Length { .. })), "{r:?}");
+            assert!(y0.iter().all(|v| v.is_nan()));
         }
     }
 }

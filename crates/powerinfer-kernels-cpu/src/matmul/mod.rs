@@ -19,7 +19,9 @@
 //! products. The axpy kernels use the f32 activation `a_i` directly for every type.
 //!
 //! Work split: products split the rows (or the list of active rows) into contiguous parts,
-//! one per thread, so every row's result is the same for every thread count. The axpy kernels split the *output* columns (block-aligned),
+//! one per thread, so every row's result is the same for every thread count (the one-token
+//! dense product cuts the parts into grains that an idle thread may take over:
+//! [`MatMul::gemv`]). The axpy kernels split the *output* columns (block-aligned),
 //! each thread walking every active row over its columns, so no reduction between threads is
 //! needed and the summation order never changes; except the one-token axpy over rows of
 //! ≥ 2048 bytes on backends with a list kernel (AVX-512 Q4_0/Q8_0), which splits the active
@@ -76,6 +78,13 @@ const LIST_GEMV_ROW_BYTES: usize = 4096;
 /// threads (with a list kernel; [`MatMul::axpy_rows_split`]), shorter rows split the columns
 /// (5632×2048 Q4_0, 1152-byte rows: no gain measured).
 const ROW_SPLIT_AXPY_BYTES: usize = 2048;
+
+/// Weight bytes per grain of the one-token dense product ([`MatMul::gemv`], rounded to a
+/// multiple of 8 rows, at least 8): a thread walks its part of the rows in grains and takes
+/// the others' untouched grains from the back once done. TinyLlama-shaped Q4_0 products in
+/// decode order (22 layers and the head, 2 threads, Zen 4 VM, alternated runs): 52–55 tok/s
+/// with 64 or 128 KiB grains against 49 with fixed halves.
+pub const GEMV_GRAIN_BYTES: usize = 64 << 10;
 
 /// Float rows up to this many elements go through the dense GEMV one per pass, longer ones four
 /// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows, 4096×11008
@@ -443,6 +452,59 @@ impl OutPtr {
     }
 }
 
+/// One product of [`MatMul::gemv_multi`]: `y = w x`.
+#[derive(Debug)]
+pub struct GemvJob<'a> {
+    /// The matrix.
+    pub w: Weights<'a>,
+    /// The activation, `w.cols()` values.
+    pub x: &'a [f32],
+    /// The output, `w.rows()` values.
+    pub y: &'a mut [f32],
+}
+
+/// Rows `r` of `y = W x` into `y` (`r.len()` values), one thread: the list kernel over long
+/// quantized rows (`all` then lists every row), else four rows per pass or one (see below).
+fn gemv_rows(
+    w: &Weights<'_>,
+    ops: &RowOps,
+    act: &Act<'_>,
+    all: &[u32],
+    r: Range<usize>,
+    y: &mut [f32],
+) {
+    if let (Some(dot_list), false) = (ops.dot_list, all.is_empty()) {
+        let rows = ListedRows::whole(w.data, w.row_bytes, &all[r]);
+        dot_list(&rows, act, y);
+        return;
+    }
+    let mut done = 0;
+    // Four rows per pass for float rows longer than FLOAT_ONE_ROW_MAX_COLS (each load of the
+    // long f32 activation then serves four rows) and for short quantized rows
+    // (≤ SHORT_ROW_BYTES: the per-row reduction dominates there; a predictor's fc2, 5632×256
+    // Q4_0, went from 27.5 to 34 GB/s). Other rows go one at a time: one sequential stream
+    // per thread, the activation in L1 (quantized 11008×4096: 33.7 vs 17.5 GB/s, 2048×2048:
+    // 33 vs 15; F16 5632×2048: 35.8 vs 25–29). The sparse GEMV, whose scattered rows are
+    // software-prefetched and partly compute-bound, always uses four rows per pass.
+    let rows4 = match ops.act {
+        act::ActFormat::F32 if w.cols > FLOAT_ONE_ROW_MAX_COLS => ops.rows4,
+        act::ActFormat::F32 => None,
+        _ if w.row_bytes <= SHORT_ROW_BYTES => ops.rows4,
+        _ => None,
+    };
+    if let Some(rows4) = rows4 {
+        for (k, yq) in y.chunks_exact_mut(4).enumerate() {
+            let i = r.start + 4 * k;
+            let v = rows4([w.row(i), w.row(i + 1), w.row(i + 2), w.row(i + 3)], act);
+            yq.copy_from_slice(&v);
+        }
+        done = y.len() / 4 * 4;
+    }
+    for (yi, i) in y[done..].iter_mut().zip(r.start + done..r.end) {
+        *yi = (ops.dot)(w.row(i), act);
+    }
+}
+
 /// Runs the matrix kernels on a thread pool with one backend. Cheap to make; make one per pool.
 #[derive(Clone, Copy, Debug)]
 pub struct MatMul<'p> {
@@ -483,57 +545,56 @@ impl<'p> MatMul<'p> {
     }
 
     /// `y = W x` for one token: `x` has `cols` values, `y` has `rows`.
+    ///
+    /// Work split ([`ThreadPool::for_grains`]): each thread walks its own contiguous part of
+    /// the rows, front to back, in grains of about [`GEMV_GRAIN_BYTES`] of weights, and a
+    /// thread done with its part takes the grains the others have not started, from the back.
     pub fn gemv(&self, w: &Weights<'_>, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
-        check_len("x", w.cols, x.len())?;
-        check_len("y", w.rows, y.len())?;
-        let ops = self.ops(w)?;
-        let acts = ActBuf::new(ops.act, x, w.cols);
-        let act = acts.get(0);
-        let out = OutPtr::new(y);
-        if let (Some(dot_list), true) = (ops.dot_list, w.row_bytes >= LIST_GEMV_ROW_BYTES) {
+        self.gemv_multi(&mut [GemvJob { w: *w, x, y }])
+    }
+
+    /// `y = W x` for every job, in one dispatch of the pool: the rows of all jobs, concatenated,
+    /// are split as in [`gemv`](Self::gemv), so small products (a layer's Q, K and V) share one
+    /// start and one wait instead of paying one each. Every output row is computed by the same
+    /// row kernel as `gemv` on that matrix alone; the grouping of rows into passes depends on
+    /// the thread count only, and the kernels give a row the same bits whichever pass it is in.
+    /// All jobs are checked before any is computed.
+    pub fn gemv_multi(&self, jobs: &mut [GemvJob<'_>]) -> Result<(), KernelError> {
+        let mut prepared = Vec::with_capacity(jobs.len());
+        let mut total = 0usize;
+        let mut max_row_bytes = 1usize;
+        for j in jobs.iter_mut() {
+            check_len("x", j.w.cols, j.x.len())?;
+            check_len("y", j.w.rows, j.y.len())?;
+            let ops = self.ops(&j.w)?;
+            let acts = ActBuf::new(ops.act, j.x, j.w.cols);
             // Long quantized rows: the list kernel over every row (8 rows per pass share each
             // activation load; same per-row operations, same bits).
-            let all: Vec<u32> = (0..w.rows as u32).collect();
-            self.pool.for_chunks(w.rows, |r| {
-                // SAFETY: `for_chunks` hands out disjoint row ranges within `0..rows == y.len()`.
-                let y = unsafe { out.slice(r.clone()) };
-                let rows = ListedRows::whole(w.data, w.row_bytes, &all[r]);
-                dot_list(&rows, &act, y);
-            });
+            let all: Vec<u32> = if ops.dot_list.is_some() && j.w.row_bytes >= LIST_GEMV_ROW_BYTES {
+                (0..j.w.rows as u32).collect()
+            } else {
+                Vec::new()
+            };
+            prepared.push((total, j.w, ops, acts, all, OutPtr::new(j.y)));
+            total += j.w.rows;
+            max_row_bytes = max_row_bytes.max(j.w.row_bytes);
+        }
+        if total == 0 {
             return Ok(());
         }
-        // Static halves, not ranges taken by whichever thread is free: with ranges of
-        // rows/(16·threads) rows the sparse Q4_0 TinyLlama decode (whose attention, head and
-        // predictor are dense GEMVs) ran 3–5% slower and the dense Q4_0 one 3–15% slower
-        // (2 threads, paired rounds): each range restarts the hardware prefetchers.
-        self.pool.for_chunks(w.rows, |r| {
-            // SAFETY: `for_chunks` hands out disjoint row ranges within `0..rows == y.len()`.
-            let y = unsafe { out.slice(r.clone()) };
-            let mut done = 0;
-            // Four rows per pass for float rows longer than FLOAT_ONE_ROW_MAX_COLS (each
-            // load of the long f32 activation then serves four rows) and for short quantized
-            // rows (≤ SHORT_ROW_BYTES: the per-row reduction dominates there; a predictor's
-            // fc2, 5632×256 Q4_0, went from 27.5 to 34 GB/s). Other rows go one at a time:
-            // one sequential stream per thread, the activation in L1 (quantized 11008×4096:
-            // 33.7 vs 17.5 GB/s, 2048×2048: 33 vs 15; F16 5632×2048: 35.8 vs 25–29). The
-            // sparse GEMV, whose scattered rows are software-prefetched and partly
-            // compute-bound, always uses four rows per pass.
-            let rows4 = match ops.act {
-                act::ActFormat::F32 if w.cols > FLOAT_ONE_ROW_MAX_COLS => ops.rows4,
-                act::ActFormat::F32 => None,
-                _ if w.row_bytes <= SHORT_ROW_BYTES => ops.rows4,
-                _ => None,
-            };
-            if let Some(rows4) = rows4 {
-                for (k, yq) in y.chunks_exact_mut(4).enumerate() {
-                    let i = r.start + 4 * k;
-                    let v = rows4([w.row(i), w.row(i + 1), w.row(i + 2), w.row(i + 3)], &act);
-                    yq.copy_from_slice(&v);
+        let grain = (GEMV_GRAIN_BYTES / max_row_bytes).max(8) / 8 * 8;
+        self.pool.for_grains(total, grain, |_, r| {
+            for (offset, w, ops, acts, all, out) in &prepared {
+                let s = r.start.max(*offset);
+                let e = r.end.min(offset + w.rows);
+                if s >= e {
+                    continue;
                 }
-                done = y.len() / 4 * 4;
-            }
-            for (yi, i) in y[done..].iter_mut().zip(r.start + done..r.end) {
-                *yi = (ops.dot)(w.row(i), &act);
+                let rows = s - offset..e - offset;
+                // SAFETY: `for_grains` hands out disjoint ranges of the concatenated rows; their
+                // parts in this job are disjoint ranges within `0..w.rows == y.len()`.
+                let y = unsafe { out.slice(rows.clone()) };
+                gemv_rows(w, ops, &acts.get(0), all, rows, y);
             }
         });
         Ok(())
