@@ -286,6 +286,35 @@ fn attention_block_isa(
     Ok(())
 }
 
+/// Positions ahead whose K or V head row the per-position path prefetches (the tiled path
+/// prefetches the next tile's rows). The rows of one kv head are `kv_row` values apart (8 KiB
+/// for LLaMA-7B's 32 heads of 128, 1 KiB for TinyLlama's 4 kv heads of 64), strides the
+/// hardware prefetchers do not run far enough ahead on. Measured one token over a cache in
+/// DRAM (32 layers' caches visited in turn, 2 threads, Zen 4, alternated runs): 7B shape at
+/// 500 positions 380–560 µs per layer against 566–695 without, TinyLlama shape at 2000
+/// positions 283–345 µs against 399–605.
+const KV_PREFETCH_AHEAD: usize = 8;
+
+/// Prefetches the `d` values at `src[start..]` (as far as they exist) into L1.
+#[inline]
+fn prefetch_head(src: &[f16], start: usize, d: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = (start + d).min(src.len());
+        let mut i = start;
+        while i < end {
+            // SAFETY: a prefetch never faults and changes no state the program can observe; the
+            // address is inside `src` (`i < end <= src.len()`); SSE is part of x86-64's baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(src.as_ptr().add(i) as *const i8) };
+            // 32 f16 values: one 64-byte line.
+            i += 32;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (src, start, d);
+}
+
 /// Per-thread buffers of [`attend_group`].
 #[derive(Default)]
 struct Scratch {
@@ -339,6 +368,9 @@ fn attend_group(
         tile.resize(TILE * d, 0.0);
         for p0 in (0..n_ctx).step_by(TILE) {
             let np = (n_ctx - p0).min(TILE);
+            for p in (p0 + TILE..n_ctx).take(TILE) {
+                prefetch_head(k, p * kv_row + kv_off, d);
+            }
             widen_rows(isa, k, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
             tile[np * d..].fill(0.0);
             for (j, qh) in q.chunks_exact(d).enumerate() {
@@ -348,6 +380,9 @@ fn attend_group(
         }
     } else {
         for (p, krow) in k.chunks_exact(kv_row).take(n_ctx).enumerate() {
+            if p + KV_PREFETCH_AHEAD < n_ctx {
+                prefetch_head(k, (p + KV_PREFETCH_AHEAD) * kv_row + kv_off, d);
+            }
             let kh = &krow[kv_off..kv_off + d];
             if isa.is_avx2() {
                 for (j, qh) in q.chunks_exact(d).enumerate() {
@@ -381,6 +416,9 @@ fn attend_group(
     if tiled {
         for p0 in (0..n_ctx).step_by(TILE) {
             let np = (n_ctx - p0).min(TILE);
+            for p in (p0 + TILE..n_ctx).take(TILE) {
+                prefetch_head(v, p * kv_row + kv_off, d);
+            }
             widen_rows(isa, v, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
             for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
                 axpy_tile(isa, oh, &scores[j * n_ctx + p0..][..np], tile);
@@ -391,6 +429,9 @@ fn attend_group(
         // Four positions per pass over the output: a quarter of the loads and stores of `out`.
         p_start = n_ctx - n_ctx % 4;
         for p in (0..p_start).step_by(4) {
+            for r in (p + KV_PREFETCH_AHEAD..n_ctx).take(4) {
+                prefetch_head(v, r * kv_row + kv_off, d);
+            }
             let vh = |r: usize| &v[(p + r) * kv_row + kv_off..][..d];
             let rows = [vh(0), vh(1), vh(2), vh(3)];
             for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
@@ -400,6 +441,9 @@ fn attend_group(
         }
     }
     for (p, vrow) in v.chunks_exact(kv_row).take(n_ctx).enumerate().skip(p_start) {
+        if p + KV_PREFETCH_AHEAD < n_ctx {
+            prefetch_head(v, (p + KV_PREFETCH_AHEAD) * kv_row + kv_off, d);
+        }
         let vh = &vrow[kv_off..kv_off + d];
         if isa.is_avx2() {
             for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
