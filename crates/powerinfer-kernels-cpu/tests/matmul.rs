@@ -765,6 +765,31 @@ proptest! {
     }
 }
 
+/// The repacked product over enough groups of rows that each thread's part is cut into several
+/// grains (`GEMV_GRAIN_BYTES`), plus a tail: bit-identical to the GEMV for 1, 2 and 3 threads.
+#[test]
+fn packed_q4_0_many_grains_equals_gemv() {
+    let mut rng = Rng(11);
+    let (rows, cols) = (8 * 61 + 5, 2048);
+    let data = random_weights(GgmlType::Q4_0, rows, cols, &mut rng);
+    let w = Weights::new(GgmlType::Q4_0, rows, cols, &data).unwrap();
+    let x = random_vec(cols, &mut rng);
+    for threads in [1usize, 2, 3] {
+        let pool = ThreadPool::new(threads);
+        let mm = MatMul::new(&pool);
+        let Some(p) = mm.pack_q4_0(&w) else {
+            assert_ne!(mm.backend(), Backend::Avx512, "no packed kernel on AVX-512");
+            eprintln!("skipped: no packed Q4_0 kernel on {:?}", mm.backend());
+            return;
+        };
+        let mut want = vec![0f32; rows];
+        mm.gemv(&w, &x, &mut want).unwrap();
+        let mut got = vec![f32::NAN; rows];
+        mm.gemv_packed(&p, &x, &mut got).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{threads} threads");
+    }
+}
+
 /// `pack_q4_0` declines other types and rows of an odd number of blocks.
 #[test]
 fn pack_q4_0_declines_what_it_cannot_pack() {

@@ -651,8 +651,10 @@ impl<'p> MatMul<'p> {
             let n_groups = groups.len() / gb;
             let body = n_groups * x86_packed::GROUP;
             let out = OutPtr::new(&mut y[..body]);
-            self.pool.for_chunks(n_groups, |r| {
-                // SAFETY: `for_chunks` hands out disjoint group ranges, whose rows are
+            // Grains of groups, as the rows of `gemv`.
+            let grain = (GEMV_GRAIN_BYTES / gb.max(1)).max(1);
+            self.pool.for_grains(n_groups, grain, |_, r| {
+                // SAFETY: `for_grains` hands out disjoint group ranges, whose rows are
                 // disjoint ranges within `0..body == out.len`.
                 let y =
                     unsafe { out.slice(r.start * x86_packed::GROUP..r.end * x86_packed::GROUP) };
