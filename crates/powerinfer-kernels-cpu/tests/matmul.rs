@@ -928,3 +928,43 @@ fn gemv_multi_equals_separate_products() {
         }
     }
 }
+
+/// GEMMs over rows long enough that each thread's part is several row blocks, which threads
+/// may take from one another (`ThreadPool::for_grains`): bit-identical for 1, 2 and 3 threads,
+/// and for the quantized types equal to the per-token GEMV bit for bit.
+#[test]
+fn gemm_with_many_row_blocks_is_thread_count_independent() {
+    let mut rng = Rng(99);
+    // Enough tokens for the blocked AVX-512 GEMMs of every type here (Q8_0 from 6).
+    let n_tokens = 7;
+    for (ty, rows, cols) in [
+        (GgmlType::F16, 150, 8192),
+        (GgmlType::Q8_0, 150, 8192),
+        (GgmlType::Q4_0, 150, 8192),
+    ] {
+        let data = random_weights(ty, rows, cols, &mut rng);
+        let w = Weights::new(ty, rows, cols, &data).unwrap();
+        let x = random_vec(cols * n_tokens, &mut rng);
+        for backend in Backend::available() {
+            let mut first: Option<Vec<u32>> = None;
+            for threads in [1usize, 2, 3] {
+                let pool = ThreadPool::new(threads);
+                let mm = MatMul::with_backend(&pool, backend).unwrap();
+                let mut y = vec![f32::NAN; rows * n_tokens];
+                mm.gemm(&w, &x, n_tokens, &mut y).unwrap();
+                let what = format!("{ty:?} {backend:?} {threads}t");
+                match &first {
+                    None => first = Some(bits(&y)),
+                    Some(f) => assert_eq!(f, &bits(&y), "{what}"),
+                }
+                if ty != GgmlType::F16 {
+                    for t in 0..n_tokens {
+                        let mut yt = vec![0f32; rows];
+                        mm.gemv(&w, &x[t * cols..(t + 1) * cols], &mut yt).unwrap();
+                        assert_eq!(bits(&yt), bits(&y[t * rows..(t + 1) * rows]), "{what} t{t}");
+                    }
+                }
+            }
+        }
+    }
+}

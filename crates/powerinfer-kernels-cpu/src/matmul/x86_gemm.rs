@@ -212,7 +212,8 @@ fn float_gemm<L: FloatLoad>(
     let block_rows = (ROW_BLOCK_BYTES / rb_bytes.max(1)).clamp(FR, 256) / FR * FR;
     let out = OutPtr::new(y);
     let n_tiles = rows.div_ceil(FR);
-    pool.for_chunks(n_tiles, |tiles| {
+    // One row block per grain: a thread done with its own blocks takes the others' last ones.
+    pool.for_grains(n_tiles, block_rows / FR, |_, tiles| {
         let (wp, xp) = (w.data.as_ptr(), x.as_ptr());
         let (r0, r1) = (tiles.start * FR, (tiles.end * FR).min(rows));
         let mut b0 = r0;
@@ -458,10 +459,16 @@ fn q8_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
     let block_rows = (ROW_BLOCK_BYTES / packed_row).clamp(QR, 256) / QR * QR;
     let out = OutPtr::new(y);
     let n_tiles = rows.div_ceil(QR);
-    pool.for_chunks(n_tiles, |tiles| {
+    // One row block per grain, as in `float_gemm`.
+    pool.for_grains(n_tiles, block_rows / QR, |_, tiles| {
         let (up, dp) = (acts.u.as_ptr(), acts.d.as_ptr());
         let (r0, r1) = (tiles.start * QR, (tiles.end * QR).min(rows));
-        let mut packed = vec![0u8; block_rows.min(r1 - r0) * packed_row];
+        // The thread's packing buffer, kept between grains and calls (as `Q4_PACKED`).
+        let mut packed = Q8_PACKED.take();
+        let need = block_rows.min(r1 - r0) * packed_row;
+        if packed.len() < need {
+            packed.resize(need, 0);
+        }
         let mut b0 = r0;
         while b0 < r1 {
             let b1 = (b0 + block_rows).min(r1);
@@ -499,7 +506,13 @@ fn q8_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
             }
             b0 = b1;
         }
+        Q8_PACKED.set(packed);
     });
+}
+
+thread_local! {
+    /// Each thread's packing buffer of [`q8_0_gemm`].
+    static Q8_PACKED: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -752,7 +765,8 @@ fn q4_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
     let block_groups = (ROW_BLOCK_BYTES / packed_group).clamp(1, 16);
     let out = OutPtr::new(y);
     let n_groups = rows.div_ceil(Q4R);
-    pool.for_chunks(n_groups, |groups| {
+    // One row block per grain, as in `float_gemm`.
+    pool.for_grains(n_groups, block_groups, |_, groups| {
         // The thread's packing buffer, kept between calls: a fresh ~400 KiB allocation per call
         // cost page faults worth ~a third of a 2-token product (every byte read is packed first).
         let mut packed = Q4_PACKED.take();
