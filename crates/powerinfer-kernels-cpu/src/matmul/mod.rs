@@ -614,15 +614,31 @@ impl<'p> MatMul<'p> {
             }
             let groups = w.rows / x86_packed::GROUP;
             let split = groups * x86_packed::GROUP * w.row_bytes;
-            let packed = x86_packed::pack(w.data, nb, groups);
-            let mut lines = vec![CacheLine([0; 64]); packed.len().div_ceil(64)];
-            bytemuck::cast_slice_mut::<CacheLine, u8>(&mut lines)[..packed.len()]
-                .copy_from_slice(&packed);
+            let gb = x86_packed::group_bytes(nb);
+            let len = groups * gb;
+            let mut lines = vec![CacheLine([0; 64]); len.div_ceil(64)];
+            // Each thread packs its own range of groups into its own part of the copy (the
+            // copy's pages are first touched there too, in parallel).
+            let n = self.pool.n_threads();
+            let mut parts: Vec<std::sync::Mutex<(Range<usize>, &mut [u8])>> = Vec::with_capacity(n);
+            let mut rest = &mut bytemuck::cast_slice_mut::<CacheLine, u8>(&mut lines)[..len];
+            for t in 0..n {
+                let r = split_range(groups, n, t);
+                let (part, tail) = rest.split_at_mut(r.len() * gb);
+                rest = tail;
+                parts.push(std::sync::Mutex::new((r, part)));
+            }
+            self.pool.run(|t| {
+                let mut p = parts[t].lock().unwrap_or_else(|e| e.into_inner());
+                let (r, out) = &mut *p;
+                x86_packed::pack_into(w.data, nb, r.clone(), out);
+            });
+            drop(parts);
             Some(PackedQ4_0 {
                 rows: w.rows,
                 cols: w.cols,
                 groups: lines,
-                groups_len: packed.len(),
+                groups_len: len,
                 tail: w.data[split..].to_vec(),
             })
         }

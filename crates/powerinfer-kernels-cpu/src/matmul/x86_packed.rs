@@ -34,26 +34,32 @@ pub(crate) fn group_bytes(nb: usize) -> usize {
     nb / 2 * PAIR_BYTES
 }
 
-/// Repacks the first `groups · GROUP` rows of `data` (rows of `nb` 18-byte Q4_0 blocks, `nb`
-/// even) into the interleaved layout.
-pub(crate) fn pack(data: &[u8], nb: usize, groups: usize) -> Vec<u8> {
+/// Repacks row groups `groups` of `data` (rows of `nb` 18-byte Q4_0 blocks, `nb` even) into
+/// the interleaved layout, into `out` (exactly `groups.len() · group_bytes(nb)` bytes).
+///
+/// Panics if the lengths disagree (a frame bug).
+pub(crate) fn pack_into(data: &[u8], nb: usize, groups: std::ops::Range<usize>, out: &mut [u8]) {
     let rb = nb * 18;
-    let mut out = Vec::with_capacity(groups * group_bytes(nb));
-    for g in 0..groups {
+    assert_eq!(out.len(), groups.len() * group_bytes(nb));
+    let mut o = 0;
+    let mut put = |src: &[u8]| {
+        out[o..o + src.len()].copy_from_slice(src);
+        o += src.len();
+    };
+    for g in groups {
         for b in (0..nb).step_by(2) {
             for r in 0..GROUP {
                 let p = (g * GROUP + r) * rb + b * 18;
-                out.extend_from_slice(&data[p..p + 2]);
-                out.extend_from_slice(&data[p + 18..p + 20]);
+                put(&data[p..p + 2]);
+                put(&data[p + 18..p + 20]);
             }
             for r in 0..GROUP {
                 let p = (g * GROUP + r) * rb + b * 18;
-                out.extend_from_slice(&data[p + 2..p + 18]);
-                out.extend_from_slice(&data[p + 20..p + 36]);
+                put(&data[p + 2..p + 18]);
+                put(&data[p + 20..p + 36]);
             }
         }
     }
-    out
 }
 
 /// The eight results of every group in `packed` (whole groups of `nb` blocks per row, `nb`
