@@ -144,6 +144,7 @@ impl ThreadPool {
             }
         });
     }
+
     /// The grains [`for_grains`](Self::for_grains) cuts `0..n_items` into, in order: each
     /// thread's range ([`split_range`]) cut into pieces of `grain` items from its start, the
     /// last piece of a range possibly shorter. `grain == 0` is taken as 1 (and `grain` is
@@ -214,9 +215,9 @@ impl ThreadPool {
 }
 
 /// The grains of one thread's range not yet taken: the index of the next one from the front
-/// in the high 32 bits, the end of the untaken ones in the low 32 bits (a range of more than
-/// 2^32 grains would need 2^32 items per grain-sized piece of memory: not made by the
-/// kernels). On its own cache line: the other threads touch it only once they steal.
+/// in the high 32 bits, the end of the untaken ones in the low 32 bits (`for_grains` raises
+/// the grain so that no range has 2^32 grains). On its own cache line: the other threads touch
+/// it only once they steal.
 #[repr(align(64))]
 struct GrainSlot(AtomicU64);
 
