@@ -10,7 +10,7 @@ use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul, Weights};
 
 use crate::error::Result;
 use crate::forward::{add_bias, ForwardOptions};
-use crate::fused::{self, gemv_multi, run_threads};
+use crate::fused::{self, run_threads};
 use crate::model::{Ffn, FfnAct, Layer, Model, TensorRef};
 use crate::profile::{Laps, Op};
 
@@ -259,7 +259,7 @@ fn hidden_dense(
     match layer.ffn.gate() {
         Some(gate) => {
             if t == 1 && fused::enabled() && !model.is_packed(gate) {
-                let jobs = vec![
+                let mut jobs = [
                     GemvJob {
                         w: model.weights(gate)?,
                         x: cur,
@@ -271,7 +271,7 @@ fn hidden_dense(
                         y: &mut s.up,
                     },
                 ];
-                gemv_multi(mm, jobs)?;
+                mm.gemv_multi(&mut jobs)?;
             } else {
                 model.product(mm, gate, cur, t, &mut s.gate)?;
                 model.product(mm, up, cur, t, &mut s.up)?;

@@ -31,7 +31,7 @@ use powerinfer_kernels_cpu::{GemvJob, MatMul, ThreadPool};
 use crate::error::{EngineError, Result};
 pub use crate::ffn::FfnObserver;
 use crate::ffn::{ffn_forward, FfnScratch};
-use crate::fused::{self, gemv_multi};
+use crate::fused;
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{Arch, Model, Norm, Qkv};
 use crate::profile::{Laps, Op, OpProfile};
@@ -277,7 +277,7 @@ fn eval_segments(
             } => {
                 if t == 1 && fused::enabled() && !model.is_packed(wq) {
                     // One token: the three products in one dispatch.
-                    let jobs = vec![
+                    let mut jobs = [
                         GemvJob {
                             w: model.weights(wq)?,
                             x: attn_in,
@@ -294,7 +294,7 @@ fn eval_segments(
                             y: &mut v,
                         },
                     ];
-                    gemv_multi(&mm, jobs)?;
+                    mm.gemv_multi(&mut jobs)?;
                 } else {
                     model.product(&mm, wq, attn_in, t, &mut q)?;
                     model.product(&mm, wk, attn_in, t, &mut k)?;

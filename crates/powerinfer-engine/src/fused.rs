@@ -11,7 +11,7 @@
 
 use std::sync::Mutex;
 
-use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul, ThreadPool};
+use powerinfer_kernels_cpu::{KernelError, MatMul, ThreadPool};
 
 use crate::error::Result;
 
@@ -45,11 +45,6 @@ where
         Some(e) => Err(e.into()),
         None => Ok(()),
     }
-}
-
-/// `y = W x` for every job, in one dispatch ([`MatMul::gemv_multi`]).
-pub(crate) fn gemv_multi(mm: &MatMul<'_>, mut jobs: Vec<GemvJob<'_>>) -> Result<()> {
-    Ok(mm.gemv_multi(&mut jobs)?)
 }
 
 #[cfg(test)]

@@ -905,9 +905,37 @@ fn gemv_multi_equals_separate_products() {
                 );
             }
             match &first {
-                None => first = Some(got),
+                None => first = Some(got.clone()),
                 Some(f) => assert_eq!(f, &got, "{backend:?}: {threads} threads vs 1"),
             }
+            // Two matrices reading the same activation (prepared once): the same results as
+            // separate products.
+            let (w1, x1) = (weights[1], &cases[1].4);
+            let w1b = Weights::new(GgmlType::Q4_0, 7, cases[1].2, &cases[1].3[..7 * 1152]).unwrap();
+            let (mut ya, mut yb) = (vec![0f32; w1.rows()], vec![0f32; 7]);
+            mm.gemv_multi(&mut [
+                GemvJob {
+                    w: w1,
+                    x: x1,
+                    y: &mut ya,
+                },
+                GemvJob {
+                    w: w1b,
+                    x: x1,
+                    y: &mut yb,
+                },
+            ])
+            .unwrap();
+            assert_eq!(
+                bits(&ya),
+                got[1],
+                "{backend:?} {threads}t shared activation"
+            );
+            assert_eq!(
+                bits(&yb),
+                got[1][..7].to_vec(),
+                "{backend:?} {threads}t shared"
+            );
             // A job whose output has the wrong length: an error, and no job computed.
             let mut y0 = vec![f32::NAN; cases[0].1];
             let mut bad = vec![0f32; cases[1].1 + 1];

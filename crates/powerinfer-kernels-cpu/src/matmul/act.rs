@@ -52,6 +52,8 @@ pub(crate) struct Act<'a> {
 /// The prepared activations of `t` tokens of `cols` values each.
 pub(crate) struct ActBuf<'a> {
     fmt: ActFormat,
+    /// The activations this buffer was prepared from.
+    src: &'a [f32],
     cols: usize,
     f: &'a [f32],
     q: Vec<i8>,
@@ -62,11 +64,17 @@ pub(crate) struct ActBuf<'a> {
 }
 
 impl<'a> ActBuf<'a> {
+    /// Whether this buffer prepared exactly `x` (the same slice) in format `fmt`.
+    pub(crate) fn is_of(&self, fmt: ActFormat, x: &[f32]) -> bool {
+        self.fmt == fmt && std::ptr::eq(self.src, x)
+    }
+
     /// Prepares `x` (`t` rows of `cols`, `cols` a multiple of the format's block).
     pub(crate) fn new(fmt: ActFormat, x: &'a [f32], cols: usize) -> Self {
         let t = x.len().checked_div(cols).unwrap_or(0);
         let mut buf = ActBuf {
             fmt,
+            src: x,
             cols,
             f: &[],
             q: Vec::new(),

@@ -561,13 +561,22 @@ impl<'p> MatMul<'p> {
     /// All jobs are checked before any is computed.
     pub fn gemv_multi(&self, jobs: &mut [GemvJob<'_>]) -> Result<(), KernelError> {
         let mut prepared = Vec::with_capacity(jobs.len());
+        // Each distinct activation prepared once (a layer's Q, K and V share theirs).
+        let mut acts: Vec<ActBuf<'_>> = Vec::with_capacity(jobs.len());
         let mut total = 0usize;
         let mut max_row_bytes = 1usize;
         for j in jobs.iter_mut() {
             check_len("x", j.w.cols, j.x.len())?;
             check_len("y", j.w.rows, j.y.len())?;
             let ops = self.ops(&j.w)?;
-            let acts = ActBuf::new(ops.act, j.x, j.w.cols);
+            let same = |a: &ActBuf<'_>| a.is_of(ops.act, j.x);
+            let act = match acts.iter().position(same) {
+                Some(k) => k,
+                None => {
+                    acts.push(ActBuf::new(ops.act, j.x, j.w.cols));
+                    acts.len() - 1
+                }
+            };
             // Long quantized rows: the list kernel over every row (8 rows per pass share each
             // activation load; same per-row operations, same bits).
             let all: Vec<u32> = if ops.dot_list.is_some() && j.w.row_bytes >= LIST_GEMV_ROW_BYTES {
@@ -575,7 +584,7 @@ impl<'p> MatMul<'p> {
             } else {
                 Vec::new()
             };
-            prepared.push((total, j.w, ops, acts, all, OutPtr::new(j.y)));
+            prepared.push((total, j.w, ops, act, all, OutPtr::new(j.y)));
             total += j.w.rows;
             max_row_bytes = max_row_bytes.max(j.w.row_bytes);
         }
@@ -584,7 +593,7 @@ impl<'p> MatMul<'p> {
         }
         let grain = (GEMV_GRAIN_BYTES / max_row_bytes).max(8) / 8 * 8;
         self.pool.for_grains(total, grain, |_, r| {
-            for (offset, w, ops, acts, all, out) in &prepared {
+            for (offset, w, ops, act, all, out) in &prepared {
                 let s = r.start.max(*offset);
                 let e = r.end.min(offset + w.rows);
                 if s >= e {
@@ -594,7 +603,7 @@ impl<'p> MatMul<'p> {
                 // SAFETY: `for_grains` hands out disjoint ranges of the concatenated rows; their
                 // parts in this job are disjoint ranges within `0..w.rows == y.len()`.
                 let y = unsafe { out.slice(rows.clone()) };
-                gemv_rows(w, ops, &acts.get(0), all, rows, y);
+                gemv_rows(w, ops, &acts[*act].get(0), all, rows, y);
             }
         });
         Ok(())
