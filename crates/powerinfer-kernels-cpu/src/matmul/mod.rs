@@ -67,12 +67,15 @@ use table::{ListedRows, RowOps};
 const SHORT_ROW_BYTES: usize = 384;
 
 /// Quantized rows of at least this many bytes go through the sparse list kernel over every row
-/// in the one-token product, where the backend has one (AVX-512 Q4_0/Q8_0): one row at a time,
-/// a long row's activation (Q4_0 at 16384 columns: ~26 KB) no longer stays in L1 beside the
-/// weight stream. Zen 4, one thread, Q4_0: 1024×16384 8.9 → 26 GB/s, 4096×11008 (LLaMA-7B's
-/// `ffn_down`) 23 → 26 GB/s, and from a 7B file's 32 `ffn_down` matrices 9–13 GB/s one row at
-/// a time; rows of 2304 bytes (4096 columns) run at the same speed either way.
-const LIST_GEMV_ROW_BYTES: usize = 4096;
+/// in the one-token product, where the backend has one (AVX-512 Q4_0/Q8_0), eight rows per pass
+/// behind its software prefetch stream. Zen 4, one thread, Q4_0: 1024×16384 8.9 → 26 GB/s,
+/// 4096×11008 (LLaMA-7B's `ffn_down`) 23 → 26 GB/s, from a 7B file's 32 `ffn_down` matrices
+/// 9–13 GB/s one row at a time; rows of 2304 bytes (4096 columns) ran at the same speed either
+/// way there. On a 2-vCPU Xeon (AVX-512 + AMX, 480 MiB L3), 2 threads, weights not in cache,
+/// the one-row loop reads Q4_0 at 15–16 GB/s where the list kernel reads 22–23 (4096×4096,
+/// 2048×2048, 5632×2048), Q8_0 4096×4096 at 22.6 vs 20.7–24.5; TinyLlama-shaped Q4_0 decode
+/// went from 17.7 to 37 tok/s, hence the lower bound (Q4_0 from 2048 columns, Q8_0 from 1024).
+const LIST_GEMV_ROW_BYTES: usize = 1024;
 
 /// One-token sparse axpy over rows of at least this many bytes splits the active rows between
 /// threads (with a list kernel; [`MatMul::axpy_rows_split`]), shorter rows split the columns
@@ -83,8 +86,10 @@ const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 /// multiple of 8 rows, at least 8): a thread walks its part of the rows in grains and takes
 /// the others' untouched grains from the back once done. TinyLlama-shaped Q4_0 products in
 /// decode order (22 layers and the head, 2 threads, Zen 4 VM, alternated runs): 52–55 tok/s
-/// with 64 or 128 KiB grains against 49 with fixed halves.
-pub const GEMV_GRAIN_BYTES: usize = 64 << 10;
+/// with 64 or 128 KiB grains against 49 with fixed halves. On a Xeon, where these products run
+/// through the list kernel (see `LIST_GEMV_ROW_BYTES`), whose prefetch stream restarts at each
+/// grain: 64 KiB 35.0–35.4, 128 KiB 36.1–36.2, 256 KiB 36.3–37.1 tok/s.
+pub const GEMV_GRAIN_BYTES: usize = 128 << 10;
 
 /// Float rows up to this many elements go through the dense GEMV one per pass, longer ones four
 /// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows, 4096×11008
@@ -474,7 +479,9 @@ fn gemv_rows(
     y: &mut [f32],
 ) {
     if let (Some(dot_list), false) = (ops.dot_list, all.is_empty()) {
-        let rows = ListedRows::whole(w.data, w.row_bytes, &all[r]);
+        // The stream runs on into the rows after this grain (usually this thread's next one).
+        let then = &all[r.end..all.len().min(r.end + r.len())];
+        let rows = ListedRows::whole(w.data, w.row_bytes, &all[r]).then(then);
         dot_list(&rows, act, y);
         return;
     }
@@ -1175,6 +1182,7 @@ impl<'p> MatMul<'p> {
                         start: b0,
                         end: b1,
                         list: active,
+                        then: &[],
                     };
                     axpy_list(&rows, a, yo);
                     return;

@@ -39,6 +39,10 @@ pub(crate) struct ListedRows<'a> {
     pub end: usize,
     /// The row indices, in the order to visit them.
     pub list: &'a [u32],
+    /// Rows the same thread will probably read next (only prefetched, never computed): lets a
+    /// kernel called on one grain of a longer run keep its prefetch stream going past the end
+    /// of `list` instead of starting cold on the next call.
+    pub then: &'a [u32],
 }
 impl<'a> ListedRows<'a> {
     /// The whole rows `list` of a matrix of `row_bytes`-byte rows held in `data`.
@@ -49,7 +53,12 @@ impl<'a> ListedRows<'a> {
             start: 0,
             end: row_bytes,
             list,
+            then: &[],
         }
+    }
+    /// The same rows, followed (for the prefetch stream only) by `then`.
+    pub(crate) fn then(self, then: &'a [u32]) -> ListedRows<'a> {
+        ListedRows { then, ..self }
     }
 }
 

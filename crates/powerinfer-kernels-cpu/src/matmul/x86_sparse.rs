@@ -89,6 +89,8 @@ struct Stream<'a> {
     start: usize,
     len: usize,
     list: &'a [u32],
+    /// Rows to continue with once `list` is exhausted (`ListedRows::then`).
+    then: &'a [u32],
     /// Next list entry to open.
     k: usize,
     /// Next line address to prefetch, and the end of the open slice.
@@ -108,6 +110,7 @@ impl<'a> Stream<'a> {
             start: rows.start,
             len: rows.end - rows.start,
             list: rows.list,
+            then: rows.then,
             k: 0,
             cur: 0,
             end: 0,
@@ -124,6 +127,9 @@ impl<'a> Stream<'a> {
         while self.credit > 0 {
             self.credit -= 64;
             if self.cur >= self.end {
+                if self.k == self.list.len() && !self.then.is_empty() {
+                    (self.list, self.then, self.k) = (self.then, &[], 0);
+                }
                 let Some(&i) = self.list.get(self.k) else {
                     self.credit = 0;
                     return;
@@ -723,6 +729,28 @@ mod tests {
             mm.sparse_axpy_indexed(&w, &[1.0; 3], &[0, 2], &mut [])
                 .unwrap();
         }
+    }
+
+    /// The prefetch stream opens the listed rows in order and then runs on into `then`, with
+    /// as many lines requested as the lead asks for, and stops at the end of both.
+    #[test]
+    fn stream_runs_on_into_then() {
+        let data = vec![0u8; 16 * 128];
+        let list = [3u32, 7];
+        let then = [8u32, 9, 10];
+        let rows = ListedRows::whole(&data, 128, &list).then(&then);
+        // 4 rows of 128 bytes (2 lines each) ahead: rows 3, 7, 8 and 9 opened.
+        let st = Stream::new(&rows, 4 * 128);
+        assert_eq!((st.list, st.k), (&then[..], 2));
+        assert_eq!(st.end, data.as_ptr() as usize + 10 * 128);
+        // Enough lead for everything: every row opened, then the stream is spent.
+        let mut st = Stream::new(&rows, 64 * 128);
+        assert_eq!((st.list.len(), st.k, st.credit), (3, 3, 0));
+        st.consume(1 << 20);
+        assert_eq!((st.k, st.credit), (3, 0));
+        // Without `then` the stream ends with the list.
+        let st = Stream::new(&ListedRows::whole(&data, 128, &list), 64 * 128);
+        assert_eq!((st.list, st.k), (&list[..], 2));
     }
 
     /// The vector selection picks exactly the rows of the plain definition, NaNs included, for
