@@ -787,6 +787,12 @@ fn packed_q4_0_many_grains_equals_gemv() {
         let mut got = vec![f32::NAN; rows];
         mm.gemv_packed(&p, &x, &mut got).unwrap();
         assert_eq!(bits(&got), bits(&want), "{threads} threads");
+        // A clone is an independent copy of the packed storage with the same results.
+        let copy = p.clone();
+        drop(p);
+        let mut again = vec![f32::NAN; rows];
+        mm.gemv_packed(&copy, &x, &mut again).unwrap();
+        assert_eq!(bits(&again), bits(&want), "{threads} threads, clone");
     }
 }
 

@@ -28,6 +28,11 @@
 use super::act::Act;
 use std::arch::x86_64::*;
 
+/// Bytes ahead of the pair being computed that the kernel asks to have in L1. The hardware
+/// prefetchers bring the stream to L2 but not far enough into L1: on a Xeon (2 threads, 4096
+/// and 11008 rows × 4096, weights not in cache) 21.5–22.0 GB/s without, 27.4–27.7 at 1024
+/// bytes, 26.9–27.9 at 1536, 24.9–26.3 at 2048, 24.1–26.1 at 3072 (T0 hint).
+const PREFETCH_AHEAD: usize = 1024;
 /// Rows per interleaved group.
 pub(crate) const GROUP: usize = 8;
 /// Bytes per group and pair of blocks: 16 scales and 8 × 32 nibble bytes.
@@ -136,6 +141,13 @@ unsafe fn group(q: *const u8, nb: usize, a: &Act<'_>) -> [f32; GROUP] {
             let x1 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x1), x1);
             let init = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(init), init);
             let scales = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+            // The lines PREFETCH_AHEAD bytes on into L1 (a hint; past the group's end it
+            // touches the next group or nothing: prefetches never fault).
+            let mut o = 0;
+            while o < PAIR_BYTES {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD + o) as *const i8);
+                o += 64;
+            }
             for k in 0..PAIRS {
                 let dw = _mm512_permutexvar_ps(pick[k], scales);
                 let raw = _mm512_loadu_si512(p.add(32 + 64 * k) as *const __m512i);
