@@ -202,7 +202,6 @@ impl GgufFile<Mmap> {
     /// the OS offers them) instead of mapping the file, like llama.cpp's `--no-mmap`: loading
     /// costs a copy, but the weights no longer live in 4 KiB page-cache pages.
     pub fn open_in_memory(path: impl AsRef<Path>) -> Result<GgufFile<Mmap>> {
-        use std::io::Read;
         let path = path.as_ref();
         let mut file = File::open(path).map_err(|e| GgufError::io(path, e))?;
         let len = file.metadata().map_err(|e| GgufError::io(path, e))?.len();
@@ -219,10 +218,49 @@ impl GgufFile<Mmap> {
             // Only a hint: without transparent huge pages the memory is still correct.
             let _ = anon.advise(memmap2::Advice::HugePage);
         }
-        file.read_exact(&mut anon[..len])
-            .map_err(|e| GgufError::io(path, e))?;
+        copy_file(&mut file, &mut anon[..len]).map_err(|e| GgufError::io(path, e))?;
         let map = anon.make_read_only().map_err(|e| GgufError::io(path, e))?;
         GgufFile::from_bytes(map)
+    }
+}
+
+/// Reads all of `out.len()` bytes of `file` into `out`, several threads reading their own parts
+/// (positioned reads) where the OS has them: the first touch of fresh memory costs more than
+/// the copy, and the threads fault their parts in side by side. A 7B-shaped Q4_0 file (3.8 GB,
+/// page cache warm) on a 2-vCPU Xeon VM: 8.9 s read by one thread into memory it touched
+/// first, 0.52–0.55 s by two (4.8 s in a first run after another process freed its memory).
+fn copy_file(file: &mut File, out: &mut [u8]) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileExt;
+        /// Bytes per positioned read (a few huge pages).
+        const PIECE: usize = 8 << 20;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = out.len().div_ceil(threads.max(1)).max(1);
+        let file = &*file;
+        std::thread::scope(|s| {
+            let parts: Vec<_> = out
+                .chunks_mut(per)
+                .enumerate()
+                .map(|(t, part)| {
+                    s.spawn(move || -> std::io::Result<()> {
+                        let start = (t * per) as u64;
+                        for (k, piece) in part.chunks_mut(PIECE).enumerate() {
+                            file.read_exact_at(piece, start + (k * PIECE) as u64)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            parts
+                .into_iter()
+                .try_for_each(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        use std::io::Read;
+        file.read_exact(out)
     }
 }
 

@@ -243,6 +243,24 @@ fn open_maps_a_file() {
     ));
 }
 
+/// A file of several read pieces per thread, ending mid-piece, read into memory: the same bytes
+/// as the file.
+#[test]
+fn open_in_memory_reads_big_files_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("big.gguf");
+    let n = (5 << 20) + 777; // f32 values: ~20 MiB of data
+    let mut w = GgufWriter::create(&path, FileKind::Gguf).unwrap();
+    w.add_tensor("w", &[n as u64], GgmlType::F32).unwrap();
+    let values: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
+    w.write_tensor_data("w", bytemuck::cast_slice(&values))
+        .unwrap();
+    w.finish().unwrap().commit().unwrap();
+    let m = GgufFile::open_in_memory(&path).unwrap();
+    assert_eq!(m.bytes(), std::fs::read(&path).unwrap());
+    assert_eq!(m.tensor_f32("w").unwrap(), values);
+}
+
 #[test]
 fn writer_streams_from_a_reader_and_checks_usage() {
     let mut w = GgufWriter::new(Vec::new(), FileKind::Gguf);
