@@ -815,17 +815,23 @@ fn pack_q4_0_declines_what_it_cannot_pack() {
 /// One-token products over long quantized rows (which AVX-512 routes through the sparse list
 /// kernel over every row): bit-identical to the AVX2 GEMV, to the sparse product over every
 /// row, and across thread counts; within the bound of the reference. Q4_0 with an even and an
-/// odd block count, Q8_0 just above and far above the routing length.
+/// odd block count, rows just below, just above and far above the routing length (1024
+/// bytes), and enough rows for several grains per thread (the list calls' prefetch stream
+/// running on into the next grain).
 #[test]
 fn long_quantized_rows_gemv() {
     let mut rng = Rng(4242);
-    for (ty, cols) in [
-        (GgmlType::Q4_0, 16384 + 64),
-        (GgmlType::Q4_0, 11008 + 32),
-        (GgmlType::Q8_0, 4096 + 32),
-        (GgmlType::Q8_0, 11008),
+    for (ty, cols, rows) in [
+        (GgmlType::Q4_0, 16384 + 64, 19),
+        (GgmlType::Q4_0, 11008 + 32, 19),
+        (GgmlType::Q4_0, 1792, 19),
+        (GgmlType::Q4_0, 1856, 19),
+        (GgmlType::Q4_0, 2048, 700),
+        (GgmlType::Q8_0, 960, 19),
+        (GgmlType::Q8_0, 1024, 19),
+        (GgmlType::Q8_0, 4096 + 32, 19),
+        (GgmlType::Q8_0, 11008, 19),
     ] {
-        let rows = 19;
         let c = make_case(ty, rows, cols, &mut rng);
         let w = Weights::new(ty, rows, cols, &c.data).unwrap();
         let x = random_vec(cols, &mut rng);
