@@ -52,8 +52,9 @@ pub struct EngineOptions {
     /// (`false`, llama.cpp's `--no-mmap`). Copying helps decode where the page cache holds the
     /// file in 4 KiB pages (measured then: TinyLlama shape, 2 threads, Q4_0 sparse +3-13%, F16
     /// dense up to +33%); where it holds it in 2 MiB folios (ext4/XFS on Linux ≥ 6.16, see
-    /// [`GgufFile::open`]) alternated runs showed no difference. Loading then costs a copy
-    /// (7B Q4_0: 2-9 s on a VM instead of 20 ms).
+    /// [`GgufFile::open`]) alternated runs showed no difference on a Zen 4 VM; on a Xeon VM the
+    /// copy stayed faster (TinyLlama F16 sparse +17%, 7B Q4_0 dense +7%). Loading then costs a
+    /// copy (7B Q4_0: 0.52–0.55 s on that Xeon instead of 20 ms).
     pub mmap: bool,
     /// Copy the dense Q4_0 matrices (attention, a dense file's FFN, the output head) into a
     /// layout whose one-token product needs less arithmetic ([`MatMul::pack_q4_0`]; results
@@ -61,9 +62,10 @@ pub struct EngineOptions {
     /// memory and a pass over them at load; only on CPUs with the packed kernel (AVX-512).
     /// Measured (Zen 4 VM, 2 threads, alternated runs): while the host gave ~45 GB/s, when the
     /// plain Q4_0 product is compute-bound, TinyLlama-shaped decode +1–12% dense and +4–12%
-    /// sparse, LLaMA-7B-shaped dense +1–11%; at ~30 GB/s no difference. Loading a 7B-shaped
-    /// file then takes 2–4 s instead of 20 ms (first touches of the copy dominate), which is
-    /// why it is not the default.
+    /// sparse, LLaMA-7B-shaped dense +1–11%; at ~30 GB/s no difference. On a Xeon VM (2
+    /// threads): 7B-shaped dense 6.7–6.9 vs 5.1–5.3 tok/s, loading in 0.66–0.68 s instead of
+    /// 20 ms, and the first token of a 7B file 1.7–2.1 s after start instead of 0.58–0.67 s
+    /// (llama.cpp 1.08–1.31 s): not the default, for that first-token time.
     ///
     /// [`MatMul::pack_q4_0`]: powerinfer_kernels_cpu::MatMul::pack_q4_0
     pub repack: bool,

@@ -73,8 +73,8 @@ const SHORT_ROW_BYTES: usize = 384;
 /// 9–13 GB/s one row at a time; rows of 2304 bytes (4096 columns) ran at the same speed either
 /// way there. On a 2-vCPU Xeon (AVX-512 + AMX, 480 MiB L3), 2 threads, weights not in cache,
 /// the one-row loop reads Q4_0 at 15–16 GB/s where the list kernel reads 22–23 (4096×4096,
-/// 2048×2048, 5632×2048), Q8_0 4096×4096 at 22.6 vs 20.7–24.5; TinyLlama-shaped Q4_0 decode
-/// went from 17.7 to 37 tok/s, hence the lower bound (Q4_0 from 2048 columns, Q8_0 from 1024).
+/// 2048×2048, 5632×2048); TinyLlama-shaped Q4_0 decode went from 17.7 to 37 tok/s, hence the
+/// lower bound (Q4_0 from 2048 columns, Q8_0 from 1024).
 const LIST_GEMV_ROW_BYTES: usize = 1024;
 
 /// One-token sparse axpy over rows of at least this many bytes splits the active rows between
@@ -502,21 +502,37 @@ pub struct GemvJob<'a> {
     pub y: &'a mut [f32],
 }
 
+thread_local! {
+    /// Each thread's row numbers for [`gemv_rows`]' list kernel: a grain's rows and the ones
+    /// after it, rewritten per grain (at most two grains' worth, so no allocation once warm).
+    static GRAIN_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Rows `r` of `y = W x` into `y` (`r.len()` values), one thread: the list kernel over long
-/// quantized rows (`all` then lists every row), else four rows per pass or one (see below).
+/// quantized rows where `listed` (see [`LIST_GEMV_ROW_BYTES`]), else four rows per pass or one
+/// (see below).
 fn gemv_rows(
     w: &Weights<'_>,
     ops: &RowOps,
     act: &Act<'_>,
-    all: &[u32],
+    listed: bool,
     r: Range<usize>,
     y: &mut [f32],
 ) {
-    if let (Some(dot_list), false) = (ops.dot_list, all.is_empty()) {
-        // The stream runs on into the rows after this grain (usually this thread's next one).
-        let then = &all[r.end..all.len().min(r.end + r.len())];
-        let rows = ListedRows::whole(w.data, w.row_bytes, &all[r]).then(then);
-        dot_list(&rows, act, y);
+    if let (Some(dot_list), true) = (ops.dot_list, listed) {
+        GRAIN_ROWS.with(|ids| {
+            let mut ids = ids.borrow_mut();
+            // The stream runs on into the rows after this grain (usually this thread's next).
+            let then_end = w.rows.min(r.end + r.len());
+            ids.clear();
+            ids.extend(r.start as u32..then_end as u32);
+            let (list, then) = ids.split_at(r.len());
+            dot_list(
+                &ListedRows::whole(w.data, w.row_bytes, list).then(then),
+                act,
+                y,
+            );
+        });
         return;
     }
     let mut done = 0;
@@ -620,12 +636,8 @@ impl<'p> MatMul<'p> {
             };
             // Long quantized rows: the list kernel over every row (8 rows per pass share each
             // activation load; same per-row operations, same bits).
-            let all: Vec<u32> = if ops.dot_list.is_some() && j.w.row_bytes >= LIST_GEMV_ROW_BYTES {
-                (0..j.w.rows as u32).collect()
-            } else {
-                Vec::new()
-            };
-            prepared.push((total, j.w, ops, act, all, OutPtr::new(j.y)));
+            let listed = ops.dot_list.is_some() && j.w.row_bytes >= LIST_GEMV_ROW_BYTES;
+            prepared.push((total, j.w, ops, act, listed, OutPtr::new(j.y)));
             total += j.w.rows;
             max_row_bytes = max_row_bytes.max(j.w.row_bytes);
         }
@@ -634,7 +646,7 @@ impl<'p> MatMul<'p> {
         }
         let grain = (GEMV_GRAIN_BYTES / max_row_bytes).max(8) / 8 * 8;
         self.pool.for_grains(total, grain, |_, r| {
-            for (offset, w, ops, act, all, out) in &prepared {
+            for (offset, w, ops, act, listed, out) in &prepared {
                 let s = r.start.max(*offset);
                 let e = r.end.min(offset + w.rows);
                 if s >= e {
@@ -644,7 +656,7 @@ impl<'p> MatMul<'p> {
                 // SAFETY: `for_grains` hands out disjoint ranges of the concatenated rows; their
                 // parts in this job are disjoint ranges within `0..w.rows == y.len()`.
                 let y = unsafe { out.slice(rows.clone()) };
-                gemv_rows(w, ops, &acts[*act].get(0), all, rows, y);
+                gemv_rows(w, ops, &acts[*act].get(0), *listed, rows, y);
             }
         });
         Ok(())
