@@ -21,5 +21,5 @@ pub mod reference;
 
 pub use backend::Backend;
 pub use error::KernelError;
-pub use matmul::{GemvJob, MatMul, PackedQ4_0, RowSelect, Weights};
+pub use matmul::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, RowSelect, Weights};
 pub use pool::{PoolKind, ThreadPool};

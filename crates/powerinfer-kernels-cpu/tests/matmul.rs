@@ -11,7 +11,7 @@ use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
 use powerinfer_kernels_cpu::reference::matmul as r;
 use powerinfer_kernels_cpu::{
-    Backend, GemvJob, KernelError, MatMul, RowSelect, ThreadPool, Weights,
+    Backend, GemvJob, KernelError, MatMul, PackedGemvJob, RowSelect, ThreadPool, Weights,
 };
 use proptest::prelude::*;
 
@@ -793,6 +793,84 @@ fn packed_q4_0_many_grains_equals_gemv() {
         let mut again = vec![f32::NAN; rows];
         mm.gemv_packed(&copy, &x, &mut again).unwrap();
         assert_eq!(bits(&again), bits(&want), "{threads} threads, clone");
+    }
+}
+
+/// `gemv_packed_multi`: several repacked products in one dispatch (Q, K and V shapes: rows
+/// that are and are not whole groups of eight, two activations, one shared) give each job the
+/// bits of `gemv` on its matrix alone, for 1, 2 and 3 threads; `has_packed_q4_0` says whether
+/// copies are made; a wrong length in any job is refused before anything is written.
+#[test]
+fn packed_q4_0_multi_equals_gemv() {
+    let mut rng = Rng(12);
+    let cols = 1024;
+    let shapes = [8 * 40, 8 * 5 + 3, 8 * 5 + 3, 7];
+    let data: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|&r| random_weights(GgmlType::Q4_0, r, cols, &mut rng))
+        .collect();
+    let ws: Vec<Weights<'_>> = shapes
+        .iter()
+        .zip(&data)
+        .map(|(&r, d)| Weights::new(GgmlType::Q4_0, r, cols, d).unwrap())
+        .collect();
+    let (xa, xb) = (random_vec(cols, &mut rng), random_vec(cols, &mut rng));
+    let xs = [&xa, &xa, &xa, &xb];
+    for threads in [1usize, 2, 3] {
+        let pool = ThreadPool::new(threads);
+        let mm = MatMul::new(&pool);
+        let packed: Vec<_> = ws.iter().map(|w| mm.pack_q4_0(w)).collect();
+        assert_eq!(
+            packed.iter().all(Option::is_some),
+            mm.has_packed_q4_0(),
+            "{:?}",
+            mm.backend()
+        );
+        if !mm.has_packed_q4_0() {
+            eprintln!("skipped: no packed Q4_0 kernel on {:?}", mm.backend());
+            return;
+        }
+        let want: Vec<Vec<f32>> = ws
+            .iter()
+            .zip(xs)
+            .map(|(w, x)| {
+                let mut y = vec![0f32; w.rows()];
+                mm.gemv(w, x, &mut y).unwrap();
+                y
+            })
+            .collect();
+        let mut got: Vec<Vec<f32>> = shapes.iter().map(|&r| vec![f32::NAN; r]).collect();
+        let mut jobs: Vec<PackedGemvJob<'_>> = packed
+            .iter()
+            .zip(xs)
+            .zip(got.iter_mut())
+            .map(|((p, x), y)| PackedGemvJob {
+                w: p.as_ref().unwrap(),
+                x,
+                y,
+            })
+            .collect();
+        mm.gemv_packed_multi(&mut jobs).unwrap();
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(bits(g), bits(w), "job {k}, {threads} threads");
+        }
+        // A short output in the last job: refused, and the first job's output untouched.
+        let mut y0 = vec![f32::NAN; shapes[0]];
+        let mut y3 = vec![0f32; shapes[3] - 1];
+        let mut bad = [
+            PackedGemvJob {
+                w: packed[0].as_ref().unwrap(),
+                x: &xa,
+                y: &mut y0,
+            },
+            PackedGemvJob {
+                w: packed[3].as_ref().unwrap(),
+                x: &xb,
+                y: &mut y3,
+            },
+        ];
+        assert!(mm.gemv_packed_multi(&mut bad).is_err());
+        assert!(y0.iter().all(|v| v.is_nan()));
     }
 }
 

@@ -166,6 +166,7 @@ struct PageBuf(memmap2::MmapMut);
 
 impl PageBuf {
     /// `len` zero bytes (at least one page), or `None` where the OS refuses the memory.
+    #[cfg_attr(not(all(target_arch = "x86_64", powerinfer_avx512)), allow(dead_code))]
     fn zeroed(len: usize) -> Option<PageBuf> {
         let map = memmap2::MmapMut::map_anon(len.max(1)).ok()?;
         #[cfg(target_os = "linux")]
@@ -502,6 +503,17 @@ pub struct GemvJob<'a> {
     pub y: &'a mut [f32],
 }
 
+/// One product of [`MatMul::gemv_packed_multi`]: `y = w x` over a repacked matrix.
+#[derive(Debug)]
+pub struct PackedGemvJob<'a> {
+    /// The matrix, from [`MatMul::pack_q4_0`].
+    pub w: &'a PackedQ4_0,
+    /// The activation, `w.cols()` values.
+    pub x: &'a [f32],
+    /// The output, `w.rows()` values.
+    pub y: &'a mut [f32],
+}
+
 thread_local! {
     /// Each thread's row numbers for [`gemv_rows`]' list kernel: a grain's rows and the ones
     /// after it, rewritten per grain (at most two grains' worth, so no allocation once warm).
@@ -662,6 +674,12 @@ impl<'p> MatMul<'p> {
         Ok(())
     }
 
+    /// Whether this backend has the packed one-token Q4_0 kernel ([`pack_q4_0`](Self::pack_q4_0)
+    /// returns copies only then).
+    pub fn has_packed_q4_0(&self) -> bool {
+        cfg!(all(target_arch = "x86_64", powerinfer_avx512)) && self.backend == Backend::Avx512
+    }
+
     /// A copy of the Q4_0 matrix `w` laid out for [`gemv_packed`](Self::gemv_packed), whose
     /// results equal [`gemv`](Self::gemv)'s bit for bit at less arithmetic per row (the
     /// one-token Q4_0 product is compute-bound on cores that read memory fast: Zen 4, weights
@@ -715,32 +733,67 @@ impl<'p> MatMul<'p> {
     /// results as [`gemv`](Self::gemv) on the original, bit for bit. Fails with
     /// [`KernelError::BackendUnavailable`] on a backend without the packed kernel.
     pub fn gemv_packed(&self, p: &PackedQ4_0, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
-        check_len("x", p.cols, x.len())?;
-        check_len("y", p.rows, y.len())?;
+        self.gemv_packed_multi(&mut [PackedGemvJob { w: p, x, y }])
+    }
+
+    /// Several [`gemv_packed`](Self::gemv_packed) products in one dispatch, as
+    /// [`gemv_multi`](Self::gemv_multi) does for the file layout: the groups of all jobs are
+    /// split among the threads together, so a layer's Q, K and V share one start and one wait.
+    /// Each row gets the same bits as from `gemv_packed` alone. All jobs are checked first.
+    pub fn gemv_packed_multi(&self, jobs: &mut [PackedGemvJob<'_>]) -> Result<(), KernelError> {
+        for j in jobs.iter() {
+            check_len("x", j.w.cols, j.x.len())?;
+            check_len("y", j.w.rows, j.y.len())?;
+        }
         #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
         if self.backend == Backend::Avx512 {
             let ops = table::row_ops(GgmlType::Q4_0, self.backend)
                 .ok_or(KernelError::UnsupportedType(GgmlType::Q4_0))?;
-            let acts = ActBuf::new(ops.act, x, p.cols);
-            let act = acts.get(0);
-            let nb = p.cols / 32;
-            let gb = x86_packed::group_bytes(nb);
-            let groups = p.group_data();
-            let n_groups = groups.len() / gb;
-            let body = n_groups * x86_packed::GROUP;
-            let out = OutPtr::new(&mut y[..body]);
+            // Each distinct activation prepared once.
+            let mut acts: Vec<ActBuf<'_>> = Vec::with_capacity(jobs.len());
+            let mut prepared = Vec::with_capacity(jobs.len());
+            let (mut total, mut max_gb) = (0usize, 1usize);
+            for j in jobs.iter_mut() {
+                let act = match acts.iter().position(|a| a.is_of(ops.act, j.x)) {
+                    Some(k) => k,
+                    None => {
+                        acts.push(ActBuf::new(ops.act, j.x, j.w.cols));
+                        acts.len() - 1
+                    }
+                };
+                let nb = j.w.cols / 32;
+                let gb = x86_packed::group_bytes(nb);
+                let n_groups = j.w.group_data().len() / gb.max(1);
+                let body = n_groups * x86_packed::GROUP;
+                let (head, tail) = j.y.split_at_mut(body);
+                prepared.push((total, n_groups, nb, gb, j.w, act, OutPtr::new(head), tail));
+                total += n_groups;
+                max_gb = max_gb.max(gb);
+            }
             // Grains of groups, as the rows of `gemv`.
-            let grain = (GEMV_GRAIN_BYTES / gb.max(1)).max(1);
-            self.pool.for_grains(n_groups, grain, |_, r| {
-                // SAFETY: `for_grains` hands out disjoint group ranges, whose rows are
-                // disjoint ranges within `0..body == out.len`.
-                let y =
-                    unsafe { out.slice(r.start * x86_packed::GROUP..r.end * x86_packed::GROUP) };
-                x86_packed::gemv_groups(&groups[r.start * gb..r.end * gb], nb, &act, y);
+            let grain = (GEMV_GRAIN_BYTES / max_gb).max(1);
+            self.pool.for_grains(total, grain, |_, r| {
+                for (offset, n_groups, nb, gb, w, act, out, _) in &prepared {
+                    let s = r.start.max(*offset);
+                    let e = r.end.min(offset + n_groups);
+                    if s >= e {
+                        continue;
+                    }
+                    let g = s - offset..e - offset;
+                    // SAFETY: `for_grains` hands out disjoint ranges of the concatenated groups;
+                    // their rows in this job are disjoint ranges within `0..out.len`.
+                    let y = unsafe {
+                        out.slice(g.start * x86_packed::GROUP..g.end * x86_packed::GROUP)
+                    };
+                    let data = &w.group_data()[g.start * gb..g.end * gb];
+                    x86_packed::gemv_groups(data, *nb, &acts[*act].get(0), y);
+                }
             });
-            let rb = nb * 18;
-            for (yi, row) in y[body..].iter_mut().zip(p.tail.chunks_exact(rb)) {
-                *yi = (ops.dot)(row, &act);
+            for (_, _, nb, _, w, act, _, tail) in prepared.iter_mut() {
+                let a = acts[*act].get(0);
+                for (yi, row) in tail.iter_mut().zip(w.tail.chunks_exact(*nb * 18)) {
+                    *yi = (ops.dot)(row, &a);
+                }
             }
             return Ok(());
         }
