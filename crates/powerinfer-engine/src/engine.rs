@@ -58,14 +58,18 @@ pub struct EngineOptions {
     pub mmap: bool,
     /// Copy the dense Q4_0 matrices (attention, a dense file's FFN, the output head) into a
     /// layout whose one-token product needs less arithmetic ([`MatMul::pack_q4_0`]; results
-    /// unchanged, bit for bit), as llama.cpp repacks Q4_0 at load. Costs those matrices' size in
-    /// memory and a pass over them at load; only on CPUs with the packed kernel (AVX-512).
-    /// Measured (Zen 4 VM, 2 threads, alternated runs): while the host gave ~45 GB/s, when the
-    /// plain Q4_0 product is compute-bound, TinyLlama-shaped decode +1–12% dense and +4–12%
-    /// sparse, LLaMA-7B-shaped dense +1–11%; at ~30 GB/s no difference. On a Xeon VM (2
-    /// threads): 7B-shaped dense 6.7–6.9 vs 5.1–5.3 tok/s, loading in 0.66–0.68 s instead of
-    /// 20 ms, and the first token of a 7B file 1.7–2.1 s after start instead of 0.58–0.67 s
-    /// (llama.cpp 1.08–1.31 s): not the default, for that first-token time.
+    /// unchanged, bit for bit), as llama.cpp repacks Q4_0 by default. Each matrix is copied at
+    /// its first one-token product (the first decode step; prompts read the file's layout, so
+    /// loading and the first token cost nothing more); [`Engine::repack_now`] copies them all
+    /// at once instead. Costs those matrices' size in anonymous memory next to the file's
+    /// pages, which prompts still read. Only on CPUs with the packed kernel (AVX-512).
+    /// Measured on a Xeon VM (2 threads, alternated runs, copies made before timing):
+    /// LLaMA-7B-shaped Q4_0 dense 6.96 vs 5.88 tok/s, sparse 12.3 vs 11.8; TinyLlama-shaped
+    /// dense 41.0–41.2 vs 39.0–39.1, sparse 82.2–83.8 vs 84.8–85.5. But making the copies took
+    /// 0.65 s for a 7B file's dense matrices in a warm process and 2–4.5 s in a fresh one (new
+    /// anonymous memory is slow to fault in on that VM), so 64 tokens of a 7B file took 10.5–14.5 s
+    /// end to end against 11.5 s without: off by default. On a Zen 4 VM: +1–12% while the
+    /// host gave ~45 GB/s, no difference at ~30 GB/s.
     ///
     /// [`MatMul::pack_q4_0`]: powerinfer_kernels_cpu::MatMul::pack_q4_0
     pub repack: bool,
@@ -135,7 +139,7 @@ impl Engine {
         };
         let pool = ThreadPool::new(threads);
         if options.repack {
-            model.pack_dense_q4_0(&MatMul::new(&pool))?;
+            model.plan_repack(&MatMul::new(&pool));
         }
         let threshold = resolve_threshold(
             options.sparse_threshold,
@@ -158,6 +162,14 @@ impl Engine {
             load_time: start.elapsed(),
             model,
         })
+    }
+
+    /// Makes now the repacked copies that [`EngineOptions::repack`] would otherwise make at
+    /// each matrix's first one-token product, so that the first decode steps take no longer
+    /// than the others (e.g. before timing them, or before serving). Does nothing when
+    /// repacking is off or the CPU has no packed kernel.
+    pub fn repack_now(&self) -> Result<()> {
+        self.model.repack_now(&MatMul::new(&self.pool))
     }
 
     /// The model.
@@ -312,6 +324,7 @@ impl Engine {
                 ..Stats::default()
             },
             profile: None,
+            unevaluated: None,
         }
     }
 }
@@ -387,6 +400,10 @@ pub struct Session<'e> {
     seq: SeqId,
     stats: Stats,
     profile: Option<OpProfile>,
+    /// The last token [`Session::generate`] sampled and gave out, which no logits were needed
+    /// for yet: evaluated first by the session's next evaluation (so a generation that ends
+    /// spends no forward pass on its last token, and the sequence still holds it after).
+    unevaluated: Option<u32>,
 }
 
 impl<'e> Session<'e> {
@@ -414,13 +431,15 @@ impl<'e> Session<'e> {
         self.profile.as_ref()
     }
 
-    /// Tokens in the KV cache.
+    /// Tokens of the session's sequence: those in the KV cache, and a last generated token
+    /// that the next evaluation will put there.
     pub fn n_past(&self) -> usize {
-        self.cache.pos(self.seq).unwrap_or(0)
+        self.cache.pos(self.seq).unwrap_or(0) + usize::from(self.unevaluated.is_some())
     }
 
     /// Forgets every token (the statistics stay).
     pub fn reset(&mut self) {
+        self.unevaluated = None;
         // The sequence was created by `Engine::session` and is never removed.
         let _ = self.cache.clear(self.seq);
     }
@@ -475,6 +494,15 @@ impl<'e> Session<'e> {
     ) -> Result<Vec<f32>> {
         let start = Instant::now();
         let e = self.engine;
+        let joined: Vec<u32>;
+        let first = self.unevaluated.take();
+        let tokens = match first {
+            Some(t) => {
+                joined = std::iter::once(t).chain(tokens.iter().copied()).collect();
+                &joined[..]
+            }
+            None => tokens,
+        };
         let out = match (observer, self.profile.as_mut()) {
             (Some(o), _) => e.eval_observed(&mut self.cache, self.seq, tokens, all, o),
             (None, Some(p)) if !prompt => {
@@ -492,7 +520,12 @@ impl<'e> Session<'e> {
             self.stats.decode_time += dt;
         }
         self.stats.record(&out);
-        Ok(out.logits)
+        let mut logits = out.logits;
+        if all && first.is_some() {
+            // The caller asked for the rows of its own tokens.
+            logits.drain(..e.model.hparams.n_vocab);
+        }
+        Ok(logits)
     }
 
     /// Generates text after `prompt` (tokenized with BOS and special tokens parsed), continuing
@@ -549,11 +582,12 @@ impl Generate<'_, '_> {
             prompt.iter().for_each(|&t| self.sampler.accept(t));
             self.logits = self.session.eval(&prompt)?;
         }
+        if self.n_generated >= self.sampler.params().max_tokens {
+            // The last token given out stays pending: `Drop` hands it to the session.
+            return Ok(None);
+        }
         if let Some(tok) = self.pending.take() {
             self.logits = self.session.eval_block(&[tok], false, false)?;
-        }
-        if self.n_generated >= self.sampler.params().max_tokens {
-            return Ok(None);
         }
         let id = self.sampler.sample(&mut self.logits);
         self.sampler.accept(id);
@@ -572,10 +606,20 @@ impl Generate<'_, '_> {
             .any(|s| !s.is_empty() && self.text.contains(s.as_str()))
         {
             self.done = true;
-        } else {
-            self.pending = Some(id);
         }
+        self.pending = Some(id);
         Ok(Some(Token { id, text }))
+    }
+}
+
+impl Drop for Generate<'_, '_> {
+    /// A sampled token that was given out but not evaluated (the generation ended, or the
+    /// caller stopped early) stays in the session's sequence: its next evaluation starts with
+    /// it.
+    fn drop(&mut self) {
+        if let Some(t) = self.pending.take() {
+            self.session.unevaluated = Some(t);
+        }
     }
 }
 

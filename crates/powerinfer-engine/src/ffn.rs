@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
 use powerinfer_kernels_cpu::pool::split_range;
-use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul, Weights};
+use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
 
 use crate::error::Result;
 use crate::forward::{add_bias, ForwardOptions};
@@ -258,20 +258,11 @@ fn hidden_dense(
     let up = layer.ffn.up();
     match layer.ffn.gate() {
         Some(gate) => {
-            if t == 1 && fused::enabled() && !model.is_packed(gate) {
-                let mut jobs = [
-                    GemvJob {
-                        w: model.weights(gate)?,
-                        x: cur,
-                        y: &mut s.gate,
-                    },
-                    GemvJob {
-                        w: model.weights(up)?,
-                        x: cur,
-                        y: &mut s.up,
-                    },
-                ];
-                mm.gemv_multi(&mut jobs)?;
+            if t == 1 && fused::enabled() {
+                model.products_one_token(
+                    mm,
+                    &mut [(gate, cur, &mut s.gate), (up, cur, &mut s.up)],
+                )?;
             } else {
                 model.product(mm, gate, cur, t, &mut s.gate)?;
                 model.product(mm, up, cur, t, &mut s.up)?;

@@ -26,7 +26,7 @@ use powerinfer_kernels_cpu::ops::activation::add;
 use powerinfer_kernels_cpu::ops::attention::{attention_block, AttentionParams};
 use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::{rope_block, RopeMode, RopeParams};
-use powerinfer_kernels_cpu::{GemvJob, MatMul, ThreadPool};
+use powerinfer_kernels_cpu::{MatMul, ThreadPool};
 
 use crate::error::{EngineError, Result};
 pub use crate::ffn::FfnObserver;
@@ -275,26 +275,16 @@ fn eval_segments(
                 bk,
                 bv,
             } => {
-                if t == 1 && fused::enabled() && !model.is_packed(wq) {
+                if t == 1 && fused::enabled() {
                     // One token: the three products in one dispatch.
-                    let mut jobs = [
-                        GemvJob {
-                            w: model.weights(wq)?,
-                            x: attn_in,
-                            y: &mut q,
-                        },
-                        GemvJob {
-                            w: model.weights(wk)?,
-                            x: attn_in,
-                            y: &mut k,
-                        },
-                        GemvJob {
-                            w: model.weights(wv)?,
-                            x: attn_in,
-                            y: &mut v,
-                        },
-                    ];
-                    mm.gemv_multi(&mut jobs)?;
+                    model.products_one_token(
+                        &mm,
+                        &mut [
+                            (wq, attn_in, &mut q),
+                            (wk, attn_in, &mut k),
+                            (wv, attn_in, &mut v),
+                        ],
+                    )?;
                 } else {
                     model.product(&mm, wq, attn_in, t, &mut q)?;
                     model.product(&mm, wk, attn_in, t, &mut k)?;

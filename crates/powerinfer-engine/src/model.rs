@@ -38,9 +38,10 @@
 //! hyper-parameters imply [`EngineError::TensorShape`].
 
 use std::path::Path;
+use std::sync::OnceLock;
 
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile, Metadata, TensorInfo};
-use powerinfer_kernels_cpu::{MatMul, PackedQ4_0, Weights};
+use powerinfer_kernels_cpu::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
 
 use crate::error::{EngineError, Result};
 
@@ -361,9 +362,10 @@ pub struct Model {
     pub ffn_act: FfnAct,
     /// Names of the file's tensors that no part of the model reads, in file order.
     unused: Vec<String>,
-    /// Repacked copies of dense Q4_0 matrices for one-token products, by tensor name
-    /// ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
-    packed: std::collections::HashMap<String, PackedQ4_0>,
+    /// Repacked copies of dense Q4_0 matrices for one-token products, by tensor name, each
+    /// made at the matrix's first one-token product (`None` inside: the backend could not
+    /// pack it) ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
+    packed: std::collections::HashMap<String, OnceLock<Option<PackedQ4_0>>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -623,11 +625,24 @@ impl Model {
         )?)
     }
 
-    /// Makes repacked copies ([`MatMul::pack_q4_0`]) of the Q4_0 matrices that one-token
-    /// decoding multiplies densely: attention Q/K/V (separate or fused) and output, a dense
-    /// file's FFN gate, up and down, and the output head. Where `mm`'s backend has no packed
-    /// kernel nothing is copied ([`packed_bytes`](Self::packed_bytes) tells what was).
-    pub(crate) fn pack_dense_q4_0(&mut self, mm: &MatMul<'_>) -> Result<()> {
+    /// Marks the Q4_0 matrices that one-token decoding multiplies densely (attention Q/K/V,
+    /// separate or fused, and output; a dense file's FFN gate, up and down; the output head)
+    /// for repacking ([`MatMul::pack_q4_0`]): each is copied at its first one-token product,
+    /// so loading and prompt processing (which read the file's layout) pay nothing. Does
+    /// nothing where `mm`'s backend has no packed kernel.
+    pub(crate) fn plan_repack(&mut self, mm: &MatMul<'_>) {
+        if !mm.has_packed_q4_0() {
+            return;
+        }
+        self.packed = self
+            .repack_candidates()
+            .into_iter()
+            .map(|t| (t.name.clone(), OnceLock::new()))
+            .collect();
+    }
+
+    /// The matrices [`plan_repack`](Self::plan_repack) marks.
+    fn repack_candidates(&self) -> Vec<&TensorRef> {
         let mut refs: Vec<&TensorRef> = vec![&self.output];
         for layer in &self.layers {
             match &layer.qkv {
@@ -640,21 +655,37 @@ impl Model {
                 refs.extend([up, down]);
             }
         }
-        let mut packed = std::collections::HashMap::new();
-        for t in refs {
-            if t.ty != GgmlType::Q4_0 || packed.contains_key(&t.name) {
-                continue;
-            }
-            if let Some(p) = mm.pack_q4_0(&self.weights(t)?) {
-                packed.insert(t.name.clone(), p);
-            }
+        refs.retain(|t| t.ty == GgmlType::Q4_0);
+        refs
+    }
+
+    /// Makes every repacked copy that [`plan_repack`](Self::plan_repack) marked and that no
+    /// product has made yet ([`Engine::repack_now`](crate::Engine::repack_now)).
+    pub(crate) fn repack_now(&self, mm: &MatMul<'_>) -> Result<()> {
+        for t in self.repack_candidates() {
+            self.packed_copy(mm, t)?;
         }
-        self.packed = packed;
         Ok(())
     }
 
+    /// The repacked copy of `t_ref` if it is marked for repacking, made now if this is its
+    /// first use. Without repacking no name is hashed.
+    fn packed_copy(&self, mm: &MatMul<'_>, t_ref: &TensorRef) -> Result<Option<&PackedQ4_0>> {
+        let Some(cell) = (!self.packed.is_empty())
+            .then(|| self.packed.get(&t_ref.name))
+            .flatten()
+        else {
+            return Ok(None);
+        };
+        if let Some(p) = cell.get() {
+            return Ok(p.as_ref());
+        }
+        let w = self.weights(t_ref)?;
+        Ok(cell.get_or_init(|| mm.pack_q4_0(&w)).as_ref())
+    }
+
     /// `y = W x` for `t` tokens with `W = t_ref`: through its repacked copy for one token
-    /// when there is one (bit-identical results), else the ordinary GEMM.
+    /// when it is marked for repacking (bit-identical results), else the ordinary GEMM.
     pub(crate) fn product(
         &self,
         mm: &MatMul<'_>,
@@ -663,25 +694,67 @@ impl Model {
         t: usize,
         y: &mut [f32],
     ) -> Result<()> {
-        // Without repacking (the default) no name is hashed on the decode path.
-        match (t == 1 && !self.packed.is_empty())
-            .then(|| self.packed.get(&t_ref.name))
-            .flatten()
-        {
+        let packed = if t == 1 {
+            self.packed_copy(mm, t_ref)?
+        } else {
+            None
+        };
+        match packed {
             Some(p) => mm.gemv_packed(p, x, y)?,
             None => mm.gemm(&self.weights(t_ref)?, x, t, y)?,
         }
         Ok(())
     }
 
-    /// Whether `t_ref` has a repacked copy.
-    pub(crate) fn is_packed(&self, t_ref: &TensorRef) -> bool {
-        !self.packed.is_empty() && self.packed.contains_key(&t_ref.name)
+    /// Several one-token products `y = W x` in one dispatch (a layer's Q, K and V; a dense
+    /// FFN's gate and up): [`MatMul::gemv_packed_multi`] when every matrix has a repacked
+    /// copy, [`MatMul::gemv_multi`] when none has, else one product after another. The same
+    /// bits as [`product`](Self::product) on each.
+    pub(crate) fn products_one_token(
+        &self,
+        mm: &MatMul<'_>,
+        jobs: &mut [(&TensorRef, &[f32], &mut [f32])],
+    ) -> Result<()> {
+        let mut packed: Vec<Option<&PackedQ4_0>> = Vec::with_capacity(jobs.len());
+        for (t, _, _) in jobs.iter() {
+            packed.push(self.packed_copy(mm, t)?);
+        }
+        if packed.iter().all(Option::is_some) {
+            let mut pj: Vec<PackedGemvJob<'_>> = jobs
+                .iter_mut()
+                .zip(&packed)
+                .map(|((_, x, y), p)| PackedGemvJob {
+                    w: p.expect("all packed"),
+                    x,
+                    y,
+                })
+                .collect();
+            mm.gemv_packed_multi(&mut pj)?;
+        } else if packed.iter().all(Option::is_none) {
+            let mut gj = Vec::with_capacity(jobs.len());
+            for (t, x, y) in jobs.iter_mut() {
+                gj.push(GemvJob {
+                    w: self.weights(t)?,
+                    x,
+                    y,
+                });
+            }
+            mm.gemv_multi(&mut gj)?;
+        } else {
+            for (t, x, y) in jobs.iter_mut() {
+                self.product(mm, t, x, 1, y)?;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of repacked copies held ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
     pub fn packed_bytes(&self) -> usize {
-        self.packed.values().map(|p| p.bytes()).sum()
+        self.packed
+            .values()
+            .filter_map(|c| c.get().and_then(Option::as_ref))
+            .map(PackedQ4_0::bytes)
+            .sum()
     }
 
     /// Writes the embedding of `token` (dequantized row of `token_embd`) into `out`.

@@ -214,6 +214,55 @@ fn block_equals_token_by_token() {
     assert!(r <= 1e-3, "block vs token by token: {r}");
 }
 
+/// A generation that ends spends no forward pass on its last token: `max_tokens` tokens cost
+/// `max_tokens - 1` decode steps, the token stays in the session's sequence (`n_past`), and the
+/// session's next evaluation puts it in the cache first: its logits then match evaluating the
+/// whole sequence in one block. Also when the caller stops iterating early.
+#[test]
+fn generation_leaves_its_last_token_to_the_session() {
+    let f = make(GgmlType::F32, Arch::Llama, 5);
+    let engine = Engine::load(&f.dense, opts(false)).unwrap();
+    let params = SamplingParams {
+        stop_at_eog: false,
+        ..SamplingParams::greedy(4)
+    };
+    let mut s = engine.session();
+    let prompt = engine.tokenizer().encode("hello world", true, true);
+    let toks: Vec<u32> = s
+        .generate("hello world", params.clone())
+        .map(|t| t.unwrap().id)
+        .collect();
+    assert_eq!(toks.len(), 4);
+    assert_eq!(
+        s.stats().decode_tokens,
+        3,
+        "one forward pass per token after the first"
+    );
+    assert_eq!(s.n_past(), prompt.len() + 4);
+    let next = s.eval(&[9]).unwrap();
+    assert_eq!(s.n_past(), prompt.len() + 5);
+    let mut whole = prompt.clone();
+    whole.extend(&toks);
+    whole.push(9);
+    let mut b = engine.session();
+    let want = b.eval(&whole).unwrap();
+    let want64: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+    let r = rel_diff(&next, &want64);
+    assert!(r <= 1e-4, "continued session vs one block: {r}");
+    // `eval_all` after a generation returns the rows of the caller's tokens only.
+    let mut c = engine.session();
+    let first = c
+        .generate("hello world", params.clone())
+        .next()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.id, toks[0]);
+    assert_eq!(c.n_past(), prompt.len() + 1);
+    let rows = c.eval_all(&[9, 10]).unwrap();
+    assert_eq!(rows.len(), 2 * engine.model().hparams.n_vocab);
+    assert_eq!(c.n_past(), prompt.len() + 3);
+}
+
 #[test]
 fn sampling_is_reproducible() {
     let f = make(GgmlType::Q4_0, Arch::Llama, 4);
@@ -414,7 +463,8 @@ fn batched_sequences_match_separate_sessions() {
 
 /// `EngineOptions::repack`: the repacked dense Q4_0 matrices give the same logits bit for bit,
 /// for a prompt block and for decode steps, on a dense file and on a PowerInfer file (sparse
-/// and `dense`); copies are made exactly where the CPU has the packed kernel.
+/// and `dense`); copies are made exactly where the CPU has the packed kernel, none at load or
+/// for a prompt block, at the first decode step, or all at once by `repack_now`.
 #[test]
 fn repacked_q4_0_matches_file_layout_bitwise() {
     let f = make(GgmlType::Q4_0, Arch::Llama, 31);
@@ -430,12 +480,28 @@ fn repacked_q4_0_matches_file_layout_bitwise() {
             },
         )
         .unwrap();
+        let eager = Engine::load(
+            path,
+            EngineOptions {
+                repack: true,
+                ..opts(dense)
+            },
+        )
+        .unwrap();
         assert_eq!(plain.model().packed_bytes(), 0);
-        assert_eq!(packed.model().packed_bytes() > 0, has_kernel, "{path:?}");
+        assert_eq!(packed.model().packed_bytes(), 0, "copies made at load");
+        eager.repack_now().unwrap();
+        let all = eager.model().packed_bytes();
+        assert_eq!(all > 0, has_kernel, "{path:?}");
         let run = |e: &Engine| {
             let mut cache = e.new_cache();
             let s = cache.add_sequence();
             let mut logits = e.eval(&mut cache, s, &PROMPT, true).unwrap().logits;
+            assert_eq!(
+                e.model().packed_bytes(),
+                if std::ptr::eq(e, &eager) { all } else { 0 },
+                "copies made by a prompt block"
+            );
             let mut tok = 7u32;
             for _ in 0..4 {
                 let out = e.eval(&mut cache, s, &[tok], false).unwrap();
@@ -449,6 +515,14 @@ fn repacked_q4_0_matches_file_layout_bitwise() {
             }
             logits.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
         };
-        assert_eq!(run(&plain), run(&packed), "{path:?} dense={dense}");
+        let want = run(&plain);
+        assert_eq!(run(&packed), want, "{path:?} dense={dense}");
+        assert_eq!(
+            packed.model().packed_bytes(),
+            all,
+            "{path:?}: copies after decoding"
+        );
+        assert_eq!(run(&eager), want, "{path:?} dense={dense}, repack_now");
+        assert_eq!(plain.model().packed_bytes(), 0);
     }
 }

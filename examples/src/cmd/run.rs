@@ -75,8 +75,9 @@ pub struct Args {
     /// `EngineOptions::mmap`).
     #[arg(long = "no-mmap")]
     pub no_mmap: bool,
-    /// Repack dense Q4_0 matrices at load for a faster one-token product (llama.cpp's
-    /// `--repack`; results unchanged, costs their size in memory; see `EngineOptions::repack`).
+    /// Repack dense Q4_0 matrices for a faster one-token product (llama.cpp's `--repack`; each
+    /// matrix is copied at its first decode step; results unchanged; costs their size in
+    /// memory; see `EngineOptions::repack`).
     #[arg(long)]
     pub repack: bool,
     /// Do not read or write a GPU index (all FFN neurons on the CPU).
