@@ -2,7 +2,9 @@
 //! (predictor-driven, PowerInfer files) or observed (dense, reporting true activations).
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
 use powerinfer_kernels_cpu::pool::split_range;
@@ -19,6 +21,108 @@ use crate::profile::{Laps, Op};
 /// dense product would. `1e-30 · w` is below half an ulp of any output larger than ~1e-22 in
 /// magnitude, so the result is unchanged.
 const DENSE_TOUCH: f32 = 1e-30;
+
+/// Most threads whose split [`FusedSplit`] learns (more: equal parts).
+const SPLIT_MAX_THREADS: usize = 64;
+
+/// Where the one-token sparse FFN's fused dispatch ([`sparse_hidden_fused`]) cuts one layer's
+/// neurons among the threads. Each thread computes the predictor scores (`fc2`) of its
+/// neurons and then gate/up for those of them that are active, so equal ranges are equal
+/// work only where active neurons are spread evenly over the layer. In a file whose neurons
+/// are ordered by how often they fire (`powerinfer reorder`) the active ones crowd into the
+/// first rows, and equal ranges left one thread with most of the gathering (TinyLlama-shaped
+/// Q4_0, 2 threads: 66–68 tok/s instead of 80–82). So the cuts are learned: after each
+/// token they are moved to where the work of that token (every neuron's `fc2` row, plus the
+/// gate and up rows of the active ones) would have been shared equally, and the next token
+/// uses them. Results do not depend on the cuts (every neuron is computed by the same kernel
+/// operations whichever thread does it), only the speed does. Shared by every session of an
+/// engine through atomics; a stale or torn set of cuts is still a valid split.
+#[derive(Debug)]
+pub(crate) struct FusedSplit {
+    /// Thread count the cuts are for (0: none learned yet).
+    n: AtomicUsize,
+    /// `cuts[t]`: the first neuron of thread `t + 1`.
+    cuts: Box<[AtomicUsize]>,
+}
+
+impl Default for FusedSplit {
+    fn default() -> Self {
+        FusedSplit {
+            n: AtomicUsize::new(0),
+            cuts: (1..SPLIT_MAX_THREADS)
+                .map(|_| AtomicUsize::new(0))
+                .collect(),
+        }
+    }
+}
+
+impl FusedSplit {
+    /// The neuron ranges of `n` threads over `nff` neurons: the learned cuts when there are
+    /// some for `n` threads, else equal parts.
+    fn ranges(&self, nff: usize, n: usize) -> Vec<Range<usize>> {
+        let equal = || (0..n).map(|t| split_range(nff, n, t)).collect();
+        if !(2..=SPLIT_MAX_THREADS).contains(&n) || self.n.load(Ordering::Relaxed) != n {
+            return equal();
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut start = 0;
+        for t in 0..n {
+            let end = if t + 1 == n {
+                nff
+            } else {
+                self.cuts[t].load(Ordering::Relaxed)
+            };
+            if end < start || end > nff {
+                return equal();
+            }
+            out.push(start..end);
+            start = end;
+        }
+        out
+    }
+
+    /// Learns the cuts from one token's dispatch: thread `t` did `ranges[t]` in `times[t]`
+    /// ns. Taking each thread's time as spread evenly over its neurons, each cut moves half-way
+    /// (and at most `nff / 16`) towards where the threads would have taken equal times.
+    fn learn(&self, nff: usize, ranges: &[Range<usize>], times: &[u64]) {
+        let n = ranges.len();
+        if !(2..=SPLIT_MAX_THREADS).contains(&n) || nff == 0 || times.len() != n {
+            return;
+        }
+        let total: u64 = times.iter().sum();
+        if total == 0 {
+            return;
+        }
+        let step = (nff / 16).max(1);
+        let (mut k, mut before) = (0usize, 0u64);
+        let mut last = 0usize;
+        for t in 1..n {
+            // Where the cumulative time reaches t/n of the total.
+            let target = total as f64 * t as f64 / n as f64;
+            while k + 1 < n && (before + times[k]) as f64 <= target {
+                before += times[k];
+                k += 1;
+            }
+            let r = &ranges[k];
+            let frac = if times[k] > 0 {
+                ((target - before as f64) / times[k] as f64).clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            let ideal = r.start + (frac * r.len() as f64) as usize;
+            let old = ranges[t - 1].end;
+            let moved = if ideal >= old {
+                old + ((ideal - old) / 2).min(step)
+            } else {
+                old - ((old - ideal) / 2).min(step)
+            };
+            let cut = moved.clamp(last, nff);
+            self.cuts[t - 1].store(cut, Ordering::Relaxed);
+            last = cut;
+        }
+        self.n.store(n, Ordering::Relaxed);
+    }
+}
 
 /// Sees what each layer's FFN computed, for profiling activations and training or evaluating
 /// predictors ([`crate::forward::eval_observed`], [`crate::engine::Session::eval_observed`]).
@@ -176,6 +280,7 @@ pub(crate) fn ffn_forward<'o>(
                 None => None,
             };
             let up_w = model.weights(up)?;
+            let split = model.fused_split(index);
             sparse_hidden_fused(
                 mm,
                 &model.weights(fc2)?,
@@ -185,6 +290,7 @@ pub(crate) fn ffn_forward<'o>(
                 model.ffn_act,
                 opts.threshold,
                 cur,
+                split,
                 s,
             )?;
             let n_active = s.active.len() as u64;
@@ -308,8 +414,8 @@ fn down_dense(
     Ok(())
 }
 
-/// One token of a sparse FFN, in one dispatch: each thread takes a contiguous range of neurons,
-/// computes their predictor scores (`fc2 · hidden` into `s.scores`), lists its active ones
+/// One token of a sparse FFN, in one dispatch: each thread takes a contiguous range of neurons
+/// (cut where `split` says, see [`FusedSplit`]), computes their predictor scores (`fc2 · hidden` into `s.scores`), lists its active ones
 /// (`score ≥ threshold`), computes `gate`/`up` for them and applies the activation (gate-less:
 /// `ReLU(up + b)`) into `s.gate`. Afterwards `s.active` holds all active neurons, increasing.
 /// Only the active entries of `s.gate` are meaningful (the axpy reads no other).
@@ -323,10 +429,12 @@ fn sparse_hidden_fused(
     act: FfnAct,
     threshold: f32,
     cur: &[f32],
+    split: &FusedSplit,
     s: &mut FfnScratch,
 ) -> Result<()> {
     let nff = fc2.rows();
     let n = mm.pool().n_threads();
+    let ranges = split.ranges(nff, n);
     if s.scores.len() != nff {
         resize(&mut s.scores, nff);
     }
@@ -344,8 +452,8 @@ fn sparse_hidden_fused(
     let mut parts: Vec<Mutex<Part<'_>>> = Vec::with_capacity(n);
     {
         let (mut sc, mut g, mut u) = (&mut s.scores[..], &mut s.gate[..], &mut s.up[..]);
-        for tid in 0..n {
-            let r = split_range(nff, n, tid);
+        for r in &ranges {
+            let r = r.clone();
             let (a, sc_rest) = sc.split_at_mut(r.len());
             let (b, g_rest) = g.split_at_mut(r.len());
             let ul = r.len().min(u.len());
@@ -358,7 +466,8 @@ fn sparse_hidden_fused(
     }
     let hidden = &s.hidden[..];
     let lists = &s.parts;
-    run_threads(mm, |tid, m| {
+    // Each thread's part: fc2 scores of its neurons, its active list, gate/up, activation.
+    let fused_part = |tid: usize, m: &MatMul<'_>| -> std::result::Result<(), KernelError> {
         let mut p = parts[tid].lock().unwrap_or_else(|e| e.into_inner());
         let (r, sc, g, u) = &mut *p;
         let mut list = lists[tid].lock().unwrap_or_else(|e| e.into_inner());
@@ -384,11 +493,21 @@ fn sparse_hidden_fused(
             }
         }
         Ok(())
+    };
+    // Each thread's time, from which the split of the next token is learned.
+    let times: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+    run_threads(mm, |tid, m| {
+        let t0 = Instant::now();
+        let r = fused_part(tid, m);
+        times[tid].store(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
     })?;
+    let times: Vec<u64> = times.into_iter().map(AtomicU64::into_inner).collect();
+    split.learn(nff, &ranges, &times);
     drop(parts);
     s.active.clear();
     for (tid, list) in s.parts.iter().enumerate() {
-        let start = split_range(nff, n, tid).start as u32;
+        let start = ranges[tid].start as u32;
         let list = list.lock().unwrap_or_else(|e| e.into_inner());
         s.active.extend(list.iter().map(|&i| i + start));
     }
@@ -407,5 +526,44 @@ fn relu_bias_active(h: &mut [f32], active: &[u32], bias: Option<&[f32]>) {
         let i = i as usize;
         let v = h[i] + bias.map_or(0.0, |b| b[i]);
         h[i] = if v > 0.0 { v } else { 0.0 };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Cuts move half-way (at most `nff / 16`) towards equal times, stay increasing and inside
+    /// the layer, and are used only for the thread count they were learned for.
+    #[test]
+    fn fused_split_moves_towards_equal_times() {
+        let split = FusedSplit::default();
+        assert_eq!(split.ranges(100, 2), vec![0..50, 50..100]);
+        // Thread 0 took 3× as long: equal times at neuron 33 (200 of its 300 ns).
+        split.learn(100, &[0..50, 50..100], &[300, 100]);
+        assert_eq!(
+            split.ranges(100, 2),
+            vec![0..44, 44..100],
+            "half-way, at most 6"
+        );
+        assert_eq!(
+            split.ranges(100, 3),
+            vec![0..34, 34..67, 67..100],
+            "other count"
+        );
+        let r = split.ranges(1000, 2);
+        split.learn(1000, &r, &[100, 100]);
+        assert_eq!(split.ranges(1000, 2), r, "balanced: no move");
+        // Three threads, the last one slow: the cuts move right, in order.
+        let r3 = vec![0..300, 300..600, 600..900];
+        split.learn(900, &r3, &[100, 100, 400]);
+        let got = split.ranges(900, 3);
+        assert!(got[0].end > 300 && got[1].end > 600, "{got:?}");
+        assert!(got[0].end <= got[1].end && got[1].end <= 900, "{got:?}");
+        // Zero times and one thread learn nothing.
+        split.learn(900, &got, &[0, 0, 0]);
+        assert_eq!(split.ranges(900, 3), got);
+        split.learn(900, std::slice::from_ref(&(0..900)), &[5]);
+        assert_eq!(split.ranges(900, 1), vec![0..900]);
     }
 }

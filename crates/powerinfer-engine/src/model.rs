@@ -44,6 +44,7 @@ use powerinfer_gguf::{FileKind, GgmlType, GgufFile, Metadata, TensorInfo};
 use powerinfer_kernels_cpu::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
 
 use crate::error::{EngineError, Result};
+use crate::ffn::FusedSplit;
 
 /// The model family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -366,6 +367,8 @@ pub struct Model {
     /// made at the matrix's first one-token product (`None` inside: the backend could not
     /// pack it) ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
     packed: std::collections::HashMap<String, OnceLock<Option<PackedQ4_0>>>,
+    /// Per layer: where the one-token sparse FFN cuts its neurons among threads.
+    fused_splits: Vec<FusedSplit>,
 }
 
 impl std::fmt::Debug for Model {
@@ -546,6 +549,7 @@ impl Model {
             .filter(|t| !used.contains(t.name()))
             .map(|t| t.name().to_string())
             .collect();
+        let fused_splits = layers.iter().map(|_| FusedSplit::default()).collect();
         let model = Model {
             file,
             hparams: hp,
@@ -557,6 +561,7 @@ impl Model {
             ffn_act,
             unused,
             packed: Default::default(),
+            fused_splits,
         };
         // Check every matrix once against the kernels' type and size rules.
         model.weights(&model.output)?;
@@ -746,6 +751,11 @@ impl Model {
             }
         }
         Ok(())
+    }
+
+    /// Layer `index`'s learned thread split of the one-token sparse FFN.
+    pub(crate) fn fused_split(&self, index: usize) -> &FusedSplit {
+        &self.fused_splits[index]
     }
 
     /// Bytes of repacked copies held ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).

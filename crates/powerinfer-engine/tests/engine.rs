@@ -263,6 +263,35 @@ fn generation_leaves_its_last_token_to_the_session() {
     assert_eq!(c.n_past(), prompt.len() + 3);
 }
 
+/// The one-token sparse FFN's thread split is learned from each token's timing (`FusedSplit`):
+/// it changes which thread computes which neuron, never a result. A second session on the same
+/// engine (starting from the cuts the first one learned) gives the first one's logits bit for
+/// bit, and so does a fresh engine.
+#[test]
+fn learned_thread_split_keeps_results() {
+    let f = make(GgmlType::Q4_0, Arch::Llama, 6);
+    let run = |engine: &Engine| {
+        let mut s = engine.session();
+        let mut logits = s.eval(&PROMPT).unwrap();
+        let mut bits = Vec::new();
+        for _ in 0..16 {
+            let tok = logits
+                .iter()
+                .enumerate()
+                .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+                .0 as u32;
+            logits = s.eval(&[tok]).unwrap();
+            bits.extend(logits.iter().map(|v| v.to_bits()));
+        }
+        bits
+    };
+    let engine = Engine::load(&f.sparse, opts(false)).unwrap();
+    let first = run(&engine);
+    assert_eq!(run(&engine), first, "second session");
+    let fresh = Engine::load(&f.sparse, opts(false)).unwrap();
+    assert_eq!(run(&fresh), first, "fresh engine");
+}
+
 #[test]
 fn sampling_is_reproducible() {
     let f = make(GgmlType::Q4_0, Arch::Llama, 4);
