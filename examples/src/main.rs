@@ -26,6 +26,9 @@ enum Command {
     Synth(Box<cmd::synth::Args>),
     /// Convert a GGUF or PowerInfer file's weights to another type (keeps the PWRI magic).
     Quantize(cmd::quantize::Args),
+    /// Sort a PowerInfer file's FFN neurons by activation frequency (same model, faster sparse
+    /// decode), permuting its activation statistics alike.
+    Reorder(cmd::reorder::Args),
     /// Generate text on the CPU engine (no -m: a dense-vs-sparse speed demo on a synthetic model).
     Run(Box<cmd::run::Args>),
     /// Write the logits of every position of a token sequence (little-endian f32 rows).
@@ -73,6 +76,7 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Synth(args) => cmd::synth::run(*args),
         Command::Quantize(args) => cmd::quantize::run(args),
+        Command::Reorder(args) => cmd::reorder::run(args),
         Command::Run(args) => cmd::run::run(*args),
         Command::Logits(args) => cmd::logits::run(args),
         Command::Plan(args) => cmd::plan::run(args),

@@ -135,3 +135,57 @@ fn bad_arguments_fail_cleanly() {
         );
     }
 }
+
+/// `powerinfer reorder`: reads `activation/` next to the input, writes the sorted file and the
+/// permuted statistics next to the output (sorted, most active first), refuses to overwrite the
+/// input's statistics, and the output generates the same greedy text.
+#[test]
+fn synth_then_reorder() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let o = powerinfer(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--layers",
+        "2",
+        "--type",
+        "q4_0",
+        "--out",
+        &p("m.gguf"),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::create_dir(dir.path().join("out")).unwrap();
+    let o = powerinfer(&["reorder", &p("m.gguf"), &p("out/s.gguf")]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(said.contains("2 layers, 8 tensors permuted"), "{said}");
+    assert_eq!(
+        names(&dir.path().join("out/activation")),
+        [
+            "activation.safetensors",
+            "activation_0.pt",
+            "activation_1.pt"
+        ]
+    );
+    let stats = powerinfer_predictor::stats::ActivationStats::read_pt_dir(
+        dir.path().join("out/activation"),
+    )
+    .unwrap();
+    assert!(stats
+        .layers
+        .iter()
+        .all(|l| l.windows(2).all(|w| w[0] >= w[1])));
+    // Next to the input, the statistics would be overwritten.
+    let o = powerinfer(&["reorder", &p("m.gguf"), &p("s2.gguf")]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--activation-out"));
+    let text = |m: &str| {
+        let o = powerinfer(&[
+            "run", "-m", m, "-p", "hello", "-n", "8", "-t", "2", "--temp", "0",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        o.stdout
+    };
+    assert_eq!(text(&p("m.gguf")), text(&p("out/s.gguf")));
+}

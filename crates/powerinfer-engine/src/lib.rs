@@ -27,6 +27,7 @@ mod fused;
 pub mod kv_cache;
 pub mod model;
 pub mod profile;
+pub mod reorder;
 pub mod sampling;
 pub mod synth;
 pub mod tokenizer;

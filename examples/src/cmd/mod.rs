@@ -10,6 +10,7 @@ pub mod plan;
 pub mod profile;
 pub mod progress;
 pub mod quantize;
+pub mod reorder;
 pub mod run;
 pub mod synth;
 pub mod tokenize;
