@@ -64,12 +64,13 @@ pub struct EngineOptions {
     /// at once instead. Costs those matrices' size in anonymous memory next to the file's
     /// pages, which prompts still read. Only on CPUs with the packed kernel (AVX-512).
     /// Measured on a Xeon VM (2 threads, alternated runs, copies made before timing):
-    /// LLaMA-7B-shaped Q4_0 dense 6.96 vs 5.88 tok/s, sparse 12.3 vs 11.8; TinyLlama-shaped
-    /// dense 41.0–41.2 vs 39.0–39.1, sparse 82.2–83.8 vs 84.8–85.5. But making the copies took
-    /// 0.65 s for a 7B file's dense matrices in a warm process and 2–4.5 s in a fresh one (new
-    /// anonymous memory is slow to fault in on that VM), so 64 tokens of a 7B file took 10.5–14.5 s
-    /// end to end against 11.5 s without: off by default. On a Zen 4 VM: +1–12% while the
-    /// host gave ~45 GB/s, no difference at ~30 GB/s.
+    /// TinyLlama-shaped Q4_0 dense 43.8–44.6 vs 37.5–37.7 tok/s (llama.cpp ~40), sparse no
+    /// difference (83.6–88.0 vs 85.0–87.6); LLaMA-7B-shaped dense 6.67–7.10 vs 5.83–6.12,
+    /// sparse 12.3–12.7 vs 11.2–11.9. But the copies are new memory: 0.65 s for a 7B file's
+    /// dense matrices in a warm process, 2–8 s in a fresh one while the page cache filled the
+    /// RAM (huge-page faults stalled in reclaim and compaction), so 64 tokens of a 7B file took
+    /// 10.5–14.5 s end to end against 11.5 s without: off by default. On a Zen 4 VM: +1–12%
+    /// while the host gave ~45 GB/s, no difference at ~30 GB/s.
     ///
     /// [`MatMul::pack_q4_0`]: powerinfer_kernels_cpu::MatMul::pack_q4_0
     pub repack: bool,
