@@ -12,11 +12,13 @@ use std::time::Instant;
 
 use powerinfer_engine::engine::{Engine, EngineOptions, Stats};
 use powerinfer_engine::profile::OpProfile;
+use powerinfer_engine::reorder::reorder_neurons;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ThreadPool;
 use powerinfer_placement::{plan_model, IndexSource, PlanOptions};
+use powerinfer_predictor::stats::ActivationStats;
 
 /// Arguments of `powerinfer run`.
 #[derive(clap::Args)]
@@ -400,11 +402,12 @@ fn cache_dir() -> PathBuf {
 }
 
 /// The demo model and its dense twin in the cache directory, written on first use:
-/// `(PowerInfer file, dense GGUF twin)`.
+/// `(PowerInfer file, dense GGUF twin)`. The PowerInfer file has its FFN neurons sorted by
+/// activation frequency (`powerinfer reorder`), as its statistics give them.
 pub fn demo_files() -> Result<(PathBuf, PathBuf), String> {
     let dir = cache_dir();
-    let path = dir.join("demo-v2-l12-e1024-f4096-q4_0.powerinfer.gguf");
-    let twin = dir.join("demo-v2-l12-e1024-f4096-q4_0.dense.gguf");
+    let path = dir.join("demo-v3-l12-e1024-f4096-q4_0.powerinfer.gguf");
+    let twin = dir.join("demo-v3-l12-e1024-f4096-q4_0.dense.gguf");
     if !path.exists() || !twin.exists() {
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         eprintln!("writing the demo model once to {} ...", path.display());
@@ -415,13 +418,22 @@ pub fn demo_files() -> Result<(PathBuf, PathBuf), String> {
         // PowerInfer's own rule (Q4_0 predictor for a Q4_0 model): an F16 predictor would cost
         // more memory traffic per token than the 10% of the FFN it selects.
         cfg.predictor_rule = PredictorRule::PowerInfer;
+        // The converter's neuron order first, with its statistics, then sorted.
+        let work = dir.join(format!(".demo-work-{}", std::process::id()));
+        std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+        let unsorted = work.join("unsorted.powerinfer.gguf");
+        let act = work.join("activation");
         let out = SynthOutputs {
-            model: path.clone(),
+            model: unsorted.clone(),
             dense: Some(twin.clone()),
-            activation_dir: None,
+            activation_dir: Some(act.clone()),
             predictor_dir: None,
         };
         synth::synthesize(&cfg, &out, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        let stats = ActivationStats::read_pt_dir(&act).map_err(|e| e.to_string())?;
+        reorder_neurons(&unsorted, &path, &stats).map_err(|e| e.to_string())?;
+        // Only the sorted file is kept.
+        let _ = std::fs::remove_dir_all(&work);
         eprintln!("done in {:.1} s", t.elapsed().as_secs_f64());
     }
     Ok((path, twin))
@@ -431,8 +443,9 @@ fn demo(args: &Args) -> Result<(), String> {
     let (path, twin) = demo_files()?;
     eprintln!("================================================================");
     eprintln!(" powerinfer-rs demo: a SYNTHETIC ReLU-sparse model (random weights,");
-    eprintln!(" ~10% of FFN neurons fire per token). Its text is meaningless; the");
-    eprintln!(" demo shows the speed of the sparse FFN against the dense one.");
+    eprintln!(" ~10% of FFN neurons fire per token, sorted by how often they fire:");
+    eprintln!(" `powerinfer reorder`). Its text is meaningless; the demo shows the");
+    eprintln!(" speed of the sparse FFN against the dense one.");
     eprintln!(" model: {}", path.display());
     eprintln!(" Use `powerinfer run -m MODEL -p PROMPT` for a real model.");
     eprintln!("================================================================");
