@@ -295,6 +295,11 @@ pub(crate) trait FloatLoad16: FloatLoad {
     /// # Safety
     /// 16 elements readable at `p`; AVX-512F available.
     unsafe fn load16(p: *const u8) -> __m512;
+    /// The 8 elements at `p` in both 256-bit halves (each half equal to [`FloatLoad::load8`]).
+    ///
+    /// # Safety
+    /// 8 elements readable at `p`; AVX-512F available.
+    unsafe fn load8x2(p: *const u8) -> __m512;
 }
 
 #[cfg(powerinfer_avx512)] // set by build.rs on Rust ≥ 1.89 only
@@ -304,6 +309,11 @@ impl FloatLoad16 for LF32 {
     unsafe fn load16(p: *const u8) -> __m512 {
         // SAFETY: 64 readable bytes at `p` (caller).
         unsafe { _mm512_loadu_ps(p as *const f32) }
+    }
+    #[inline(always)]
+    unsafe fn load8x2(p: *const u8) -> __m512 {
+        // SAFETY: 32 readable bytes at `p`; AVX-512F available (caller).
+        unsafe { _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(p as *const f64))) }
     }
 }
 
@@ -315,6 +325,15 @@ impl FloatLoad16 for LF16 {
         // SAFETY: 32 readable bytes at `p`; AVX-512F available (caller).
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
     }
+    #[inline(always)]
+    unsafe fn load8x2(p: *const u8) -> __m512 {
+        // SAFETY: 16 readable bytes at `p`; AVX-512F available (caller).
+        unsafe {
+            _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+                p as *const __m128i,
+            )))
+        }
+    }
 }
 
 #[cfg(powerinfer_avx512)] // set by build.rs on Rust ≥ 1.89 only
@@ -325,6 +344,14 @@ impl FloatLoad16 for LBF16 {
         // SAFETY: 32 readable bytes at `p`; AVX-512F available (caller).
         unsafe {
             let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load8x2(p: *const u8) -> __m512 {
+        // SAFETY: 16 readable bytes at `p`; AVX-512F available (caller).
+        unsafe {
+            let h = _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         }
     }
