@@ -11,7 +11,7 @@ use powerinfer_engine::synth::Arch;
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter};
 
 mod common;
-use common::{make, opts, rel_diff, PROMPT};
+use common::{argmax, make, opts, rel_diff, PROMPT};
 
 #[test]
 fn sparse_with_perfect_predictor_equals_dense_relu() {
@@ -275,11 +275,7 @@ fn learned_thread_split_keeps_results() {
         let mut logits = s.eval(&PROMPT).unwrap();
         let mut bits = Vec::new();
         for _ in 0..16 {
-            let tok = logits
-                .iter()
-                .enumerate()
-                .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
-                .0 as u32;
+            let tok = argmax(&logits);
             logits = s.eval(&[tok]).unwrap();
             bits.extend(logits.iter().map(|v| v.to_bits()));
         }
@@ -534,12 +530,7 @@ fn repacked_q4_0_matches_file_layout_bitwise() {
             let mut tok = 7u32;
             for _ in 0..4 {
                 let out = e.eval(&mut cache, s, &[tok], false).unwrap();
-                tok = out
-                    .logits
-                    .iter()
-                    .enumerate()
-                    .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
-                    .0 as u32;
+                tok = argmax(&out.logits);
                 logits.extend(out.logits);
             }
             logits.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()

@@ -13,7 +13,7 @@ use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_predictor::stats::ActivationStats;
 
 mod common;
-use common::{opts, rel_diff, PROMPT};
+use common::{argmax, opts, rel_diff, PROMPT};
 
 /// A tiny F32 PowerInfer file (`llama`, or the LayerNorm family `ln`), its dense twin and its
 /// activation statistics.
@@ -106,11 +106,7 @@ fn reordered_file_is_the_same_model() {
                 let mut logits = s.eval(&PROMPT).unwrap();
                 let mut all = logits.clone();
                 for _ in 0..6 {
-                    let tok = logits
-                        .iter()
-                        .enumerate()
-                        .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
-                        .0 as u32;
+                    let tok = argmax(&logits);
                     logits = s.eval(&[tok]).unwrap();
                     all.extend(&logits);
                 }

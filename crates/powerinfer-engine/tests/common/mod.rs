@@ -65,3 +65,11 @@ pub fn make(ty: GgmlType, arch: Arch, seed: u64) -> Files {
         dense,
     }
 }
+
+/// The index of the largest value (the first of equal ones): a greedy token.
+pub fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+        .0 as u32
+}
