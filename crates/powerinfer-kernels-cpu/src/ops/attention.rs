@@ -262,26 +262,30 @@ fn attention_block_isa(
     };
 
     if n_threads == 1 {
-        let mut scratch = Scratch::default();
         let mut chunks: Vec<&mut [f32]> = out.chunks_exact_mut(item_len).collect();
-        for i in 0..n_items {
-            run_item(i, chunks[chunk_of(i)], &mut scratch);
-        }
+        SCRATCH.with(|sc| {
+            let mut scratch = sc.borrow_mut();
+            for i in 0..n_items {
+                run_item(i, chunks[chunk_of(i)], &mut scratch);
+            }
+        });
         return Ok(());
     }
     // Each output chunk is behind its own (uncontended) lock, so threads can write disjoint parts
     // of `out` without unsafe code.
     let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(item_len).map(Mutex::new).collect();
     pool.run(|tid| {
-        let mut scratch = Scratch::default();
-        let mut i = tid;
-        while i < n_items {
-            let mut o = chunks[chunk_of(i)]
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            run_item(i, &mut o, &mut scratch);
-            i += n_threads;
-        }
+        SCRATCH.with(|sc| {
+            let mut scratch = sc.borrow_mut();
+            let mut i = tid;
+            while i < n_items {
+                let mut o = chunks[chunk_of(i)]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                run_item(i, &mut o, &mut scratch);
+                i += n_threads;
+            }
+        })
     });
     Ok(())
 }
@@ -313,6 +317,12 @@ fn prefetch_head(src: &[f16], start: usize, d: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (src, start, d);
+}
+
+thread_local! {
+    /// Each thread's [`Scratch`], kept between calls (one token's attention is short: buffers
+    /// allocated per call showed up beside the arithmetic).
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// Per-thread buffers of [`attend_group`].
