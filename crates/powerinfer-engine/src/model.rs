@@ -724,15 +724,12 @@ impl Model {
         for (t, _, _) in jobs.iter() {
             packed.push(self.packed_copy(mm, t)?);
         }
-        if packed.iter().all(Option::is_some) {
+        let all: Option<Vec<&PackedQ4_0>> = packed.iter().copied().collect();
+        if let Some(all) = all {
             let mut pj: Vec<PackedGemvJob<'_>> = jobs
                 .iter_mut()
-                .zip(&packed)
-                .map(|((_, x, y), p)| PackedGemvJob {
-                    w: p.expect("all packed"),
-                    x,
-                    y,
-                })
+                .zip(all)
+                .map(|((_, x, y), w)| PackedGemvJob { w, x, y })
                 .collect();
             mm.gemv_packed_multi(&mut pj)?;
         } else if packed.iter().all(Option::is_none) {

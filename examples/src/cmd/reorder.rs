@@ -49,9 +49,11 @@ pub fn run(args: Args) -> Result<(), String> {
         .activation_out
         .clone()
         .unwrap_or_else(|| activation_next_to(&args.output));
-    if out_dir.canonicalize().ok().is_some()
-        && out_dir.canonicalize().ok() == in_dir.canonicalize().ok()
-    {
+    let same = matches!(
+        (out_dir.canonicalize(), in_dir.canonicalize()),
+        (Ok(a), Ok(b)) if a == b
+    );
+    if same {
         return Err(format!(
             "the permuted statistics would overwrite the input's in {}: pass --activation-out",
             out_dir.display()

@@ -10,7 +10,8 @@
 //! with four independent FMA chains (F16 GEMVs of 2048-element rows, 2 threads: 1.2–1.3× the
 //! speed of four rows per pass with one 8-lane accumulator each). Multi-token products (`dot4`, `tile`,
 //! `dot_batch`, and the blocked GEMM of `x86_gemm`) use [`dot_float_tile`]'s order, one 8-lane
-//! accumulator per (row, token), which leaves registers for a 4 × 6 tile. Within each family a
+//! accumulator per (row, token) (the blocked GEMM keeps two tokens per 512-bit register, one per
+//! 256-bit half, in a 4 rows × 6 pairs tile). Within each family a
 //! result never depends on how rows, tokens or threads were grouped; the two families differ by
 //! rounding only. The quantized kernels have one (exact integer) order for both.
 
