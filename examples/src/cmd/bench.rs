@@ -150,34 +150,58 @@ fn best_time(budget: Duration, min_iters: usize, mut f: impl FnMut(usize)) -> f6
     best
 }
 
-/// Best read bandwidth (bytes/s) of `pool`'s threads summing a `bytes`-long buffer.
+/// Best read bandwidth (bytes/s) of `pool`'s threads reading a `bytes`-long buffer (at least
+/// 1 GiB is advised: this machine's L3 holds hundreds of MiB) front to back, each thread its
+/// contiguous part, through the kernels' own reading path ([`MatMul::read_rows`]: on AVX-512
+/// the software prefetch stream of the sparse kernels, elsewhere plain word sums), the buffer
+/// in transparent huge pages where the OS grants them, as the engine's weights are. A plain
+/// summing loop over a heap buffer (what this measured before) read 16–24 GB/s on a Xeon VM
+/// where this path reads ~28 and the kernels 25–36, so the ratios against it overstated them.
 pub(crate) fn read_bandwidth(pool: &ThreadPool, bytes: usize, passes: usize) -> f64 {
-    let n = bytes / 8;
-    let mut buf = vec![0u64; n];
-    for (i, v) in buf.iter_mut().enumerate() {
-        *v = i as u64;
-    }
-    let sink = std::sync::atomic::AtomicU64::new(0);
+    const ROW: usize = 4096;
+    let rows = (bytes / ROW).max(1);
+    let buf = match page_fill(rows * ROW) {
+        Ok(m) => m,
+        Err(_) => return f64::NAN,
+    };
+    let Ok(w) = Weights::new(GgmlType::F32, rows, ROW / 4, &buf[..]) else {
+        return f64::NAN;
+    };
+    let all: Vec<u32> = (0..rows as u32).collect();
+    let mm = MatMul::new(pool);
+    let mut sink = 0u64;
     let mut best = f64::INFINITY;
-    for _ in 0..passes {
+    for _ in 0..passes.max(1) {
         let t = Instant::now();
-        pool.for_chunks(n, |r| {
-            let mut acc = [0u64; 8];
-            let part = &buf[r];
-            let mut chunks = part.chunks_exact(8);
-            for c in &mut chunks {
-                for k in 0..8 {
-                    acc[k] = acc[k].wrapping_add(c[k]);
-                }
-            }
-            let s = acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-                + chunks.remainder().iter().sum::<u64>();
-            sink.fetch_add(s, std::sync::atomic::Ordering::Relaxed);
-        });
+        sink = sink.wrapping_add(mm.read_rows(&w, &all).unwrap_or(0));
         best = best.min(t.elapsed().as_secs_f64());
     }
-    std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
-    bytes as f64 / best
+    std::hint::black_box(sink);
+    (rows * ROW) as f64 / best
+}
+
+/// Greatest common divisor.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// `bytes` of anonymous memory in transparent huge pages (if the OS grants them), every page
+/// written (so none is the shared zero page).
+fn page_fill(bytes: usize) -> Result<memmap2::MmapMut, String> {
+    let mut m = memmap2::MmapMut::map_anon(bytes.max(1)).map_err(|e| e.to_string())?;
+    #[cfg(target_os = "linux")]
+    {
+        // Only a hint, given before the first write so that the pages are born huge.
+        let _ = m.advise(memmap2::Advice::HugePage);
+    }
+    for (i, c) in m.chunks_mut(4096).enumerate() {
+        c.fill(i as u8);
+    }
+    Ok(m)
 }
 
 /// Anonymous memory holding a copy of `data` starting `offset` bytes past its (page-aligned)
@@ -422,12 +446,21 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                 {
                     for &dens in &densities {
                         // Random sets of exactly `dens · rows` neurons, as predictor scores. A
-                        // new set per call (cycling through enough sets to overflow the caches),
-                        // as consecutive tokens activate different neurons.
+                        // new set per call, as consecutive tokens activate different neurons.
+                        // Call `i` reads set `i mod n_sets` of copy `i mod n_copies`; with the
+                        // two counts coprime, a cycle reads n_sets · n_copies different row
+                        // sets, at least 1 GiB where 256 sets allow it, so that the rows come
+                        // from memory and not from a large L3 (with 96 MiB of sets and
+                        // degenerate cycles, F16 sparse products had "read" 40–55 GB/s here).
                         let n_active = ((dens * rows as f64).round() as usize).clamp(1, rows);
                         let active_bytes = bytes * n_active as f64 / rows as f64;
-                        let n_sets = ((96.0 * (1u64 << 20) as f64 / active_bytes).ceil() as usize)
+                        let n_copies = rot.copies.len();
+                        let mut n_sets = (((1u64 << 30) as f64 / (active_bytes * n_copies as f64))
+                            .ceil() as usize)
                             .clamp(1, 256);
+                        while gcd(n_sets, n_copies) != 1 {
+                            n_sets += 1;
+                        }
                         let mut sets: Vec<(Vec<f32>, Vec<f32>, Vec<u32>)> =
                             Vec::with_capacity(n_sets);
                         for _ in 0..n_sets {

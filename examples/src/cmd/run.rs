@@ -250,7 +250,7 @@ fn profile_json(p: &OpProfile, bandwidth: f64) -> serde_json::Value {
 /// This machine's read bandwidth with the engine's thread count (bytes/s), for `--profile`.
 fn bandwidth(engine: &Engine) -> f64 {
     let pool = ThreadPool::new(engine.threads());
-    super::bench::read_bandwidth(&pool, 256 << 20, 3)
+    super::bench::read_bandwidth(&pool, 1 << 30, 3)
 }
 
 fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
