@@ -185,6 +185,39 @@ pub(crate) unsafe fn q4_0_pair_act(a: &Act<'_>, b: usize) -> (__m256, __m256i, _
     }
 }
 
+/// One row's pair step at blocks `b`, `b + 1` (`q` points at block `b`) against
+/// [`q4_0_pair_act`]'s vectors: the exact integer sums as f32 and the scale products
+/// `d_w·d_x`, which the caller adds to its accumulator as `fma(sums, scales, acc)`.
+///
+/// # Safety
+/// 36 readable bytes at `q`; AVX2/FMA/F16C and AVX-512 VL/VNNI available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn q4_0_pair_row(
+    q: *const u8,
+    (dx, x0, x1, init): (__m256, __m256i, __m256i, __m256i),
+) -> (__m256, __m256) {
+    let mask = _mm256_set1_epi8(0x0F);
+    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    // SAFETY: the pair's 36 bytes are readable (caller).
+    unsafe {
+        let raw = _mm256_loadu2_m128i(q.add(18 + 2) as *const __m128i, q.add(2) as *const __m128i);
+        let lo = _mm256_and_si256(raw, mask);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+        let h0 = std::ptr::read_unaligned(q as *const u16) as i32;
+        let h1 = std::ptr::read_unaligned(q.add(18) as *const u16) as i32;
+        let dw = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
+                _mm_cvtsi32_si128(h0),
+                h1,
+            ))),
+            spread,
+        );
+        let si = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, lo, x0), hi, x1);
+        (_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, dx))
+    }
+}
+
 /// `R` Q4_0 rows (block 0 at `p[r]`, `nb` blocks, `nb` even) · an activation in
 /// [`ActFormat::Q8_0Pairs`](super::act::ActFormat) order, with the operations of the dense
 /// VNNI kernel (`q4_0_pair` then `hsum`), feeding `st` as it reads.
@@ -200,35 +233,16 @@ unsafe fn dot_q4_0_rows<const R: usize>(
     a: &Act<'_>,
     st: &mut Stream<'_>,
 ) -> [f32; R] {
-    let mask = _mm256_set1_epi8(0x0F);
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut b = 0;
     // SAFETY: blocks `b`, `b + 1` < nb lie in every row and in the activation (caller).
     unsafe {
         while b + 2 <= nb {
             st.consume(R * 36);
-            let (dx, x0, x1, init) = q4_0_pair_act(a, b);
+            let act = q4_0_pair_act(a, b);
             for r in 0..R {
-                let q = p[r].add(b * 18);
-                let raw = _mm256_loadu2_m128i(
-                    q.add(18 + 2) as *const __m128i,
-                    q.add(2) as *const __m128i,
-                );
-                let lo = _mm256_and_si256(raw, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-                let h0 = std::ptr::read_unaligned(q as *const u16) as i32;
-                let h1 = std::ptr::read_unaligned(q.add(18) as *const u16) as i32;
-                let dw = _mm256_permutevar8x32_ps(
-                    _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
-                        _mm_cvtsi32_si128(h0),
-                        h1,
-                    ))),
-                    spread,
-                );
-                let sc = _mm256_mul_ps(dw, dx);
-                let si = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, lo, x0), hi, x1);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[r]);
+                let (f, sc) = q4_0_pair_row(p[r].add(b * 18), act);
+                acc[r] = _mm256_fmadd_ps(f, sc, acc[r]);
             }
             b += 2;
         }
@@ -293,8 +307,6 @@ const DENSE_AHEAD: usize = 4096;
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi")]
 unsafe fn dense_q4_0_quad(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: &mut [f32]) {
     let mask = _mm512_set1_epi8(0x0F);
-    let mask256 = _mm256_set1_epi8(0x0F);
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     let spread16 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     let rb = nb * 18;
     // SAFETY: the tables are 64 bytes each.
@@ -373,26 +385,8 @@ unsafe fn dense_q4_0_quad(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
                 }
                 if b + 2 <= nb {
                     // The 256-bit pair step of `dot_q4_0_rows`.
-                    let (dx, x0, x1, init) = q4_0_pair_act(a, b);
-                    let q = p.add(b * 18);
-                    let raw = _mm256_loadu2_m128i(
-                        q.add(18 + 2) as *const __m128i,
-                        q.add(2) as *const __m128i,
-                    );
-                    let lo = _mm256_and_si256(raw, mask256);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask256);
-                    let h0 = std::ptr::read_unaligned(q as *const u16) as i32;
-                    let h1 = std::ptr::read_unaligned(q.add(18) as *const u16) as i32;
-                    let dw = _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
-                            _mm_cvtsi32_si128(h0),
-                            h1,
-                        ))),
-                        spread,
-                    );
-                    let sc = _mm256_mul_ps(dw, dx);
-                    let si = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, lo, x0), hi, x1);
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc);
+                    let (f, sc) = q4_0_pair_row(p.add(b * 18), q4_0_pair_act(a, b));
+                    acc = _mm256_fmadd_ps(f, sc, acc);
                 }
                 *yk = super::x86::hsum(acc);
             }
