@@ -70,7 +70,11 @@ pub struct EngineOptions {
     /// dense matrices in a warm process, 2–8 s in a fresh one while the page cache filled the
     /// RAM (huge-page faults stalled in reclaim and compaction), so 64 tokens of a 7B file took
     /// 10.5–14.5 s end to end against 11.5 s without: off by default. On a Zen 4 VM: +1–12%
-    /// while the host gave ~45 GB/s, no difference at ~30 GB/s.
+    /// while the host gave ~45 GB/s, no difference at ~30 GB/s. Since the file-layout
+    /// product reads one row at a time with near prefetches, TinyLlama dense gains
+    /// nothing (41.1–42.7 vs 41.3–43.1 tok/s, alternated runs); 7B dense still gained 12–18%
+    /// (6.04–6.55 vs 5.37–5.54) in a slow phase of the host, with a seventh of the file's
+    /// pages cached in small folios.
     ///
     /// [`MatMul::pack_q4_0`]: powerinfer_kernels_cpu::MatMul::pack_q4_0
     pub repack: bool,
