@@ -665,7 +665,7 @@ impl Model {
     }
 
     /// Makes every repacked copy that [`plan_repack`](Self::plan_repack) marked and that no
-    /// product has made yet ([`Engine::repack_now`](crate::Engine::repack_now)).
+    /// product has made yet ([`Engine::repack_now`](crate::engine::Engine::repack_now)).
     pub(crate) fn repack_now(&self, mm: &MatMul<'_>) -> Result<()> {
         for t in self.repack_candidates() {
             self.packed_copy(mm, t)?;

@@ -1,6 +1,6 @@
 //! Model-file tools: a seeded generator of synthetic ReLU-sparse models (`llama`, `bamboo`,
 //! `falcon`, `opt`; [`synthesize`]) and a quantizer of GGUF / PowerInfer files
-//! ([`quantize`]).
+//! ([`quantize()`]).
 //!
 //! # The synthetic model
 //!
