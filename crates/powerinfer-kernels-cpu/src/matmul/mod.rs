@@ -551,9 +551,9 @@ thread_local! {
     static GRAIN_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Rows `r` of `y = W x` into `y` (`r.len()` values), one thread: the list kernel over long
-/// quantized rows where `listed` (see [`LIST_GEMV_ROW_BYTES`]), else four rows per pass or one
-/// (see below).
+/// Rows `r` of `y = W x` into `y` (`r.len()` values), one thread: for long quantized rows
+/// (`listed`, see [`LIST_GEMV_ROW_BYTES`]) the backend's range kernel, else its list kernel;
+/// otherwise four rows per pass or one (see below).
 fn gemv_rows(
     w: &Weights<'_>,
     ops: &RowOps,
@@ -562,6 +562,10 @@ fn gemv_rows(
     r: Range<usize>,
     y: &mut [f32],
 ) {
+    if let (Some(dot_range), true) = (ops.dot_range, listed) {
+        dot_range(w.data, w.row_bytes, r, act, y);
+        return;
+    }
     if let (Some(dot_list), true) = (ops.dot_list, listed) {
         GRAIN_ROWS.with(|ids| {
             let mut ids = ids.borrow_mut();

@@ -68,6 +68,10 @@ pub(crate) type DotListFn = fn(&ListedRows<'_>, &Act<'_>, &mut [f32]);
 /// `out += Σ a[i] · row_i[start..end]` over the listed rows (every `a[i]` nonzero), with the
 /// roundings of one [`AxpyFn`] call per row in list order: the sparse axpy of one thread.
 pub(crate) type AxpyListFn = fn(&ListedRows<'_>, &[f32], &mut [f32]);
+/// Dot products of the consecutive rows `rows` of `data` (rows of `row_bytes`) with one
+/// activation into `res` (`rows.len()` values), each exactly as `RowOps::dot` computes it: the
+/// dense GEMV of one thread over one grain.
+pub(crate) type DotRangeFn = fn(&[u8], usize, std::ops::Range<usize>, &Act<'_>, &mut [f32]);
 
 /// The row kernels of one weight type on one backend.
 #[derive(Clone, Copy)]
@@ -88,6 +92,9 @@ pub(crate) struct RowOps {
     pub axpy4: Option<Axpy4Fn>,
     /// A whole thread's row-sparse GEMV, where the backend has such a kernel.
     pub dot_list: Option<DotListFn>,
+    /// A dense GEMV over a range of rows, where the backend has such a kernel (taken before
+    /// `dot_list` for the rows of at least `LIST_GEMV_ROW_BYTES`).
+    pub dot_range: Option<DotRangeFn>,
     /// A whole thread's sparse axpy, where the backend has such a kernel.
     pub axpy_list: Option<AxpyListFn>,
     pub act: ActFormat,
@@ -120,6 +127,7 @@ fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
         axpy,
         axpy4: None,
         dot_list: None,
+        dot_range: None,
         axpy_list: None,
         act,
     };
