@@ -2,7 +2,7 @@
 //!
 //! Three levels of API, from generic to typed:
 //!
-//! - [`dequantize`] / [`quantize`] work on raw little-endian tensor bytes of any [`GgmlType`]
+//! - [`dequantize`] / [`quantize`](fn@quantize) work on raw little-endian tensor bytes of any [`GgmlType`]
 //!   they support ([`can_dequantize`], [`can_quantize`]). The byte slices may have any
 //!   alignment. Lengths are checked once, up front; a mismatch is a [`QuantError`].
 //! - `dequantize_row_*` / `quantize_row_*` work on typed block slices (`&[BlockQ4_0]`, ...),
@@ -117,7 +117,7 @@ pub trait QuantizeBlock: QuantBlock {
     /// # Panics
     ///
     /// If `x` is shorter than [`BLOCK`](QuantBlock::BLOCK). The slice-level functions
-    /// ([`quantize_blocks`], [`quantize`]) check lengths and return errors instead.
+    /// ([`quantize_blocks`], [`quantize`](fn@quantize)) check lengths and return errors instead.
     fn quantize(x: &[f32]) -> Self;
 }
 
@@ -187,7 +187,7 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
     )
 }
 
-/// Whether [`quantize`] supports `ty`.
+/// Whether [`quantize`](fn@quantize) supports `ty`.
 pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(

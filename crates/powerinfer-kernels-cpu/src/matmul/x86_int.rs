@@ -132,7 +132,7 @@ macro_rules! int_kernels {
         }
 
         /// Adds blocks `b` and `b + 1` of `R` Q4_0 rows (`blk[r]` points at row r's block `b`)
-        /// to the `R × N` accumulators, with activations in [`ActFormat::Q8_0Pairs`] order: one
+        /// to the `R × N` accumulators, with activations in [`ActFormat::Q8_0Pairs`](crate::matmul::act::ActFormat::Q8_0Pairs) order: one
         /// vector holds both blocks' low nibbles, one both high nibbles; i32 lanes 0..4 sum
         /// block `b`, lanes 4..8 block `b + 1`, starting from the pair's offset vector (the −8
         /// term). Each (row, token) pair takes the same operations as with `R = N = 1`; the
@@ -193,7 +193,7 @@ macro_rules! int_kernels {
             }
         }
 
-        /// `R` Q4_0 rows · `N` activations in [`ActFormat::Q8_0Pairs`] order: pairs of blocks
+        /// `R` Q4_0 rows · `N` activations in [`ActFormat::Q8_0Pairs`](crate::matmul::act::ActFormat::Q8_0Pairs) order: pairs of blocks
         /// ([`q4_0_pair`]) into one accumulator per (row, token), an odd last block as in
         /// [`q4_0_block`]; fixed-order horizontal sum. Every (row, token) result is the same
         /// for any `R` and `N`.

@@ -2,7 +2,7 @@
 //! F/VL/BW/VNNI): [`MatMul::pack_q4_0`](super::MatMul::pack_q4_0) /
 //! [`MatMul::gemv_packed`](super::MatMul::gemv_packed).
 //!
-//! Layout ([`pack`]): rows in groups of 8; per group, per pair of blocks `(b, b + 1)`, first the
+//! Layout ([`pack_into`]): rows in groups of 8; per group, per pair of blocks `(b, b + 1)`, first the
 //! 16 f16 scales (row `r`'s `d_b`, `d_b+1` at positions `2r`, `2r + 1`: 32 bytes), then each
 //! row's 32 nibble bytes (`qs` of block `b`, then of `b + 1`: 256 bytes). The same 36 bytes per
 //! row and pair as ggml's layout, so the copy has the size of the original. Rows past the last

@@ -475,7 +475,7 @@ fn attend_group(
     out.copy_from_slice(acc);
 }
 
-/// Σ a[i]·b[i] in f32 with eight partial sums (which the compiler keeps in vector registers),
+/// Σ `a[i]·b[i]` in f32 with eight partial sums (which the compiler keeps in vector registers),
 /// combined by a fixed tree, then the tail in order.
 #[inline]
 fn dot_f32(a: &[f32], b: &[f32]) -> f32 {

@@ -39,7 +39,7 @@ unsafe fn load_f16x8(p: *const f16) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
-/// Σ (x[i]·x[i]), each square rounded to f32 (as the scalar path), accumulated in f64.
+/// Σ `x[i]·x[i]`, each square rounded to f32 (as the scalar path), accumulated in f64.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -88,7 +88,7 @@ pub(crate) unsafe fn scale_mul(x: &[f32], scale: f32, w: &[f32], out: &mut [f32]
     }
 }
 
-/// Σ q[i]·k[i] over an f32 vector and an f16 vector of the same length, in f32 with FMA (four
+/// Σ `q[i]·k[i]` over an f32 vector and an f16 vector of the same length, in f32 with FMA (four
 /// independent accumulator chains).
 ///
 /// # Safety
