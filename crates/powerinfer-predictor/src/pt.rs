@@ -284,8 +284,8 @@ pub fn read_bytes(bytes: &[u8]) -> Result<PtObject> {
         }
         materialize(r, &storages[&r.key])
     };
-    match obj {
-        Obj::Tensor(r) => Ok(PtObject::Tensor(load(&r)?)),
+    match &obj {
+        Obj::Tensor(r) => Ok(PtObject::Tensor(load(r)?)),
         Obj::Dict(d) => {
             let mut out = Vec::new();
             for (k, v) in d.borrow().iter() {
@@ -321,7 +321,9 @@ fn read_entry(zip: &mut zip::ZipArchive<Cursor<&[u8]>>, name: &str) -> Result<Ve
     let mut f = zip
         .by_name(name)
         .map_err(|_| PtError::MissingEntry(name.to_string()))?;
-    let mut out = Vec::with_capacity(f.size().min(1 << 30) as usize);
+    // The declared size is the file's word: reserve at most 64 MiB on it (a larger entry grows
+    // as it is read), so a hostile header cannot make the allocator fail.
+    let mut out = Vec::with_capacity(f.size().min(64 << 20) as usize);
     f.read_to_end(&mut out).map_err(|source| PtError::Io {
         path: name.to_string(),
         source,
@@ -341,7 +343,16 @@ fn materialize(r: &TensorRef, storage: &[u8]) -> Result<PtTensor> {
     }
     let n = numel(&r.shape)
         .ok_or_else(|| PtError::BadTensor(format!("shape {:?} overflows", r.shape)))?;
-    let mut data = Vec::with_capacity(n.saturating_mul(es).min(1 << 30));
+    // More elements than the storage holds means a view whose elements overlap (stride 0, as
+    // `expand` makes): `torch.save` writes none for a parameter, and a hostile file could use it
+    // to ask for an unbounded copy of a tiny storage.
+    if n > n_storage {
+        return Err(PtError::BadTensor(format!(
+            "size {:?} has {n} elements, more than its storage's {n_storage} (an overlapping view)",
+            r.shape
+        )));
+    }
+    let mut data = Vec::with_capacity(n * es);
     if n > 0 {
         // Highest element index touched must lie inside the storage.
         let max = r
@@ -408,7 +419,43 @@ enum Obj {
     Opaque(String),
 }
 
+/// Drops nested containers with a work list instead of the compiler's recursive drop: a
+/// hostile pickle can nest tuples or lists a million deep (within [`MAX_STACK`], or through the
+/// memo with a short stack), which a recursive drop turned into a stack overflow.
+impl Drop for Obj {
+    fn drop(&mut self) {
+        let mut work = Vec::new();
+        self.take_children(&mut work);
+        while let Some(mut o) = work.pop() {
+            o.take_children(&mut work);
+            // `o` holds no children now: its own drop does not recurse.
+        }
+    }
+}
+
 impl Obj {
+    /// Moves the values this object alone holds (a tuple's; a list's or dictionary's when no
+    /// other reference shares it) into `out`.
+    fn take_children(&mut self, out: &mut Vec<Obj>) {
+        match self {
+            Obj::Tuple(v) => out.append(v),
+            Obj::List(l) => {
+                if let Some(cell) = Rc::get_mut(l) {
+                    out.append(cell.get_mut());
+                }
+            }
+            Obj::Dict(d) => {
+                if let Some(cell) = Rc::get_mut(d) {
+                    for (k, v) in cell.get_mut().drain(..) {
+                        out.push(k);
+                        out.push(v);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
     fn describe(&self) -> String {
         match self {
             Obj::Mark => "a mark".into(),
@@ -613,7 +660,7 @@ impl<'a> Unpickler<'a> {
     }
 
     fn persistent_load(&self, pid: Obj) -> Result<Obj> {
-        let Obj::Tuple(t) = pid else {
+        let Obj::Tuple(t) = &pid else {
             return self.err(format!("persistent id is {}", pid.describe()));
         };
         match t.as_slice() {
@@ -644,7 +691,7 @@ impl<'a> Unpickler<'a> {
         let Obj::Global(module, name) = &callable else {
             return Ok(Obj::Opaque(callable.describe()));
         };
-        let args = match args {
+        let args = match &args {
             Obj::Tuple(a) => a,
             other => return self.err(format!("call arguments are {}", other.describe())),
         };
@@ -857,8 +904,10 @@ impl<'a> Unpickler<'a> {
                 0x93 => {
                     let name = self.pop()?;
                     let module = self.pop()?;
-                    match (module, name) {
-                        (Obj::Str(m), Obj::Str(n)) => self.push(Obj::Global(m, n))?,
+                    match (&module, &name) {
+                        (Obj::Str(m), Obj::Str(n)) => {
+                            self.push(Obj::Global(m.clone(), n.clone()))?
+                        }
                         _ => return self.err("STACK_GLOBAL of non-strings"),
                     }
                 }
@@ -1034,7 +1083,12 @@ pub fn to_bytes(obj: &PtObject) -> Result<Vec<u8>> {
         }
     };
     p.op(b'.');
+    let storages: Vec<&[u8]> = tensors.iter().map(|t| t.bytes()).collect();
+    archive(&p.out, &storages)
+}
 
+/// A `.pt` zip archive of the pickle `pkl` and the storages `data/0`, `data/1`, ….
+fn archive(pkl: &[u8], storages: &[&[u8]]) -> Result<Vec<u8>> {
     let zip_err = |e: zip::result::ZipError| PtError::Io {
         path: "<zip>".into(),
         source: std::io::Error::other(e),
@@ -1048,13 +1102,13 @@ pub fn to_bytes(obj: &PtObject) -> Result<Vec<u8>> {
         .compression_method(zip::CompressionMethod::Stored)
         .unix_permissions(0o644);
     zip.start_file("archive/data.pkl", opts).map_err(zip_err)?;
-    zip.write_all(&p.out).map_err(io_err)?;
+    zip.write_all(pkl).map_err(io_err)?;
     zip.start_file("archive/byteorder", opts).map_err(zip_err)?;
     zip.write_all(b"little").map_err(io_err)?;
-    for (i, t) in tensors.iter().enumerate() {
+    for (i, data) in storages.iter().enumerate() {
         zip.start_file(format!("archive/data/{i}"), opts.with_alignment(64))
             .map_err(zip_err)?;
-        zip.write_all(t.bytes()).map_err(io_err)?;
+        zip.write_all(data).map_err(io_err)?;
     }
     zip.start_file("archive/version", opts).map_err(zip_err)?;
     zip.write_all(b"3\n").map_err(io_err)?;
@@ -1147,10 +1201,20 @@ mod tests {
         let bad = TensorRef {
             offset: 1,
             stride: vec![1, 3],
-            ..r
+            ..r.clone()
         };
         assert!(matches!(
             materialize(&bad, &storage),
+            Err(PtError::BadTensor(_))
+        ));
+        // An overlapping view (stride 0) of one element as 2⁴⁰: refused before any copy.
+        let broadcast = TensorRef {
+            shape: vec![1 << 40],
+            stride: vec![0],
+            ..r
+        };
+        assert!(matches!(
+            materialize(&broadcast, &storage),
             Err(PtError::BadTensor(_))
         ));
     }
@@ -1165,6 +1229,113 @@ mod tests {
         let pos = bytes.windows(2).position(|w| w == [0x80, 2]).unwrap();
         bytes[pos + 1] = 9;
         assert!(read_bytes(&bytes).is_err());
+    }
+
+    /// A state dict's pickle with 1–6 random byte edits (bit flips, overwrites, insertions,
+    /// deletions, 32-bit ints of 0, −1 or 2³¹−1), and storages cut short: reading the archive
+    /// is an error or a result, never a panic.
+    fn mutated_pickle(muts: &[(usize, u8, u8)], cut: Option<usize>) -> Result<PtObject> {
+        let a = PtTensor::from_f32(vec![3], &[1.0, 2.0, 3.0]).unwrap();
+        let b = PtTensor::from_f16(vec![2, 2], &[f16::ONE; 4]).unwrap();
+        let mut p = Pickler { out: Vec::new() };
+        p.op(0x80);
+        p.op(2);
+        p.empty_ordered_dict();
+        p.op(b'(');
+        p.string("a");
+        p.tensor(&a, "0");
+        p.string("b");
+        p.tensor(&b, "1");
+        p.op(b'u');
+        p.op(b'.');
+        let mut pkl = p.out;
+        for &(pos, kind, byte) in muts {
+            let at = pos % (pkl.len() + 1);
+            match kind % 6 {
+                0 if at < pkl.len() => pkl[at] ^= 1 << (byte % 8),
+                1 if at < pkl.len() => pkl[at] = byte,
+                2 => pkl.insert(at, byte),
+                3 if at < pkl.len() => {
+                    pkl.remove(at);
+                }
+                4 | 5 => {
+                    let v: [u8; 4] = match byte % 3 {
+                        0 => [0; 4],
+                        1 => [0xFF; 4],
+                        _ => 0x7FFF_FFFFu32.to_le_bytes(),
+                    };
+                    for (k, x) in v.iter().enumerate() {
+                        if let Some(slot) = pkl.get_mut(at + k) {
+                            *slot = *x;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let a_bytes = a.bytes();
+        let a_data = &a_bytes[..cut.map_or(a_bytes.len(), |c| c % (a_bytes.len() + 1))];
+        read_bytes(&archive(&pkl, &[a_data, b.bytes()])?)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 3000, ..Default::default() })]
+        #[test]
+        fn mutated_pickles_never_panic(
+            muts in proptest::collection::vec((0usize..400, 0u8..6, proptest::prelude::any::<u8>()), 1..7),
+            cut in proptest::option::of(0usize..64),
+        ) {
+            let _ = mutated_pickle(&muts, cut);
+        }
+    }
+
+    /// Containers nested about a million deep (tuples through marks, up to the stack limit;
+    /// lists through the memo, with a stack of one) and a list that holds itself: an error (not
+    /// a tensor), not a stack overflow or a hang. Before the iterative drop of `Obj`, the
+    /// tuples overflowed a test thread's stack and aborted the process.
+    #[test]
+    fn deeply_nested_pickles_are_refused_without_overflow() {
+        let n = MAX_STACK - 4;
+        let mut tuples = vec![0x80, 2];
+        tuples.extend(std::iter::repeat_n(b'(', n));
+        tuples.push(b')');
+        tuples.extend(std::iter::repeat_n(b't', n));
+        tuples.push(b'.');
+        assert!(Unpickler::new(&tuples).run().is_ok());
+        assert!(matches!(
+            read_bytes(&archive(&tuples, &[]).unwrap()),
+            Err(PtError::Unexpected(_))
+        ));
+
+        let mut lists = vec![0x80, 2, b']', b'q', 0];
+        for _ in 0..1_000_000 {
+            // [new, memo[0]] → new holds the previous list; memo[0] = new; pop.
+            lists.extend_from_slice(&[b']', b'h', 0, b'a', b'q', 0, b'0']);
+        }
+        lists.extend_from_slice(&[b'h', 0, b'.']);
+        assert!(matches!(
+            read_bytes(&archive(&lists, &[]).unwrap()),
+            Err(PtError::Unexpected(_))
+        ));
+
+        let itself = [0x80, 2, b']', b'q', 0, b'h', 0, b'a', b'.'];
+        assert!(matches!(
+            read_bytes(&archive(&itself, &[]).unwrap()),
+            Err(PtError::Unexpected(_))
+        ));
+    }
+
+    #[test]
+    fn unmutated_pickle_reads() {
+        let PtObject::Dict(d) = mutated_pickle(&[], None).unwrap() else {
+            panic!("expected a dictionary");
+        };
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[1].1.shape(), &[2, 2]);
+        assert!(
+            mutated_pickle(&[], Some(5)).is_err(),
+            "a short storage is refused"
+        );
     }
 
     #[test]
