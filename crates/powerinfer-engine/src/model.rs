@@ -446,7 +446,9 @@ impl Model {
         let output_norm = norm_of("output_norm")?;
         let sparse = kind == FileKind::PowerInfer;
         let gated = !ln;
-        let mut layers = Vec::with_capacity(hp.n_layer);
+        // Capacity from the file, not the metadata: a hostile block count must fail at its
+        // first missing tensor, not in the allocator.
+        let mut layers = Vec::with_capacity(hp.n_layer.min(file.tensors().len()));
         for l in 0..hp.n_layer {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
             let b = |t: &str| format!("blk.{l}.{t}.bias");

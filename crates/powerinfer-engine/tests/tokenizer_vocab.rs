@@ -6,35 +6,15 @@
 //! The data directory is `$POWERINFER_TESTDATA/vocab` if set, else `shared/testdata/vocab`
 //! beside or inside the repository. Without it the tests fail under CI and skip otherwise.
 
-use std::path::PathBuf;
+mod common;
 
+use common::vocab_dir;
 use powerinfer_engine::tokenizer::{
     PreTokenizer, TokenType, Tokenizer, TokenizerError, TokenizerModel,
 };
 use powerinfer_gguf::GgufFile;
 
 const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
-
-fn vocab_dir() -> Option<PathBuf> {
-    let mut candidates = Vec::new();
-    if let Some(dir) = std::env::var_os("POWERINFER_TESTDATA") {
-        candidates.push(PathBuf::from(dir).join("vocab"));
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    candidates.push(root.join("../shared/testdata/vocab"));
-    candidates.push(root.join("shared/testdata/vocab"));
-    if let Some(dir) = candidates
-        .into_iter()
-        .find(|d| d.join("ggml-vocab-gpt-2.gguf").is_file())
-    {
-        return Some(dir);
-    }
-    if std::env::var_os("CI").is_some() {
-        panic!("shared/testdata/vocab not found (set POWERINFER_TESTDATA)");
-    }
-    println!("skipped: shared/testdata/vocab not found");
-    None
-}
 
 struct Case {
     text: String,

@@ -73,3 +73,27 @@ pub fn argmax(v: &[f32]) -> u32 {
         .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
         .0 as u32
 }
+
+/// llama.cpp's vocabulary files and test vectors (`shared/testdata/vocab`): the directory
+/// `$POWERINFER_TESTDATA/vocab` if set, else `shared/testdata/vocab` beside or inside the
+/// repository. Without it, tests fail under CI (`CI` set) and skip otherwise (`None`).
+pub fn vocab_dir() -> Option<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Some(dir) = std::env::var_os("POWERINFER_TESTDATA") {
+        candidates.push(PathBuf::from(dir).join("vocab"));
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    candidates.push(root.join("../shared/testdata/vocab"));
+    candidates.push(root.join("shared/testdata/vocab"));
+    if let Some(dir) = candidates
+        .into_iter()
+        .find(|d| d.join("ggml-vocab-gpt-2.gguf").is_file())
+    {
+        return Some(dir);
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("shared/testdata/vocab not found (set POWERINFER_TESTDATA)");
+    }
+    println!("skipped: shared/testdata/vocab not found");
+    None
+}
