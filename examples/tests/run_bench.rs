@@ -367,3 +367,97 @@ fn demo_runs_and_profiles_both_modes() {
     assert!(predictor_mb("profile") > 0.0);
     assert_eq!(predictor_mb("dense_profile"), 0.0);
 }
+
+/// The llama.cpp-style generation flags of `powerinfer run`: `-f` reads the prompt from a file
+/// (same tokens as `-p`), `--stop` ends the text early, the penalties change what greedy
+/// decoding picks (a huge presence penalty over the whole context forbids any repeat), `-b`
+/// sets the prompt block and `--ignore-eos` is accepted.
+#[test]
+fn run_generation_flags() {
+    let f = synth();
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = "Once upon a time there was";
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, prompt).unwrap();
+    let run = |extra: &[&str]| -> Json {
+        let mut args = vec![
+            "run",
+            "-m",
+            s(&f.sparse),
+            "-n",
+            "12",
+            "--temp",
+            "0",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_slice(&powerinfer(&args).stdout).unwrap()
+    };
+    let ids = |j: &Json| -> Vec<u64> {
+        j["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let base = run(&["-p", prompt]);
+    let from_file = run(&["-f", s(&file)]);
+    assert_eq!(ids(&base), ids(&from_file));
+    assert_eq!(base["prompt_tokens"], from_file["prompt_tokens"]);
+    assert_eq!(ids(&base).len(), 12);
+
+    // Stop at the first piece of the greedy text (two characters from its second half) that
+    // occurs only there: fewer tokens, the same ones.
+    let text = base["text"].as_str().unwrap().to_string();
+    let chars: Vec<(usize, char)> = text.char_indices().collect();
+    let stop = (chars.len() / 2..chars.len().saturating_sub(1))
+        .map(|k| (chars[k].0, format!("{}{}", chars[k].1, chars[k + 1].1)))
+        .find(|(at, piece)| text.find(piece.as_str()) == Some(*at))
+        .map(|(_, piece)| piece)
+        .expect("a piece of the text that occurs once");
+    let stopped = run(&["-p", prompt, "--stop", &stop]);
+    let got = ids(&stopped);
+    assert!(got.len() < 12, "--stop {stop:?} did not stop: {got:?}");
+    assert_eq!(got[..], ids(&base)[..got.len()]);
+
+    // No token of the last 64 (prompt and generated) may come again.
+    let distinct = ids(&run(&[
+        "-p",
+        prompt,
+        "--presence-penalty",
+        "1e9",
+        "--repeat-last-n",
+        "64",
+    ]));
+    let mut seen = std::collections::HashSet::new();
+    assert!(distinct.iter().all(|t| seen.insert(*t)), "{distinct:?}");
+    // The same penalty over no tokens changes nothing.
+    let off = run(&[
+        "-p",
+        prompt,
+        "--presence-penalty",
+        "1e9",
+        "--repeat-last-n",
+        "0",
+    ]);
+    assert_eq!(ids(&off), ids(&base));
+
+    let small_blocks = run(&["-p", prompt, "-b", "1", "--ignore-eos"]);
+    assert_eq!(small_blocks["prompt_tokens"], base["prompt_tokens"]);
+    assert_eq!(ids(&small_blocks).len(), 12);
+
+    // A prompt file that is not there fails before the model loads.
+    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .args([
+            "run",
+            "-m",
+            s(&f.sparse),
+            "-f",
+            s(&dir.path().join("none.txt")),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the prompt file"));
+}

@@ -29,6 +29,9 @@ pub struct Args {
     /// Prompt.
     #[arg(short = 'p', long = "prompt", default_value = "Once upon a time")]
     pub prompt: String,
+    /// Read the prompt from this file instead (UTF-8, used as is).
+    #[arg(short = 'f', long = "file", conflicts_with = "prompt")]
+    pub file: Option<PathBuf>,
     /// Tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
     pub n_predict: usize,
@@ -47,15 +50,33 @@ pub struct Args {
     /// Min-p (0 = off).
     #[arg(long = "min-p", default_value_t = 0.05)]
     pub min_p: f32,
-    /// Repetition penalty over the last 64 tokens (1 = off).
+    /// Repetition penalty over the last `--repeat-last-n` tokens (1 = off).
     #[arg(long = "repeat-penalty", default_value_t = 1.0)]
     pub repeat_penalty: f32,
+    /// Presence penalty: subtracted from the logit of every recent token (0 = off).
+    #[arg(long = "presence-penalty", default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Frequency penalty: subtracted once per occurrence of a recent token (0 = off).
+    #[arg(long = "frequency-penalty", default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// How many of the last tokens (prompt included) the penalties look at (0 = none).
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Stop once the generated text contains this string (may be given several times).
+    #[arg(short = 'r', long = "stop", alias = "reverse-prompt")]
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens (EOS, EOT).
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
     /// Random seed.
     #[arg(long = "seed", default_value_t = 0)]
     pub seed: u64,
     /// Context size (0 = the model's).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
     pub ctx_size: usize,
+    /// Prompt tokens evaluated per block.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch_size: u32,
     /// Predictor threshold θ (default: env LLAMA_SPARSE_PRED_THRESHOLD, the file's key, 0).
     #[arg(long = "sparse-threshold")]
     pub sparse_threshold: Option<f32>,
@@ -101,9 +122,22 @@ impl Args {
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_last_n: self.repeat_last_n,
             seed: self.seed,
             max_tokens: self.n_predict,
-            ..Default::default()
+            stop: self.stop.clone(),
+            stop_at_eog: !self.ignore_eos,
+        }
+    }
+
+    /// The prompt: `--file`'s contents, else `--prompt`.
+    fn prompt_text(&self) -> Result<String, String> {
+        match &self.file {
+            Some(f) => std::fs::read_to_string(f)
+                .map_err(|e| format!("cannot read the prompt file {}: {e}", f.display())),
+            None => Ok(self.prompt.clone()),
         }
     }
 
@@ -113,9 +147,9 @@ impl Args {
             sparse_threshold: self.sparse_threshold,
             dense,
             ctx_len: self.ctx_size,
+            batch: self.batch_size as usize,
             mmap: !self.no_mmap,
             repack: self.repack,
-            ..Default::default()
         }
     }
 }
@@ -129,13 +163,13 @@ struct Run {
     profile: Option<OpProfile>,
 }
 
-fn generate(engine: &Engine, args: &Args, stream: bool) -> Result<Run, String> {
+fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<Run, String> {
     let mut session = engine.session();
     session.set_profiling(args.profile);
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut out = std::io::stdout().lock();
-    for tok in session.generate(&args.prompt, args.sampling()) {
+    for tok in session.generate(prompt, args.sampling()) {
         let tok = tok.map_err(|e| e.to_string())?;
         if stream {
             let _ = out.write_all(tok.text.as_bytes());
@@ -328,11 +362,13 @@ fn gpu_index(model: &std::path::Path, args: &Args, n_ctx: usize) -> Result<(), S
 
 /// Runs `powerinfer run`.
 pub fn run(args: Args) -> Result<(), String> {
+    // Read before the model loads, so that a wrong path fails at once.
+    let prompt = args.prompt_text()?;
     let Some(model) = &args.model else {
         if args.vram_budget.is_some() || args.reset_gpu_index || args.disable_gpu_index {
             eprintln!("note: the GPU-index flags apply to a model given with -m; ignored");
         }
-        return demo(&args);
+        return demo(&args, &prompt);
     };
     let engine = Engine::load(model, args.options(args.dense))
         .map_err(|e| format!("{}: {e}", model.display()))?;
@@ -340,7 +376,7 @@ pub fn run(args: Args) -> Result<(), String> {
     if engine.is_sparse() {
         gpu_index(model, &args, engine.ctx_len())?;
     }
-    let run = generate(&engine, &args, !args.json)?;
+    let run = generate(&engine, &args, &prompt, !args.json)?;
     let bw = run.profile.as_ref().map(|_| bandwidth(&engine));
     if args.json {
         let extra: Vec<(&str, serde_json::Value)> = match (&run.profile, bw) {
@@ -439,7 +475,7 @@ pub fn demo_files() -> Result<(PathBuf, PathBuf), String> {
     Ok((path, twin))
 }
 
-fn demo(args: &Args) -> Result<(), String> {
+fn demo(args: &Args, prompt: &str) -> Result<(), String> {
     let (path, twin) = demo_files()?;
     eprintln!("================================================================");
     eprintln!(" powerinfer-rs demo: a SYNTHETIC ReLU-sparse model (random weights,");
@@ -454,10 +490,10 @@ fn demo(args: &Args) -> Result<(), String> {
     // the fastest way to compute every neuron.
     let dense = Engine::load(&twin, args.options(false)).map_err(|e| e.to_string())?;
     eprintln!("--- dense FFN (dense twin, every neuron) ---");
-    let d = generate(&dense, args, false)?;
+    let d = generate(&dense, args, prompt, false)?;
     summary("dense  ", &dense, &d.stats);
     eprintln!("--- sparse FFN (predictor) ---");
-    let s = generate(&sparse, args, !args.json)?;
+    let s = generate(&sparse, args, prompt, !args.json)?;
     summary("sparse ", &sparse, &s.stats);
     let ratio = s.stats.decode_tps() / d.stats.decode_tps().max(1e-9);
     let bw = s.profile.as_ref().map(|_| bandwidth(&sparse));
