@@ -27,7 +27,7 @@ pub enum EngineError {
     #[error("missing tensor `{0}`")]
     MissingTensor(String),
     /// A tensor has another shape than the hyper-parameters imply.
-    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    #[error("tensor `{name}` has shape {got:?}, expected {}", expected_dims(.expected))]
     TensorShape {
         /// Tensor name.
         name: String,
@@ -65,3 +65,36 @@ pub enum EngineError {
 
 /// `Result` with [`EngineError`].
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// An expected shape as `[2048, *]`: a `0` dimension accepts any length.
+fn expected_dims(d: &[u64]) -> String {
+    let parts: Vec<String> = d
+        .iter()
+        .map(|&n| {
+            if n == 0 {
+                "*".to_string()
+            } else {
+                n.to_string()
+            }
+        })
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EngineError;
+
+    #[test]
+    fn shape_errors_show_free_dimensions_as_stars() {
+        let e = EngineError::TensorShape {
+            name: "token_embd.weight".into(),
+            expected: vec![256, 0],
+            got: vec![256],
+        };
+        assert_eq!(
+            e.to_string(),
+            "tensor `token_embd.weight` has shape [256], expected [256, *]"
+        );
+    }
+}
