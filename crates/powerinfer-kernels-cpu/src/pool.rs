@@ -7,8 +7,10 @@
 //!
 //! Two implementations share the API ([`PoolKind`]):
 //! * [`PoolKind::Spin`] (the default): std threads that spin on an atomic generation counter for a
-//!   short while after each job, then sleep on a condition variable; the caller, once its own
-//!   part is done, spins a few µs for the others, then blocks until the last one wakes it. Starting a job costs a few
+//!   while after each job (`SpinWindows`), then sleep on a condition variable; the caller, once
+//!   its own part is done, spins for the others (an adaptive time budget), then blocks until the
+//!   last one wakes it. Spin windows are measured in time, not in `pause` instructions, whose
+//!   cost varies tenfold between CPUs. Starting a job costs a few
 //!   hundred nanoseconds when the workers are still spinning, which matters for GEMV (a 4096×4096
 //!   Q4_0 product takes ~0.5 ms; a layer issues seven of them per token).
 //! * [`PoolKind::Rayon`]: a private rayon pool, each job run with `broadcast`. Kept so the two
@@ -291,9 +293,11 @@ struct Shared {
     cv: Condvar,
     /// The caller is blocked (or about to block) on `done_cv` waiting for `remaining == 0`.
     caller_waiting: AtomicBool,
-    /// The caller's current spin budget (see [`CALLER_SPINS_MIN`]); only the caller holding
-    /// `busy` reads and writes it.
-    caller_spins: AtomicU32,
+    /// How long the threads spin before they block.
+    windows: SpinWindows,
+    /// The caller's current spin budget in ns (within `windows`' bounds); only the caller
+    /// holding `busy` reads and writes it.
+    caller_spin_ns: AtomicU32,
     done_lock: Mutex<()>,
     done_cv: Condvar,
 }
@@ -314,18 +318,57 @@ struct SpinPool {
     busy: Mutex<()>,
 }
 
-/// Spins before a worker goes to sleep (each spin is a `spin_loop` hint, `pause`: tens of cycles):
-/// some 20-100 µs, enough to cover the gap between the kernels of one layer.
-const SPINS_BEFORE_SLEEP: u32 = 2_000;
-/// Spins of the caller waiting for the workers before it blocks, adapted per pool between these
-/// bounds (each spin is a `pause`: tens of cycles). The budget doubles after a wait that ended
-/// while spinning and halves after one that had to block: on a quiet machine the workers finish
-/// within ~100 µs and a long spin saves the futex wake-up at the end of every dispatch (measured
-/// on a TinyLlama-shaped Q4_0 sparse decode, 2 threads: ~+5% over a fixed 100); on an
-/// oversubscribed machine waits outlast any spin and the budget falls back to the minimum, which
-/// frees the core soon (a fixed 4000 lost 25% there).
-const CALLER_SPINS_MIN: u32 = 100;
-const CALLER_SPINS_MAX: u32 = 4_000;
+/// How long the threads of a spin pool spin before they block. Counted in time: the first
+/// version counted `pause` instructions (2000 for a worker, 100–4000 for the caller), which a
+/// Zen 4 takes tens of ns each for but a recent Xeon only 8.6 ns: its workers slept after 17 µs
+/// and its caller blocked after 1 µs, and a sparse TinyLlama-shaped prompt of 1036 tokens (FFN
+/// token by token) caused 67 000 context switches and ran at 137–148 tokens/s, against 195–199
+/// with [`SpinWindows::FITTING`] (~700 switches).
+#[derive(Clone, Copy, Debug)]
+struct SpinWindows {
+    /// A worker spins this long for the next job, then sleeps.
+    worker: std::time::Duration,
+    /// Bounds of the caller's spin budget while it waits for the workers (ns). The budget
+    /// doubles after a wait that ended while spinning and halves after one that had to block:
+    /// when the workers finish within it the futex wake-up at the end of a dispatch is saved,
+    /// and when waits outlast any spin the budget falls back to the minimum, which frees the
+    /// core soon.
+    caller_min_ns: u32,
+    caller_max_ns: u32,
+}
+
+impl SpinWindows {
+    /// When the pool has no more threads than the machine has cores: long enough to cover the
+    /// gaps between the kernels of a layer and between the tokens of a prompt whose FFN runs
+    /// token by token, so a job rarely has to wake anyone.
+    const FITTING: SpinWindows = SpinWindows {
+        worker: std::time::Duration::from_micros(250),
+        caller_min_ns: 20_000,
+        caller_max_ns: 400_000,
+    };
+    /// When it has more (oversubscribed): short, because a spinning thread then holds a core
+    /// that a working one needs. TinyLlama-shaped decode with 4 threads on 2 cores ran 2–2.6×
+    /// slower with the long windows (dense 15.8 vs 30.2–30.6 tokens/s, sparse 17.6–17.9 vs
+    /// 45.7–45.8).
+    const OVERSUBSCRIBED: SpinWindows = SpinWindows {
+        worker: std::time::Duration::from_micros(15),
+        caller_min_ns: 1_000,
+        caller_max_ns: 30_000,
+    };
+
+    /// The windows for a pool of `n` threads on this machine.
+    fn for_threads(n: usize) -> SpinWindows {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if n <= cores {
+            SpinWindows::FITTING
+        } else {
+            SpinWindows::OVERSUBSCRIBED
+        }
+    }
+}
+
+/// `pause` hints between two reads of the clock while spinning.
+const SPINS_PER_CLOCK_READ: u32 = 64;
 
 thread_local! {
     /// Set on pool worker threads and while a caller runs its own part of a job.
@@ -344,7 +387,8 @@ impl SpinPool {
             lock: Mutex::new(()),
             cv: Condvar::new(),
             caller_waiting: AtomicBool::new(false),
-            caller_spins: AtomicU32::new(CALLER_SPINS_MIN),
+            windows: SpinWindows::for_threads(n),
+            caller_spin_ns: AtomicU32::new(SpinWindows::for_threads(n).caller_min_ns),
             done_lock: Mutex::new(()),
             done_cv: Condvar::new(),
         });
@@ -406,13 +450,12 @@ impl SpinPool {
         IN_POOL_JOB.with(|c| c.set(false));
         // Wait for the workers: spin briefly, then block, so that on a busy machine the core is
         // free for a worker the scheduler placed here (yielding instead costs a time slice).
-        let budget = s.caller_spins.load(Ordering::Relaxed);
-        let mut spins = 0u32;
+        let budget = s.caller_spin_ns.load(Ordering::Relaxed);
+        let window = std::time::Duration::from_nanos(budget as u64);
+        let mut spin = Spin::new();
         let mut blocked = false;
         while s.remaining.load(Ordering::Acquire) != 0 {
-            if spins < budget {
-                spins += 1;
-                std::hint::spin_loop();
+            if spin.within(window) {
                 continue;
             }
             blocked = true;
@@ -429,11 +472,11 @@ impl SpinPool {
             s.caller_waiting.store(false, Ordering::SeqCst);
         }
         let next = if blocked {
-            (budget / 2).max(CALLER_SPINS_MIN)
+            (budget / 2).max(s.windows.caller_min_ns)
         } else {
-            budget.saturating_mul(2).min(CALLER_SPINS_MAX)
+            budget.saturating_mul(2).min(s.windows.caller_max_ns)
         };
-        s.caller_spins.store(next, Ordering::Relaxed);
+        s.caller_spin_ns.store(next, Ordering::Relaxed);
         if let Err(p) = mine {
             resume_unwind(p);
         }
@@ -443,12 +486,40 @@ impl SpinPool {
     }
 }
 
+/// A spin wait measured in time: `within(window)` issues one `pause` hint and says whether
+/// the wait is still within `window` of its start (the clock is read every
+/// [`SPINS_PER_CLOCK_READ`] hints, and not at all before the first batch).
+struct Spin {
+    start: Option<std::time::Instant>,
+    n: u32,
+}
+
+impl Spin {
+    fn new() -> Spin {
+        Spin { start: None, n: 0 }
+    }
+
+    #[inline]
+    fn within(&mut self, window: std::time::Duration) -> bool {
+        self.n += 1;
+        if self.n % SPINS_PER_CLOCK_READ == 0 {
+            let now = std::time::Instant::now();
+            let start = *self.start.get_or_insert(now);
+            if now.duration_since(start) >= window {
+                return false;
+            }
+        }
+        std::hint::spin_loop();
+        true
+    }
+}
+
 fn worker_loop(s: &Shared, index: usize) {
     IN_POOL_JOB.with(|c| c.set(true));
     let mut seen = 0u64;
     loop {
         // Wait for a new generation: spin, then sleep.
-        let mut spins = 0u32;
+        let mut spin = Spin::new();
         loop {
             let g = s.generation.load(Ordering::Acquire);
             if g != seen {
@@ -458,9 +529,7 @@ fn worker_loop(s: &Shared, index: usize) {
             if s.shutdown.load(Ordering::Acquire) {
                 return;
             }
-            if spins < SPINS_BEFORE_SLEEP {
-                spins += 1;
-                std::hint::spin_loop();
+            if spin.within(s.windows.worker) {
                 continue;
             }
             let mut guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -471,7 +540,7 @@ fn worker_loop(s: &Shared, index: usize) {
             }
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
             drop(guard);
-            spins = 0;
+            spin = Spin::new();
         }
         if s.shutdown.load(Ordering::Acquire) {
             return;
