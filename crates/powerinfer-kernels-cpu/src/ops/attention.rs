@@ -372,8 +372,26 @@ fn attend_group(
     acc.clear();
     acc.resize(q.len(), 0.0);
     let tiled = tiled && isa.is_avx2() && d % 8 == 0;
+    // Sixteen positions per tile with 512-bit vectors where the CPU has AVX-512 (the scores
+    // of a tile in one vector per query head, no per-row horizontal sums).
+    let wide = tiled && isa.is_avx512() && d % 16 == 0;
     let tile = &mut scratch.tile;
-    if tiled {
+    if wide {
+        tile.clear();
+        tile.resize(TILE_WIDE * d, 0.0);
+        for p0 in (0..n_ctx).step_by(TILE_WIDE) {
+            let np = (n_ctx - p0).min(TILE_WIDE);
+            for p in (p0 + TILE_WIDE..n_ctx).take(TILE_WIDE) {
+                prefetch_head(k, p * kv_row + kv_off, d);
+            }
+            widen_rows_wide(isa, k, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
+            tile[np * d..].fill(0.0);
+            for (j, qh) in q.chunks_exact(d).enumerate() {
+                let s = dots_wide(isa, qh, tile, scale);
+                scores[j * n_ctx + p0..][..np].copy_from_slice(&s[..np]);
+            }
+        }
+    } else if tiled {
         tile.clear();
         tile.resize(TILE * d, 0.0);
         for p0 in (0..n_ctx).step_by(TILE) {
@@ -423,7 +441,19 @@ fn attend_group(
         }
     }
     let mut p_start = 0;
-    if tiled {
+    if wide {
+        for p0 in (0..n_ctx).step_by(TILE_WIDE) {
+            let np = (n_ctx - p0).min(TILE_WIDE);
+            for p in (p0 + TILE_WIDE..n_ctx).take(TILE_WIDE) {
+                prefetch_head(v, p * kv_row + kv_off, d);
+            }
+            widen_rows_wide(isa, v, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
+            for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
+                axpy_tile_wide(isa, oh, &scores[j * n_ctx + p0..][..np], tile);
+            }
+        }
+        p_start = n_ctx;
+    } else if tiled {
         for p0 in (0..n_ctx).step_by(TILE) {
             let np = (n_ctx - p0).min(TILE);
             for p in (p0 + TILE..n_ctx).take(TILE) {
@@ -473,6 +503,61 @@ fn attend_group(
         scale_in_place(isa, oh, s);
     }
     out.copy_from_slice(acc);
+}
+
+/// Positions per tile of the AVX-512 path.
+const TILE_WIDE: usize = 16;
+
+/// AVX-512 f16 → f32 of head rows (as [`widen_rows`]; callers check `isa.is_avx512()` and
+/// `d % 16 == 0`).
+#[inline]
+fn widen_rows_wide(isa: Isa, src: &[f16], start: usize, stride: usize, d: usize, dst: &mut [f32]) {
+    let rows = dst.len() / d.max(1);
+    assert!(rows == 0 || start + (rows - 1) * stride + d <= src.len());
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    if isa.is_avx512() {
+        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend (AVX-512 F, AVX2,
+        // FMA, F16C); `d` is a multiple of 16 (caller), the rows lie inside `src` (asserted).
+        unsafe { super::x86_512::widen_rows16(src, start, stride, d, dst) };
+        return;
+    }
+    widen_rows(isa, src, start, stride, d, dst);
+}
+
+/// AVX-512 `scale · (q · tile[r])` for the 16 rows of a tile (callers check `isa.is_avx512()`
+/// and `d % 16 == 0`).
+#[inline]
+fn dots_wide(isa: Isa, q: &[f32], tile: &[f32], scale: f32) -> [f32; TILE_WIDE] {
+    assert!(tile.len() == TILE_WIDE * q.len() && q.len() % 16 == 0);
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    if isa.is_avx512() {
+        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; `tile` holds 16
+        // rows of `q.len()` values, a multiple of 16 (asserted).
+        return unsafe { super::x86_512::dots16(q, tile, scale) };
+    }
+    let _ = isa;
+    std::array::from_fn(|r| dot_f32(q, &tile[r * q.len()..][..q.len()]) * scale)
+}
+
+/// AVX-512 `acc += w[r] · tile[r]` over the tile's first `w.len()` rows, in order (callers
+/// check `isa.is_avx512()` and `d % 16 == 0`).
+#[inline]
+fn axpy_tile_wide(isa: Isa, acc: &mut [f32], w: &[f32], tile: &[f32]) {
+    let d = acc.len();
+    assert!(w.len() <= TILE_WIDE && tile.len() >= w.len() * d && d % 16 == 0);
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    if isa.is_avx512() {
+        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; the lengths are
+        // asserted above.
+        unsafe { super::x86_512::axpy_tile16(acc, w, tile) };
+        return;
+    }
+    let _ = isa;
+    for (r, &a) in w.iter().enumerate() {
+        for (o, &x) in acc.iter_mut().zip(&tile[r * d..][..d]) {
+            *o += a * x;
+        }
+    }
 }
 
 /// Σ `a[i]·b[i]` in f32 with eight partial sums (which the compiler keeps in vector registers),

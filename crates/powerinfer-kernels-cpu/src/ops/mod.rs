@@ -29,6 +29,8 @@ pub mod rope;
 pub mod softmax;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+mod x86_512;
 
 use crate::KernelError;
 
