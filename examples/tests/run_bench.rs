@@ -126,6 +126,17 @@ fn bench_decode_reports_bytes_and_ratios() {
         assert!((f("ratio") - gbps / f("bandwidth_gbps")).abs() < 1e-9);
         let ceiling = f("bandwidth_gbps") * 1e9 / f("bytes_per_token");
         assert!((f("ceiling_tps") - ceiling).abs() <= 1e-6 * ceiling);
+        // The file image was read, and (mapped on Linux) its page sizes found.
+        assert!(f("weights_read_gbps") > 0.0);
+        let share = &r["weights_huge_page_share"];
+        if cfg!(target_os = "linux") {
+            let h = share
+                .as_f64()
+                .unwrap_or_else(|| panic!("page share in {r}"));
+            assert!((0.0..=1.0).contains(&h), "{h}");
+        } else {
+            assert!(share.is_null());
+        }
     }
     let (dense_twin, sparse, dense_pwri) = (&rows[0], &rows[1], &rows[2]);
     let d = sparse["ffn_density"].as_f64().unwrap();

@@ -15,6 +15,11 @@
 //! `ratio` = bytes per token × tokens/s over the bandwidth; `ceiling_tps` = bandwidth over bytes
 //! per token, the speed of a decode that did nothing but stream its bytes.
 //!
+//! Under each result a `weights:` line says how fast the memory holding that model's weights
+//! reads (the file image the engine decodes from, read whole) and, for a mapped file, which
+//! share of it the OS maps with 2 MiB pages: page-cache history can change decode speed by
+//! tens of percent on a VM (see [`WeightsMemory`]), and this shows when it did.
+//!
 //! With `--batch B`, B sequences (the prompt with a different last token each) are decoded
 //! together, one token of each per step through [`Engine::decode`], and tok/s counts all their
 //! tokens; `--sequential` evaluates them one after the other instead, for comparison.
@@ -36,8 +41,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use powerinfer_engine::engine::{Engine, EngineOptions};
-use powerinfer_gguf::{FileKind, GgufFile};
-use powerinfer_kernels_cpu::ThreadPool;
+use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
+use powerinfer_kernels_cpu::{MatMul, ThreadPool, Weights};
 use serde_json::json;
 
 /// Arguments of `powerinfer bench decode`.
@@ -102,6 +107,77 @@ struct Row {
     bytes_per_token: f64,
     load_ms: f64,
     prompt_ms: f64,
+    /// How the engine's copy of the file reads (see [`WeightsMemory`]).
+    memory: WeightsMemory,
+}
+
+/// How fast the memory that holds a model's weights reads, and how it is mapped. The same
+/// file decoded 15–50% slower on a Xeon VM depending on its page-cache history: cached in
+/// small folios (360 of 605 MB of TinyLlama in 2 MiB pages: 37.4 tok/s; re-read in huge
+/// folios, 553 MB: 43.0), or in memory that reads slowly (an F16 file's cache at 20–22 GB/s
+/// against 34–35 for fresh anonymous huge pages: 20.5 tok/s mapped, 31 with `--no-mmap`).
+/// Printed beside each result so that such differences show.
+#[derive(Clone, Copy, Debug, Default)]
+struct WeightsMemory {
+    /// Bytes/s of a plain read of the whole file image the engine decodes from (best of 3,
+    /// the benchmark's threads, the kernels' reading path).
+    read_bps: f64,
+    /// Of the file's resident mapped bytes, the share mapped with 2 MiB pages (`FilePmdMapped`
+    /// over `Rss` of its mappings in `/proc/self/smaps`); `None` when not mapped or unknown.
+    huge_share: Option<f64>,
+}
+
+/// Reads `bytes` (a model's file image) front to back with `pool`'s threads, 3 times; the best
+/// rate.
+fn image_read_bps(pool: &ThreadPool, bytes: &[u8]) -> f64 {
+    const ROW: usize = 4096;
+    let rows = bytes.len() / ROW;
+    let Ok(w) = Weights::new(GgmlType::F32, rows, ROW / 4, &bytes[..rows * ROW]) else {
+        return f64::NAN;
+    };
+    let all: Vec<u32> = (0..rows as u32).collect();
+    let mm = MatMul::new(pool);
+    let mut best = f64::INFINITY;
+    let mut sink = 0u64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        sink = sink.wrapping_add(mm.read_rows(&w, &all).unwrap_or(0));
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink);
+    (rows * ROW) as f64 / best
+}
+
+/// Of this process's mappings of `path`, the share of resident bytes mapped with 2 MiB pages
+/// (Linux `/proc/self/smaps`; `None` elsewhere or when nothing of it is resident).
+fn huge_page_share(path: &Path) -> Option<f64> {
+    let want = std::fs::canonicalize(path).ok()?;
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let (mut mine, mut rss, mut pmd) = (false, 0u64, 0u64);
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        let Some(first) = f.next() else { continue };
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: "start-end perms offset dev inode [path]".
+            mine = f.nth(4).is_some_and(|p| Path::new(p) == want);
+            continue;
+        }
+        if !mine {
+            continue;
+        }
+        let kb = || {
+            f.clone()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        match first {
+            "Rss:" => rss += kb(),
+            "FilePmdMapped:" => pmd += kb(),
+            _ => {}
+        }
+    }
+    (rss > 0).then(|| pmd as f64 / rss as f64)
 }
 
 /// Per-token byte counts of a file, split by how they scale.
@@ -192,6 +268,17 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         .repack_now()
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let memory = {
+        let pool = ThreadPool::new(engine.threads());
+        WeightsMemory {
+            read_bps: image_read_bps(&pool, engine.model().file().bytes()),
+            huge_share: if a.no_mmap {
+                None
+            } else {
+                huge_page_share(path)
+            },
+        }
+    };
     let n_vocab = engine.model().hparams.n_vocab as u32;
     // A fixed prompt of ordinary token ids (BOS first).
     let prompt: Vec<u32> = std::iter::once(1)
@@ -250,6 +337,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         bytes_per_token: bm.per_token(sparse, density, mean_pos, if a.sequential { 1 } else { nb }),
         load_ms,
         prompt_ms,
+        memory,
     })
 }
 
@@ -428,6 +516,8 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "ceiling_tps": bw / r.bytes_per_token,
                 "load_ms": r.load_ms,
                 "prompt_ms": r.prompt_ms,
+                "weights_read_gbps": r.memory.read_bps / 1e9,
+                "weights_huge_page_share": r.memory.huge_share,
             });
             let ratios = |f: usize| -> Vec<f64> {
                 tps_rounds
@@ -504,6 +594,20 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             num("ceiling_tps"),
             llama,
             twin_col
+        );
+        let read = num("weights_read_gbps");
+        let pages = match o["weights_huge_page_share"].as_f64() {
+            Some(h) => format!("{:.0}% in 2 MiB pages, ", 100.0 * h),
+            None => String::new(),
+        };
+        println!(
+            "    weights: {pages}read at {read:.1} GB/s ({:.2} of the bandwidth){}",
+            read / (bw / 1e9),
+            if read < 0.8 * bw / 1e9 {
+                "; slower than the bandwidth: --no-mmap (a copy in fresh memory) may decode faster"
+            } else {
+                ""
+            }
         );
         if rounds > 1 {
             let list = |k: &str| {
