@@ -320,6 +320,9 @@ fn run_profile_reports_every_operation() {
         assert_eq!(f64_of(r, "mb_per_token") > 0.0, reads, "{op}");
         assert!(f64_of(r, "bandwidth_gbps") > 0.0);
     }
+    // How the weights' memory reads, beside the profile.
+    assert!(f64_of(&prof, "weights_read_gbps") > 0.0);
+    assert!(plain.get("weights_read_gbps").is_none());
     // The table on stderr.
     let mut args = base[..base.len() - 1].to_vec();
     args.push("--profile");
@@ -329,6 +332,10 @@ fn run_profile_reports_every_operation() {
     assert!(err.contains("decode profile: 4 steps"), "{err}");
     assert!(
         err.contains("ffn_up_gate") && err.contains("output_head"),
+        "{err}"
+    );
+    assert!(
+        err.contains("weights: ") && err.contains(" GB/s ("),
         "{err}"
     );
 }

@@ -118,13 +118,44 @@ struct Row {
 /// against 34–35 for fresh anonymous huge pages: 20.5 tok/s mapped, 31 with `--no-mmap`).
 /// Printed beside each result so that such differences show.
 #[derive(Clone, Copy, Debug, Default)]
-struct WeightsMemory {
+pub(crate) struct WeightsMemory {
     /// Bytes/s of a plain read of the whole file image the engine decodes from (best of 3,
     /// the benchmark's threads, the kernels' reading path).
-    read_bps: f64,
+    pub(crate) read_bps: f64,
     /// Of the file's resident mapped bytes, the share mapped with 2 MiB pages (`FilePmdMapped`
     /// over `Rss` of its mappings in `/proc/self/smaps`); `None` when not mapped or unknown.
-    huge_share: Option<f64>,
+    pub(crate) huge_share: Option<f64>,
+}
+
+impl WeightsMemory {
+    /// Measures `engine`'s weights: their read speed with the engine's thread count, and
+    /// (unless `copied`) the page sizes of `path`'s mappings.
+    pub(crate) fn of(engine: &Engine, path: &Path, copied: bool) -> WeightsMemory {
+        let pool = ThreadPool::new(engine.threads());
+        WeightsMemory {
+            read_bps: image_read_bps(&pool, engine.model().file().bytes()),
+            huge_share: if copied { None } else { huge_page_share(path) },
+        }
+    }
+
+    /// One line for people: page sizes, read speed against `bandwidth` (bytes/s), and a hint
+    /// when the weights read below 0.8 of it.
+    pub(crate) fn describe(&self, bandwidth: f64) -> String {
+        let pages = match self.huge_share {
+            Some(h) => format!("{:.0}% in 2 MiB pages, ", 100.0 * h),
+            None => String::new(),
+        };
+        let ratio = self.read_bps / bandwidth;
+        format!(
+            "weights: {pages}read at {:.1} GB/s ({ratio:.2} of the bandwidth){}",
+            self.read_bps / 1e9,
+            if ratio < 0.8 {
+                "; slower than the bandwidth: --no-mmap (a copy in fresh memory) may decode faster"
+            } else {
+                ""
+            }
+        )
+    }
 }
 
 /// Reads `bytes` (a model's file image) front to back with `pool`'s threads, 3 times; the best
@@ -268,17 +299,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         .repack_now()
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let memory = {
-        let pool = ThreadPool::new(engine.threads());
-        WeightsMemory {
-            read_bps: image_read_bps(&pool, engine.model().file().bytes()),
-            huge_share: if a.no_mmap {
-                None
-            } else {
-                huge_page_share(path)
-            },
-        }
-    };
+    let memory = WeightsMemory::of(&engine, path, a.no_mmap);
     let n_vocab = engine.model().hparams.n_vocab as u32;
     // A fixed prompt of ordinary token ids (BOS first).
     let prompt: Vec<u32> = std::iter::once(1)
@@ -595,20 +616,11 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             llama,
             twin_col
         );
-        let read = num("weights_read_gbps");
-        let pages = match o["weights_huge_page_share"].as_f64() {
-            Some(h) => format!("{:.0}% in 2 MiB pages, ", 100.0 * h),
-            None => String::new(),
+        let memory = WeightsMemory {
+            read_bps: num("weights_read_gbps") * 1e9,
+            huge_share: o["weights_huge_page_share"].as_f64(),
         };
-        println!(
-            "    weights: {pages}read at {read:.1} GB/s ({:.2} of the bandwidth){}",
-            read / (bw / 1e9),
-            if read < 0.8 * bw / 1e9 {
-                "; slower than the bandwidth: --no-mmap (a copy in fresh memory) may decode faster"
-            } else {
-                ""
-            }
-        );
+        println!("    {}", memory.describe(bw));
         if rounds > 1 {
             let list = |k: &str| {
                 o[k].as_array()

@@ -378,9 +378,17 @@ pub fn run(args: Args) -> Result<(), String> {
     }
     let run = generate(&engine, &args, &prompt, !args.json)?;
     let bw = run.profile.as_ref().map(|_| bandwidth(&engine));
+    let memory = run
+        .profile
+        .as_ref()
+        .map(|_| super::bench_decode::WeightsMemory::of(&engine, model, args.no_mmap));
     if args.json {
-        let extra: Vec<(&str, serde_json::Value)> = match (&run.profile, bw) {
-            (Some(p), Some(bw)) => vec![("profile", profile_json(p, bw))],
+        let extra: Vec<(&str, serde_json::Value)> = match (&run.profile, bw, memory) {
+            (Some(p), Some(bw), Some(m)) => vec![
+                ("profile", profile_json(p, bw)),
+                ("weights_read_gbps", (m.read_bps / 1e9).into()),
+                ("weights_huge_page_share", m.huge_share.into()),
+            ],
             _ => Vec::new(),
         };
         println!("{}", json(&run, &extra));
@@ -388,6 +396,9 @@ pub fn run(args: Args) -> Result<(), String> {
         summary("", &engine, &run.stats);
         if let (Some(p), Some(bw)) = (&run.profile, bw) {
             print_profile(p, bw);
+            if let Some(m) = memory {
+                eprintln!("{}", m.describe(bw));
+            }
         }
     }
     Ok(())
