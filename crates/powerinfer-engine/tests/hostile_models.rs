@@ -10,32 +10,14 @@
 
 mod common;
 
-use common::opts;
+use common::{make_family, opts};
 use powerinfer_engine::engine::{Engine, EngineOptions};
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::synth::Family;
 use powerinfer_engine::tokenizer::Tokenizer;
 use powerinfer_gguf::{Array, GgmlType, GgufFile, GgufWriter, Metadata, Value};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
-
-/// A tiny synthetic PowerInfer file of `family` and its dense twin, in `dir`.
-fn make(dir: &Path, family: Family, ty: GgmlType, seed: u64) -> (PathBuf, PathBuf) {
-    let sparse = dir.join(format!("{family:?}.powerinfer.gguf"));
-    let dense = dir.join(format!("{family:?}.gguf"));
-    let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
-    cfg.ty = ty;
-    cfg.set_family(family);
-    cfg.seed = seed;
-    let out = SynthOutputs {
-        model: sparse.clone(),
-        dense: Some(dense.clone()),
-        activation_dir: None,
-        predictor_dir: None,
-    };
-    synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
-    (sparse, dense)
-}
+use std::path::Path;
 
 /// A small xorshift generator (the cases must not depend on another crate's stream).
 struct Rng(u64);
@@ -353,10 +335,10 @@ fn hostile_model_contents_never_panic() {
         .unwrap_or(160);
     let dir = tempfile::tempdir().unwrap();
     let sources = [
-        make(dir.path(), Family::Llama, GgmlType::F16, 31),
-        make(dir.path(), Family::Bamboo, GgmlType::Q4_0, 32),
-        make(dir.path(), Family::Falcon, GgmlType::Q8_0, 33),
-        make(dir.path(), Family::Opt, GgmlType::F16, 34),
+        make_family(GgmlType::F16, Family::Llama, 31),
+        make_family(GgmlType::Q4_0, Family::Bamboo, 32),
+        make_family(GgmlType::Q8_0, Family::Falcon, 33),
+        make_family(GgmlType::F16, Family::Opt, 34),
     ];
     let out = dir.path().join("hostile.gguf");
     let (mut loaded, mut refused) = (0, 0);
@@ -365,9 +347,9 @@ fn hostile_model_contents_never_panic() {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (case as u64 + 1).wrapping_mul(0x2545_F491));
         let f = &sources[case % sources.len()];
         let (path, dense) = if rng.below(2) == 0 {
-            (&f.0, false)
+            (&f.sparse, false)
         } else {
-            (&f.1, true)
+            (&f.dense, true)
         };
         let src = GgufFile::open(path).unwrap();
         let mut md = src.metadata().clone();

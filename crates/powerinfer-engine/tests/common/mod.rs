@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use powerinfer_engine::engine::EngineOptions;
-use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::synth::{self, Arch, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_gguf::GgmlType;
 
 /// Engine options of the tests: 2 threads, θ = 0, a 256-position context.
@@ -45,12 +45,24 @@ pub struct Files {
 
 /// Writes the `tiny` shape of type `ty` and architecture `arch` with `seed`.
 pub fn make(ty: GgmlType, arch: Arch, seed: u64) -> Files {
+    make_family(
+        ty,
+        match arch {
+            Arch::Llama => Family::Llama,
+            Arch::Bamboo => Family::Bamboo,
+        },
+        seed,
+    )
+}
+
+/// Writes the `tiny` shape of type `ty` and model family `family` (any of the four) with `seed`.
+pub fn make_family(ty: GgmlType, family: Family, seed: u64) -> Files {
     let dir = tempfile::tempdir().unwrap();
     let sparse = dir.path().join("model.powerinfer.gguf");
     let dense = dir.path().join("model.gguf");
     let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
     cfg.ty = ty;
-    cfg.arch = arch;
+    cfg.set_family(family);
     cfg.seed = seed;
     let out = SynthOutputs {
         model: sparse.clone(),
