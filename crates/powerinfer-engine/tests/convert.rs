@@ -882,3 +882,76 @@ fn bamboo_with_safetensors_predictor() {
         assert_eq!(&got, v, "{name}");
     }
 }
+
+/// Every hyper-parameter of `config.json` set to hostile values (0, 1, 3, 2³¹, 2⁴⁰, negative,
+/// fractional, a string, null) and a few keys dropped, one at a time: converting gives a typed
+/// error (or a file when the value happens to fit), never a panic, and a failed conversion
+/// leaves no output behind.
+#[test]
+fn hostile_configs_are_errors_not_panics() {
+    let c = checkpoint(None);
+    let good: serde_json::Value = serde_json::from_str(&config_json(N_EMBD)).unwrap();
+    let keys = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "model_type",
+    ];
+    let values = [
+        serde_json::json!(0),
+        serde_json::json!(1),
+        serde_json::json!(3),
+        serde_json::json!(1u64 << 31),
+        serde_json::json!(1u64 << 40),
+        serde_json::json!(-4),
+        serde_json::json!(2.5),
+        serde_json::json!("x"),
+        serde_json::Value::Null,
+        serde_json::json!({"type": "yarn", "factor": 0}),
+    ];
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = out_dir.path().join("out.powerinfer.gguf");
+    let (mut refused, mut converted) = (0, 0);
+    let mut cases: Vec<(String, Option<serde_json::Value>)> = Vec::new();
+    for k in keys {
+        cases.push((k.to_string(), None));
+        for v in &values {
+            cases.push((k.to_string(), Some(v.clone())));
+        }
+    }
+    for (k, v) in cases {
+        let mut cfg = good.clone();
+        match &v {
+            Some(v) => cfg[&k] = v.clone(),
+            None => {
+                cfg.as_object_mut().unwrap().remove(&k);
+            }
+        }
+        std::fs::write(c.model.join("config.json"), cfg.to_string()).unwrap();
+        let o = opts(&c, &out, OutType::F16, false);
+        let r = std::panic::catch_unwind(|| convert(&o, &mut |_, _| {}));
+        match r {
+            Ok(Ok(_)) => converted += 1,
+            Ok(Err(_)) => {
+                refused += 1;
+                no_output_left(out_dir.path());
+            }
+            Err(_) => panic!("config {k} = {v:?}: convert panicked"),
+        }
+        let _ = std::fs::remove_file(&out);
+    }
+    std::fs::write(c.model.join("config.json"), config_json(N_EMBD)).unwrap();
+    assert!(
+        refused > 0 && converted > 0,
+        "{refused} refused, {converted} converted"
+    );
+}

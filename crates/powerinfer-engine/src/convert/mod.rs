@@ -863,12 +863,23 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
             ty: GgmlType::F32,
         });
     }
-    let mut required = vec![
-        "token_embd.weight".to_string(),
-        "output_norm.weight".to_string(),
-    ];
+    // Every tensor the model needs, checked name by name (the first missing one is the error;
+    // nothing is built per configured layer first, so a hostile num_hidden_layers fails at the
+    // first layer the checkpoint lacks instead of exhausting memory).
+    let require = |r: &str| -> Result<()> {
+        if plan.iter().any(|p| p.name == r) {
+            Ok(())
+        } else {
+            Err(input_err(
+                dir,
+                format!("the checkpoint has no tensor for {r} (missing shard or tensor?)"),
+            ))
+        }
+    };
+    require("token_embd.weight")?;
+    require("output_norm.weight")?;
     if !cfg.tie_word_embeddings {
-        required.push("output.weight".to_string());
+        require("output.weight")?;
     }
     let down = if opts.dense { "ffn_down" } else { "ffn_down_t" };
     for b in 0..cfg.n_layer {
@@ -883,15 +894,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
             "ffn_up",
             down,
         ] {
-            required.push(format!("blk.{b}.{t}.weight"));
-        }
-    }
-    for r in &required {
-        if !plan.iter().any(|p| &p.name == r) {
-            return Err(input_err(
-                dir,
-                format!("the checkpoint has no tensor for {r} (missing shard or tensor?)"),
-            ));
+            require(&format!("blk.{b}.{t}.weight"))?;
         }
     }
 
