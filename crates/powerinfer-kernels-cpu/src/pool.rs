@@ -377,6 +377,7 @@ thread_local! {
 
 impl SpinPool {
     fn new(n: usize) -> Self {
+        let windows = SpinWindows::for_threads(n);
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
             job: UnsafeCell::new(None),
@@ -387,8 +388,8 @@ impl SpinPool {
             lock: Mutex::new(()),
             cv: Condvar::new(),
             caller_waiting: AtomicBool::new(false),
-            windows: SpinWindows::for_threads(n),
-            caller_spin_ns: AtomicU32::new(SpinWindows::for_threads(n).caller_min_ns),
+            windows,
+            caller_spin_ns: AtomicU32::new(windows.caller_min_ns),
             done_lock: Mutex::new(()),
             done_cv: Condvar::new(),
         });
