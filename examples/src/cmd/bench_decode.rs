@@ -26,7 +26,9 @@
 //!
 //! With `--llama-bench PATH` (llama.cpp's `llama-bench`), each dense GGUF file is also run by
 //! llama.cpp in the same invocation (`-p 0 -n TOKENS -t THREADS -r REPEATS -o json`) and its
-//! tokens/s is printed beside ours, with the ratio.
+//! tokens/s is printed beside ours, with the ratio. llama.cpp copies Q4_0 matrices into a
+//! repacked layout in anonymous memory at load (its CPU repack or, on AMX CPUs, its AMX buffer),
+//! so for Q4_0 files `--repack` is the like-for-like comparison.
 //!
 //! With `--rounds K`, the whole set (every file and mode, and llama.cpp) is measured K times,
 //! the order reversed every other round, and each figure is the median over the rounds; the
