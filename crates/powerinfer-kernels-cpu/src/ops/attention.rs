@@ -375,34 +375,30 @@ fn attend_group(
     // Sixteen positions per tile with 512-bit vectors where the CPU has AVX-512 (the scores
     // of a tile in one vector per query head, no per-row horizontal sums).
     let wide = tiled && isa.is_avx512() && d % 16 == 0;
+    // Positions per tile.
+    let tw = if wide { TILE_WIDE } else { TILE };
     let tile = &mut scratch.tile;
-    if wide {
+    if tiled {
         tile.clear();
-        tile.resize(TILE_WIDE * d, 0.0);
-        for p0 in (0..n_ctx).step_by(TILE_WIDE) {
-            let np = (n_ctx - p0).min(TILE_WIDE);
-            for p in (p0 + TILE_WIDE..n_ctx).take(TILE_WIDE) {
+        tile.resize(tw * d, 0.0);
+        let mut s = [0f32; TILE_WIDE];
+        for p0 in (0..n_ctx).step_by(tw) {
+            let np = (n_ctx - p0).min(tw);
+            for p in (p0 + tw..n_ctx).take(tw) {
                 prefetch_head(k, p * kv_row + kv_off, d);
             }
-            widen_rows_wide(isa, k, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
+            widen_tile(
+                isa,
+                wide,
+                k,
+                p0 * kv_row + kv_off,
+                kv_row,
+                d,
+                &mut tile[..np * d],
+            );
             tile[np * d..].fill(0.0);
             for (j, qh) in q.chunks_exact(d).enumerate() {
-                let s = dots_wide(isa, qh, tile, scale);
-                scores[j * n_ctx + p0..][..np].copy_from_slice(&s[..np]);
-            }
-        }
-    } else if tiled {
-        tile.clear();
-        tile.resize(TILE * d, 0.0);
-        for p0 in (0..n_ctx).step_by(TILE) {
-            let np = (n_ctx - p0).min(TILE);
-            for p in (p0 + TILE..n_ctx).take(TILE) {
-                prefetch_head(k, p * kv_row + kv_off, d);
-            }
-            widen_rows(isa, k, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
-            tile[np * d..].fill(0.0);
-            for (j, qh) in q.chunks_exact(d).enumerate() {
-                let s = dots8(isa, qh, tile, scale);
+                tile_scores(isa, wide, qh, tile, scale, &mut s[..tw]);
                 scores[j * n_ctx + p0..][..np].copy_from_slice(&s[..np]);
             }
         }
@@ -441,27 +437,23 @@ fn attend_group(
         }
     }
     let mut p_start = 0;
-    if wide {
-        for p0 in (0..n_ctx).step_by(TILE_WIDE) {
-            let np = (n_ctx - p0).min(TILE_WIDE);
-            for p in (p0 + TILE_WIDE..n_ctx).take(TILE_WIDE) {
+    if tiled {
+        for p0 in (0..n_ctx).step_by(tw) {
+            let np = (n_ctx - p0).min(tw);
+            for p in (p0 + tw..n_ctx).take(tw) {
                 prefetch_head(v, p * kv_row + kv_off, d);
             }
-            widen_rows_wide(isa, v, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
+            widen_tile(
+                isa,
+                wide,
+                v,
+                p0 * kv_row + kv_off,
+                kv_row,
+                d,
+                &mut tile[..np * d],
+            );
             for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
-                axpy_tile_wide(isa, oh, &scores[j * n_ctx + p0..][..np], tile);
-            }
-        }
-        p_start = n_ctx;
-    } else if tiled {
-        for p0 in (0..n_ctx).step_by(TILE) {
-            let np = (n_ctx - p0).min(TILE);
-            for p in (p0 + TILE..n_ctx).take(TILE) {
-                prefetch_head(v, p * kv_row + kv_off, d);
-            }
-            widen_rows(isa, v, p0 * kv_row + kv_off, kv_row, d, &mut tile[..np * d]);
-            for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
-                axpy_tile(isa, oh, &scores[j * n_ctx + p0..][..np], tile);
+                tile_axpy(isa, wide, oh, &scores[j * n_ctx + p0..][..np], tile);
             }
         }
         p_start = n_ctx;
@@ -508,56 +500,64 @@ fn attend_group(
 /// Positions per tile of the AVX-512 path.
 const TILE_WIDE: usize = 16;
 
-/// AVX-512 f16 → f32 of head rows (as [`widen_rows`]; callers check `isa.is_avx512()` and
-/// `d % 16 == 0`).
+/// f16 → f32 of a tile's head rows: the AVX-512 code for `wide` tiles (callers check
+/// `isa.is_avx512()` and `d % 16 == 0` for those), else [`widen_rows`].
 #[inline]
-fn widen_rows_wide(isa: Isa, src: &[f16], start: usize, stride: usize, d: usize, dst: &mut [f32]) {
-    let rows = dst.len() / d.max(1);
-    assert!(rows == 0 || start + (rows - 1) * stride + d <= src.len());
+#[allow(clippy::too_many_arguments)]
+fn widen_tile(
+    isa: Isa,
+    wide: bool,
+    src: &[f16],
+    start: usize,
+    stride: usize,
+    d: usize,
+    dst: &mut [f32],
+) {
     #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    if isa.is_avx512() {
+    if wide && isa.is_avx512() {
+        let rows = dst.len() / d.max(1);
+        assert!(d % 16 == 0 && (rows == 0 || start + (rows - 1) * stride + d <= src.len()));
         // SAFETY: `is_avx512()` is only true for an available AVX-512 backend (AVX-512 F, AVX2,
-        // FMA, F16C); `d` is a multiple of 16 (caller), the rows lie inside `src` (asserted).
+        // FMA, F16C); `d` is a multiple of 16 and the rows lie inside `src` (asserted).
         unsafe { super::x86_512::widen_rows16(src, start, stride, d, dst) };
         return;
     }
+    let _ = wide;
     widen_rows(isa, src, start, stride, d, dst);
 }
 
-/// AVX-512 `scale · (q · tile[r])` for the 16 rows of a tile (callers check `isa.is_avx512()`
-/// and `d % 16 == 0`).
+/// `scale · (q · tile[r])` into `out[r]` for every row of the tile (`out.len()` rows: 16 for
+/// `wide` tiles, AVX-512; else 8, [`dots8`]).
 #[inline]
-fn dots_wide(isa: Isa, q: &[f32], tile: &[f32], scale: f32) -> [f32; TILE_WIDE] {
-    assert!(tile.len() == TILE_WIDE * q.len() && q.len() % 16 == 0);
+fn tile_scores(isa: Isa, wide: bool, q: &[f32], tile: &[f32], scale: f32, out: &mut [f32]) {
+    assert!(tile.len() == out.len() * q.len());
     #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    if isa.is_avx512() {
+    if wide && isa.is_avx512() {
+        assert!(out.len() == TILE_WIDE && q.len() % 16 == 0);
         // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; `tile` holds 16
         // rows of `q.len()` values, a multiple of 16 (asserted).
-        return unsafe { super::x86_512::dots16(q, tile, scale) };
+        out.copy_from_slice(&unsafe { super::x86_512::dots16(q, tile, scale) });
+        return;
     }
-    let _ = isa;
-    std::array::from_fn(|r| dot_f32(q, &tile[r * q.len()..][..q.len()]) * scale)
+    let _ = wide;
+    out.copy_from_slice(&dots8(isa, q, tile, scale));
 }
 
-/// AVX-512 `acc += w[r] · tile[r]` over the tile's first `w.len()` rows, in order (callers
-/// check `isa.is_avx512()` and `d % 16 == 0`).
+/// `acc += w[r] · tile[r]` over the tile's first `w.len()` rows, in order: the AVX-512 code
+/// for `wide` tiles, else [`axpy_tile`].
 #[inline]
-fn axpy_tile_wide(isa: Isa, acc: &mut [f32], w: &[f32], tile: &[f32]) {
-    let d = acc.len();
-    assert!(w.len() <= TILE_WIDE && tile.len() >= w.len() * d && d % 16 == 0);
+fn tile_axpy(isa: Isa, wide: bool, acc: &mut [f32], w: &[f32], tile: &[f32]) {
     #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    if isa.is_avx512() {
+    if wide && isa.is_avx512() {
+        let d = acc.len();
+        assert!(w.len() <= TILE_WIDE && tile.len() >= w.len() * d && d % 16 == 0);
         // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; the lengths are
         // asserted above.
         unsafe { super::x86_512::axpy_tile16(acc, w, tile) };
         return;
     }
-    let _ = isa;
-    for (r, &a) in w.iter().enumerate() {
-        for (o, &x) in acc.iter_mut().zip(&tile[r * d..][..d]) {
-            *o += a * x;
-        }
-    }
+    let _ = wide;
+    axpy_tile(isa, acc, w, tile);
 }
 
 /// Σ `a[i]·b[i]` in f32 with eight partial sums (which the compiler keeps in vector registers),
