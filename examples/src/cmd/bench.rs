@@ -160,11 +160,19 @@ fn best_time(budget: Duration, min_iters: usize, mut f: impl FnMut(usize)) -> f6
 pub(crate) fn read_bandwidth(pool: &ThreadPool, bytes: usize, passes: usize) -> f64 {
     const ROW: usize = 4096;
     let rows = (bytes / ROW).max(1);
-    let buf = match page_fill(rows * ROW) {
-        Ok(m) => m,
-        Err(_) => return f64::NAN,
-    };
-    let Ok(w) = Weights::new(GgmlType::F32, rows, ROW / 4, &buf[..]) else {
+    match page_fill(rows * ROW) {
+        Ok(buf) => read_bps(pool, &buf[..], passes),
+        Err(_) => f64::NAN,
+    }
+}
+
+/// Best rate (bytes/s) of `pool`'s threads reading `bytes` front to back, each its contiguous
+/// part, through the kernels' reading path ([`MatMul::read_rows`] over 4 KiB rows; a tail of
+/// less than a row is not read), over `passes` passes.
+pub(crate) fn read_bps(pool: &ThreadPool, bytes: &[u8], passes: usize) -> f64 {
+    const ROW: usize = 4096;
+    let rows = bytes.len() / ROW;
+    let Ok(w) = Weights::new(GgmlType::F32, rows, ROW / 4, &bytes[..rows * ROW]) else {
         return f64::NAN;
     };
     let all: Vec<u32> = (0..rows as u32).collect();

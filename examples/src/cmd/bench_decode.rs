@@ -43,8 +43,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use powerinfer_engine::engine::{Engine, EngineOptions};
-use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
-use powerinfer_kernels_cpu::{MatMul, ThreadPool, Weights};
+use powerinfer_gguf::{FileKind, GgufFile};
+use powerinfer_kernels_cpu::ThreadPool;
 use serde_json::json;
 
 /// Arguments of `powerinfer bench decode`.
@@ -135,7 +135,7 @@ impl WeightsMemory {
     pub(crate) fn of(engine: &Engine, path: &Path, copied: bool) -> WeightsMemory {
         let pool = ThreadPool::new(engine.threads());
         WeightsMemory {
-            read_bps: image_read_bps(&pool, engine.model().file().bytes()),
+            read_bps: super::bench::read_bps(&pool, engine.model().file().bytes(), 3),
             huge_share: if copied { None } else { huge_page_share(path) },
         }
     }
@@ -158,27 +158,6 @@ impl WeightsMemory {
             }
         )
     }
-}
-
-/// Reads `bytes` (a model's file image) front to back with `pool`'s threads, 3 times; the best
-/// rate.
-fn image_read_bps(pool: &ThreadPool, bytes: &[u8]) -> f64 {
-    const ROW: usize = 4096;
-    let rows = bytes.len() / ROW;
-    let Ok(w) = Weights::new(GgmlType::F32, rows, ROW / 4, &bytes[..rows * ROW]) else {
-        return f64::NAN;
-    };
-    let all: Vec<u32> = (0..rows as u32).collect();
-    let mm = MatMul::new(pool);
-    let mut best = f64::INFINITY;
-    let mut sink = 0u64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        sink = sink.wrapping_add(mm.read_rows(&w, &all).unwrap_or(0));
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    std::hint::black_box(sink);
-    (rows * ROW) as f64 / best
 }
 
 /// Of this process's mappings of `path`, the share of resident bytes mapped with 2 MiB pages
