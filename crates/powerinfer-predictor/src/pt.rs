@@ -408,7 +408,8 @@ enum Obj {
     Str(String),
     /// Bytes (only their length is kept).
     Bytes(usize),
-    Tuple(Vec<Obj>),
+    /// Shared like Python's (a memoized tuple used twice is one value, not two copies).
+    Tuple(Rc<Vec<Obj>>),
     List(Shared<Vec<Obj>>),
     Dict(Shared<Vec<(Obj, Obj)>>),
     Global(String, String),
@@ -421,7 +422,8 @@ enum Obj {
 
 /// Drops nested containers with a work list instead of the compiler's recursive drop: a
 /// hostile pickle can nest tuples or lists a million deep (within [`MAX_STACK`], or through the
-/// memo with a short stack), which a recursive drop turned into a stack overflow.
+/// memo with a short stack), which a recursive drop turned into a stack overflow. (Containers
+/// are shared, never deep-copied, so no other operation walks the nesting.)
 impl Drop for Obj {
     fn drop(&mut self) {
         let mut work = Vec::new();
@@ -434,11 +436,15 @@ impl Drop for Obj {
 }
 
 impl Obj {
-    /// Moves the values this object alone holds (a tuple's; a list's or dictionary's when no
+    /// Moves the values this object alone holds (a tuple's, list's or dictionary's when no
     /// other reference shares it) into `out`.
     fn take_children(&mut self, out: &mut Vec<Obj>) {
         match self {
-            Obj::Tuple(v) => out.append(v),
+            Obj::Tuple(v) => {
+                if let Some(v) = Rc::get_mut(v) {
+                    out.append(v);
+                }
+            }
             Obj::List(l) => {
                 if let Some(cell) = Rc::get_mut(l) {
                     out.append(cell.get_mut());
@@ -847,10 +853,10 @@ impl<'a> Unpickler<'a> {
                     let b = self.len_prefixed(n)?.len();
                     self.push(Obj::Bytes(b))?
                 }
-                b')' => self.push(Obj::Tuple(Vec::new()))?,
+                b')' => self.push(Obj::Tuple(Rc::new(Vec::new())))?,
                 b't' => {
                     let items = self.pop_mark()?;
-                    self.push(Obj::Tuple(items))?
+                    self.push(Obj::Tuple(Rc::new(items)))?
                 }
                 0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
@@ -862,7 +868,7 @@ impl<'a> Unpickler<'a> {
                         return self.err("stack underflow");
                     }
                     let items = self.stack.split_off(self.stack.len() - n);
-                    self.push(Obj::Tuple(items))?
+                    self.push(Obj::Tuple(Rc::new(items)))?
                 }
                 b']' => self.push(Obj::List(Rc::new(RefCell::new(Vec::new()))))?,
                 b'l' => {
@@ -1323,6 +1329,29 @@ mod tests {
             read_bytes(&archive(&itself, &[]).unwrap()),
             Err(PtError::Unexpected(_))
         ));
+    }
+
+    /// Tuples memoized and nested twice per step (`t = (t, t)`, 64 steps: 2⁶⁴ leaves if each
+    /// reference were a copy) and a tuple nested a million deep then memoized: Python's pickle
+    /// shares such values, and so must this reader (a copy per memo use was exponential in
+    /// memory, and a recursive copy of the deep tuple overflowed the stack).
+    #[test]
+    fn shared_and_deep_tuples_are_not_copied() {
+        let mut doubling = vec![0x80, 2, b')', b'q', 0];
+        for _ in 0..64 {
+            // (memo[0], memo[0]) → memo[0]; the previous one popped.
+            doubling.extend_from_slice(&[b'h', 0, b'h', 0, 0x86, b'q', 0, b'0']);
+        }
+        doubling.push(b'.');
+        assert!(Unpickler::new(&doubling).run().is_ok());
+
+        let n = MAX_STACK - 4;
+        let mut deep = vec![0x80, 2];
+        deep.extend(std::iter::repeat_n(b'(', n));
+        deep.push(b')');
+        deep.extend(std::iter::repeat_n(b't', n));
+        deep.extend_from_slice(&[b'q', 0, b'h', 0, b'.']);
+        assert!(Unpickler::new(&deep).run().is_ok());
     }
 
     #[test]
