@@ -74,12 +74,19 @@ const SHORT_ROW_BYTES: usize = 384;
 /// way there. On a 2-vCPU Xeon (AVX-512 + AMX, 480 MiB L3), 2 threads, weights not in cache,
 /// the one-row loop reads Q4_0 at 15–16 GB/s where the list kernel reads 22–23 (4096×4096,
 /// 2048×2048, 5632×2048); TinyLlama-shaped Q4_0 decode went from 17.7 to 37 tok/s, hence the
-/// lower bound (Q4_0 from 2048 columns, Q8_0 from 1024).
+/// lower bound (Q4_0 from 2048 columns, Q8_0 from 1024). Float rows (AVX-512: F32, F16, BF16)
+/// of up to [`FLOAT_ONE_ROW_MAX_COLS`] elements take their list kernel too (four rows per
+/// pass): TinyLlama-shaped F16 decode on that Xeon, alternated runs, dense 14.73–15.13 against
+/// 14.01–14.60 tok/s one row at a time with in-row prefetches, sparse 32.7–33.9 against
+/// 31.6–32.5.
 const LIST_GEMV_ROW_BYTES: usize = 1024;
 
 /// One-token sparse axpy over rows of at least this many bytes splits the active rows between
 /// threads (with a list kernel; [`MatMul::axpy_rows_split`]), shorter rows split the columns
-/// (5632×2048 Q4_0, 1152-byte rows: no gain measured).
+/// (5632×2048 Q4_0, 1152-byte rows: no gain measured). Float rows always split the columns,
+/// whose result does not depend on the thread count: with the AVX-512 list kernel, F16 at
+/// 10–20% on a Xeon, 2 threads, 5632×2048 24.0–24.8 GB/s against 26.3–28.0 with rows split,
+/// 11008×4096 27.4–28.8 against 27.8–29.5.
 const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 
 /// Weight bytes per grain of the one-token dense product ([`MatMul::gemv`], rounded to a
@@ -91,7 +98,8 @@ const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 /// grain: 64 KiB 35.0–35.4, 128 KiB 36.1–36.2, 256 KiB 36.3–37.1 tok/s.
 pub const GEMV_GRAIN_BYTES: usize = 128 << 10;
 
-/// Float rows up to this many elements go through the dense GEMV one per pass, longer ones four
+/// Float rows up to this many elements go through the dense GEMV one per pass (or the list
+/// kernel, where the backend has one: see [`LIST_GEMV_ROW_BYTES`]), longer ones four
 /// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows, 4096×11008
 /// 22.5 vs 29.5–30.5; decode of a 7B-shaped F16 model at 0.86–1.03× llama.cpp with 4096-element
 /// rows one per pass, 0.88–0.99× four per pass, 0.77–0.97× with every row one per pass).
@@ -683,7 +691,11 @@ impl<'p> MatMul<'p> {
             };
             // Long quantized rows: the list kernel over every row (8 rows per pass share each
             // activation load; same per-row operations, same bits).
-            let listed = ops.dot_list.is_some() && j.w.row_bytes >= LIST_GEMV_ROW_BYTES;
+            // Float rows: up to FLOAT_ONE_ROW_MAX_COLS elements (longer ones go four per pass
+            // with in-row prefetches, see `gemv_rows`).
+            let listed = ops.dot_list.is_some()
+                && (ops.act != act::ActFormat::F32 || j.w.cols <= FLOAT_ONE_ROW_MAX_COLS)
+                && j.w.row_bytes >= LIST_GEMV_ROW_BYTES;
             prepared.push((total, j.w, ops, act, listed, OutPtr::new(j.y)));
             total += j.w.rows;
             max_row_bytes = max_row_bytes.max(j.w.row_bytes);
@@ -1285,7 +1297,11 @@ impl<'p> MatMul<'p> {
         let elem_bytes_num = w.ty.type_size();
         let cols = w.cols;
         let rows = w.rows;
-        if n_tokens == 1 && select.is_none() && w.row_bytes >= ROW_SPLIT_AXPY_BYTES {
+        if n_tokens == 1
+            && select.is_none()
+            && w.row_bytes >= ROW_SPLIT_AXPY_BYTES
+            && ops.act != act::ActFormat::F32
+        {
             if let (Some(axpy_list), true) = (ops.axpy_list, self.pool.n_threads() > 1) {
                 self.axpy_rows_split(w, a, active, axpy_list, y);
                 return Ok(());

@@ -381,22 +381,45 @@ unsafe fn dot_float_wide512<L: FloatLoad16, const R: usize>(
     rows: [&[u8]; R],
     x: &[f32],
 ) -> [f32; R] {
-    let n = x.len();
-    debug_assert!(rows.iter().all(|r| r.len() >= n * L::SIZE));
-    let (w, xp) = (rows.map(|r| r.as_ptr()), x.as_ptr());
+    debug_assert!(rows.iter().all(|r| r.len() >= x.len() * L::SIZE));
+    let w = rows.map(|r| r.as_ptr());
+    // SAFETY: every row holds `x.len()` elements (caller); features available (caller).
+    unsafe {
+        dot_float_rows512::<L, R>(w, x, |i| {
+            // The lines FLOAT_AHEAD bytes on in every row, into L1 (prefetches never fault:
+            // past a row's end they touch the next row or nothing).
+            for r in 0..R {
+                let q = w[r].wrapping_add(i * L::SIZE + FLOAT_AHEAD);
+                for l in 0..L::SIZE {
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(64 * l) as *const i8);
+                }
+            }
+        })
+    }
+}
+
+/// [`dot_float_wide512`]'s arithmetic on `R` rows given by their first element, calling
+/// `ahead(i)` before each step of 64 elements (`i` the step's first element): the caller's
+/// prefetches.
+///
+/// # Safety
+/// `x.len()` elements of `L` readable at every `w[r]`; AVX2/FMA/F16C and AVX-512F/VL available.
+#[cfg(powerinfer_avx512)]
+#[allow(clippy::incompatible_msrv)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub(crate) unsafe fn dot_float_rows512<L: FloatLoad16, const R: usize>(
+    w: [*const u8; R],
+    x: &[f32],
+    mut ahead: impl FnMut(usize),
+) -> [f32; R] {
+    let (n, xp) = (x.len(), x.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let mut i = 0;
     // SAFETY (all loads): element indices below `n`, in bounds of every row and of `x`.
     unsafe {
         while i + 64 <= n {
-            // The lines FLOAT_AHEAD bytes on in every row, into L1 (prefetches never fault:
-            // past a row's end they touch the next row or nothing).
-            for r in 0..R {
-                let q = w[r].add(i * L::SIZE).wrapping_add(FLOAT_AHEAD);
-                for l in 0..L::SIZE {
-                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(64 * l) as *const i8);
-                }
-            }
+            ahead(i);
             for c in 0..4 {
                 let j = i + 16 * c;
                 let xv = _mm512_loadu_ps(xp.add(j));

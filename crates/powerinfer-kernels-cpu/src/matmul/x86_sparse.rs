@@ -37,6 +37,7 @@
 
 use super::act::Act;
 use super::table::{ListedRows, RowOps};
+use super::x86::{dot_float_rows512, FloatLoad16, LBF16, LF16, LF32};
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
 
@@ -53,6 +54,8 @@ const LEAD_AXPY: usize = 32 << 10;
 /// 5632×2048 equal (0.039–0.042 ms); Q8_0 11008×4096 at 50% 0.50–0.75 vs 0.52–0.76 ms, 5632×2048
 /// at 50% 0.166–0.172 vs 0.188–0.202 ms.
 const DOT_ROWS: usize = 8;
+/// Rows per pass of the row-sparse float products (four zmm accumulators per row).
+const FLOAT_ROWS: usize = 4;
 /// Rows per pass of the axpy kernels (sharing each load and store of the output).
 const AXPY_ROWS: usize = 8;
 
@@ -70,6 +73,18 @@ pub(crate) fn override_sparse(ty: GgmlType, ops: &mut RowOps) {
         GgmlType::Q8_0 => {
             ops.dot_list = Some(dot_list_q8_0);
             ops.axpy_list = Some(axpy_list_q8_0);
+        }
+        GgmlType::F32 => {
+            ops.dot_list = Some(dot_list_float::<LF32>);
+            ops.axpy_list = Some(axpy_list_float::<LF32>);
+        }
+        GgmlType::F16 => {
+            ops.dot_list = Some(dot_list_float::<LF16>);
+            ops.axpy_list = Some(axpy_list_float::<LF16>);
+        }
+        GgmlType::BF16 => {
+            ops.dot_list = Some(dot_list_float::<LBF16>);
+            ops.axpy_list = Some(axpy_list_float::<LBF16>);
         }
         _ => {}
     }
@@ -598,6 +613,51 @@ fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
     unsafe { dot_list::<DQ8_0, DOT_ROWS>(rows, a, res) }
 }
 
+/// Every listed float row (`L`'s elements) · `a.f` into `res` (list order), with the
+/// arithmetic of the dense one-token float dot ([`dot_float_rows512`]: the same bits for any
+/// row count per pass) and the prefetch stream instead of its in-row prefetches.
+fn dot_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+    let n = rows.row_bytes / L::SIZE;
+    check_rows(rows, L::SIZE, n);
+    assert!(rows.start == 0 && res.len() == rows.list.len() && a.f.len() == n);
+    // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above, the
+    // activation has a row's length.
+    unsafe { dot_list_float_rows::<L, FLOAT_ROWS>(rows, a.f, res) }
+}
+
+/// [`dot_list_float`]'s loop, `R` rows per pass.
+///
+/// # Safety
+/// Every listed row lies inside `rows.data` and holds `x.len()` elements of `L`;
+/// `res.len() == rows.list.len()`; AVX2/FMA/F16C and AVX-512F/VL available.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn dot_list_float_rows<L: FloatLoad16, const R: usize>(
+    rows: &ListedRows<'_>,
+    x: &[f32],
+    res: &mut [f32],
+) {
+    let mut st = Stream::new(rows, LEAD_DOT + R * rows.row_bytes);
+    let base = rows.data.as_ptr();
+    let row = |i: u32| {
+        // SAFETY: listed rows lie inside `rows.data` (caller).
+        unsafe { base.add(i as usize * rows.row_bytes) }
+    };
+    let mut groups = rows.list.chunks_exact(R);
+    let mut k = 0;
+    for g in &mut groups {
+        let p: [*const u8; R] = std::array::from_fn(|r| row(g[r]));
+        // SAFETY: whole rows of `x.len()` elements; features available (caller).
+        let v = unsafe { dot_float_rows512::<L, R>(p, x, |_| st.consume(R * 64 * L::SIZE)) };
+        res[k..k + R].copy_from_slice(&v);
+        k += R;
+    }
+    for &i in groups.remainder() {
+        // SAFETY: as above.
+        res[k] = unsafe { dot_float_rows512::<L, 1>([row(i)], x, |_| st.consume(64 * L::SIZE)) }[0];
+        k += 1;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reading alone.
 
@@ -864,6 +924,97 @@ fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     unsafe { axpy_list::<BQ8_0, AXPY_ROWS>(rows, a, out) }
 }
 
+/// `out += Σ a[i] · row_i[start..end]` over the listed float row slices (`L`'s elements),
+/// [`AXPY_ROWS`] per pass behind the prefetch stream: each element takes `fma(a_i, w, y)` row
+/// after row in list order, the roundings of the AVX2 and scalar one-row kernels.
+fn axpy_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    check_rows(rows, L::SIZE, out.len());
+    assert!(rows.list.iter().all(|&i| (i as usize) < a.len()));
+    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
+    unsafe { axpy_list_float_rows::<L, AXPY_ROWS>(rows, a, out) }
+}
+
+/// [`axpy_list_float`]'s loop, `R` rows per pass.
+///
+/// # Safety
+/// Every listed slice lies in `rows.data` and holds `out.len()` elements of `L`; `a` covers
+/// every listed index; AVX2/FMA/F16C and AVX-512F/VL available.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn axpy_list_float_rows<L: FloatLoad16, const R: usize>(
+    rows: &ListedRows<'_>,
+    a: &[f32],
+    out: &mut [f32],
+) {
+    let mut st = Stream::new(rows, LEAD_AXPY + R * (rows.end - rows.start));
+    let base = rows.data.as_ptr();
+    let slice = |i: u32| {
+        // SAFETY: listed slices lie inside `rows.data` (caller).
+        unsafe { base.add(i as usize * rows.row_bytes + rows.start) }
+    };
+    let mut groups = rows.list.chunks_exact(R);
+    for g in &mut groups {
+        let p: [*const u8; R] = std::array::from_fn(|k| slice(g[k]));
+        let av: [f32; R] = std::array::from_fn(|k| a[g[k] as usize]);
+        // SAFETY: `out.len()` elements at every `p[k]` (caller).
+        unsafe { axpy_float_rows::<L, R>(p, av, out, &mut st) };
+    }
+    for &i in groups.remainder() {
+        // SAFETY: as above.
+        unsafe { axpy_float_rows::<L, 1>([slice(i)], [a[i as usize]], out, &mut st) };
+    }
+}
+
+/// `out += Σ_k a[k] · rows[k]` for `N` float rows (element 0 at `p[k]`), row after row per
+/// element in `k` order, 64 outputs in four registers per step, feeding `st` as it reads.
+///
+/// # Safety
+/// `out.len()` elements of `L` readable at every `p[k]`; AVX2/FMA/F16C and AVX-512F/VL
+/// available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn axpy_float_rows<L: FloatLoad16, const N: usize>(
+    p: [*const u8; N],
+    a: [f32; N],
+    out: &mut [f32],
+    st: &mut Stream<'_>,
+) {
+    let (n, o) = (out.len(), out.as_mut_ptr());
+    let av = a.map(|v| _mm512_set1_ps(v));
+    let mut i = 0;
+    // SAFETY: element indices below `n`, in bounds of `out` and of every row (caller).
+    unsafe {
+        while i + 64 <= n {
+            st.consume(N * 64 * L::SIZE);
+            let mut y = [0, 16, 32, 48].map(|c| _mm512_loadu_ps(o.add(i + c)));
+            for k in 0..N {
+                for (c, yc) in y.iter_mut().enumerate() {
+                    let w = L::load16(p[k].add((i + 16 * c) * L::SIZE));
+                    *yc = _mm512_fmadd_ps(av[k], w, *yc);
+                }
+            }
+            for (c, yc) in y.iter().enumerate() {
+                _mm512_storeu_ps(o.add(i + 16 * c), *yc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            let mut y = _mm512_loadu_ps(o.add(i));
+            for k in 0..N {
+                y = _mm512_fmadd_ps(av[k], L::load16(p[k].add(i * L::SIZE)), y);
+            }
+            _mm512_storeu_ps(o.add(i), y);
+            i += 16;
+        }
+        for j in i..n {
+            let mut y = *o.add(j);
+            for k in 0..N {
+                y = a[k].mul_add(L::load1(p[k].add(j * L::SIZE)), y);
+            }
+            *o.add(j) = y;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row selection.
 
@@ -992,7 +1143,13 @@ mod tests {
         }
         let pool = crate::ThreadPool::new(2);
         let mm = crate::MatMul::with_backend(&pool, crate::Backend::Avx512).unwrap();
-        for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q8_0,
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+        ] {
             let w = crate::Weights::new(ty, 3, 0, &[]).unwrap();
             let mut y = vec![5f32; 3];
             mm.sparse_gemv_indexed(&w, &[], &[0, 2], &mut y).unwrap();
