@@ -148,6 +148,9 @@ pub(crate) struct FfnScratch {
     active: Vec<u32>,
     /// Per thread, the active neurons of its row range (relative to the range start).
     parts: Vec<Mutex<Vec<u32>>>,
+    /// The active neurons whose gate fired (see [`gate_fired`]): per thread in the one-token
+    /// path, the first entry in the per-token path.
+    fired: Vec<Mutex<Vec<u32>>>,
 }
 fn resize(v: &mut Vec<f32>, n: usize) {
     v.clear();
@@ -210,8 +213,12 @@ pub(crate) fn ffn_forward<'o>(
     let nff = model.hparams.n_ff;
     let gate_up_bytes = || layer.ffn.gate().map_or(0, TensorRef::bytes) + layer.ffn.up().bytes();
     // Bytes of the gate and up rows of one neuron.
-    let gate_up_row =
-        || layer.ffn.gate().map_or(0, TensorRef::row_bytes) + layer.ffn.up().row_bytes();
+    // Bytes of `n_gate` gate rows and `n_up` up rows (the sparse paths read fewer up rows
+    // where the gate did not fire, see `gate_fired`).
+    let gate_up_rows = |n_gate: u64, n_up: u64| {
+        n_gate * layer.ffn.gate().map_or(0, TensorRef::row_bytes)
+            + n_up * layer.ffn.up().row_bytes()
+    };
     let down_ref = match &layer.ffn {
         Ffn::Dense { down, .. } => down,
         Ffn::Sparse { down_t, .. } => down_t,
@@ -281,7 +288,7 @@ pub(crate) fn ffn_forward<'o>(
             };
             let up_w = model.weights(up)?;
             let split = model.fused_split(index);
-            sparse_hidden_fused(
+            let n_up = sparse_hidden_fused(
                 mm,
                 &model.weights(fc2)?,
                 gate_w.as_ref(),
@@ -294,7 +301,9 @@ pub(crate) fn ffn_forward<'o>(
                 s,
             )?;
             let n_active = s.active.len() as u64;
-            laps.lap(Op::FfnUpGate, || fc2.bytes() + n_active * gate_up_row());
+            laps.lap(Op::FfnUpGate, || {
+                fc2.bytes() + gate_up_rows(n_active, n_up as u64)
+            });
             out.fill(0.0);
             mm.sparse_axpy_indexed(&model.weights(down_t)?, &s.gate, &s.active, out)?;
             density[0] += s.active.len() as f32 / nff as f32;
@@ -327,11 +336,18 @@ pub(crate) fn ffn_forward<'o>(
                     .extend((0..nff as u32).filter(|&j| scores[j as usize] >= opts.threshold));
                 let x = &cur[i * ne..][..ne];
                 let g = &mut s.gate[i * nff..][..nff];
+                let mut n_up = 0;
                 let y = &mut out[i * ne..][..ne];
                 if let Some(gate_w) = &gate_w {
                     let u = &mut s.up[i * nff..][..nff];
                     mm.sparse_gemv_indexed(gate_w, x, &s.active, g)?;
-                    mm.sparse_gemv_indexed(&up_w, x, &s.active, u)?;
+                    if s.fired.is_empty() {
+                        s.fired.push(Mutex::new(Vec::new()));
+                    }
+                    let fired = s.fired[0].get_mut().unwrap_or_else(|e| e.into_inner());
+                    let up_rows = gate_fired(model.ffn_act, g, &s.active, fired);
+                    mm.sparse_gemv_indexed(&up_w, x, up_rows, u)?;
+                    n_up = up_rows.len() as u64;
                     activate(model.ffn_act, g, u)?;
                 } else {
                     // ReLU(up + b) on the active neurons (the axpy reads no other).
@@ -339,7 +355,10 @@ pub(crate) fn ffn_forward<'o>(
                     relu_bias_active(g, &s.active, layer.up_b.as_deref());
                 }
                 let n_active = s.active.len() as u64;
-                laps.lap(Op::FfnUpGate, || n_active * gate_up_row());
+                if gate_w.is_none() {
+                    n_up = n_active;
+                }
+                laps.lap(Op::FfnUpGate, || gate_up_rows(n_active, n_up));
                 mm.sparse_axpy_indexed(&down_w, g, &s.active, y)?;
                 density[i] += s.active.len() as f32 / nff as f32;
                 laps.lap(Op::FfnDown, || nonzero(g, &s.active) * down_t.row_bytes());
@@ -416,8 +435,10 @@ fn down_dense(
 
 /// One token of a sparse FFN, in one dispatch: each thread takes a contiguous range of neurons
 /// (cut where `split` says, see [`FusedSplit`]), computes their predictor scores (`fc2 · hidden` into `s.scores`), lists its active ones
-/// (`score ≥ threshold`), computes `gate`/`up` for them and applies the activation (gate-less:
-/// `ReLU(up + b)`) into `s.gate`. Afterwards `s.active` holds all active neurons, increasing.
+/// (`score ≥ threshold`), computes `gate` for them and `up` for those that need it
+/// ([`gate_fired`]) and applies the activation (gate-less: `ReLU(up + b)`) into `s.gate`.
+/// Afterwards `s.active` holds all active neurons, increasing. Returns the number of `up`
+/// rows read.
 /// Only the active entries of `s.gate` are meaningful (the axpy reads no other).
 #[allow(clippy::too_many_arguments)]
 fn sparse_hidden_fused(
@@ -431,7 +452,7 @@ fn sparse_hidden_fused(
     cur: &[f32],
     split: &FusedSplit,
     s: &mut FfnScratch,
-) -> Result<()> {
+) -> Result<usize> {
     let nff = fc2.rows();
     let n = mm.pool().n_threads();
     let ranges = split.ranges(nff, n);
@@ -446,6 +467,9 @@ fn sparse_hidden_fused(
     }
     if s.parts.len() != n {
         s.parts = (0..n).map(|_| Mutex::new(Vec::new())).collect();
+    }
+    if s.fired.len() != n {
+        s.fired = (0..n).map(|_| Mutex::new(Vec::new())).collect();
     }
     // Per thread: its range and disjoint parts of the three buffers.
     type Part<'b> = (Range<usize>, &'b mut [f32], &'b mut [f32], &'b mut [f32]);
@@ -466,12 +490,15 @@ fn sparse_hidden_fused(
     }
     let hidden = &s.hidden[..];
     let lists = &s.parts;
+    let fired_lists = &s.fired;
     // Each thread's part: fc2 scores of its neurons, its active list, gate/up, activation.
     let fused_part = |tid: usize, m: &MatMul<'_>| -> std::result::Result<(), KernelError> {
         let mut p = parts[tid].lock().unwrap_or_else(|e| e.into_inner());
         let (r, sc, g, u) = &mut *p;
         let mut list = lists[tid].lock().unwrap_or_else(|e| e.into_inner());
         list.clear();
+        let mut fired = fired_lists[tid].lock().unwrap_or_else(|e| e.into_inner());
+        fired.clear();
         if r.start == r.end {
             return Ok(());
         }
@@ -480,8 +507,9 @@ fn sparse_hidden_fused(
         match gate {
             Some(gw) => {
                 m.sparse_gemv_indexed(&gw.row_range(r.clone())?, cur, &list, g)?;
-                m.sparse_gemv_indexed(&up.row_range(r.clone())?, cur, &list, u)?;
-                for &i in list.iter() {
+                let up_rows = gate_fired(act, g, &list, &mut fired);
+                m.sparse_gemv_indexed(&up.row_range(r.clone())?, cur, up_rows, u)?;
+                for &i in up_rows {
                     let i = i as usize;
                     activate_k(act, &mut g[i..i + 1], &u[i..i + 1])?;
                 }
@@ -511,7 +539,44 @@ fn sparse_hidden_fused(
         let list = list.lock().unwrap_or_else(|e| e.into_inner());
         s.active.extend(list.iter().map(|&i| i + start));
     }
-    Ok(())
+    // The up rows read: the listed ones, or those whose gate fired.
+    Ok(match gate {
+        Some(_) if matches!(act, FfnAct::Reglu | FfnAct::Drelu) => s
+            .fired
+            .iter()
+            .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum(),
+        _ => s.active.len(),
+    })
+}
+
+/// The rows of `active` whose `up` product is needed once `gate` holds their gate products.
+/// Where the activation is ReLU on the gate (ReGLU, dReLU), a neuron whose gate is not
+/// positive has output 0 whatever its `up`: its gate value becomes 0 here, and only the others
+/// are returned (collected in `fired`), so the `up` rows of the predictor's false positives
+/// are never read. The outputs are those of computing every listed `up` row, but for the sign
+/// of a zero (which no later step reads: the axpy skips zeros) and for a non-finite `up`
+/// product of a neuron whose gate did not fire (0 here, NaN from the full product). Other
+/// activations need every listed row: `active` itself.
+fn gate_fired<'a>(
+    act: FfnAct,
+    gate: &mut [f32],
+    active: &'a [u32],
+    fired: &'a mut Vec<u32>,
+) -> &'a [u32] {
+    if !matches!(act, FfnAct::Reglu | FfnAct::Drelu) {
+        return active;
+    }
+    fired.clear();
+    for &i in active {
+        let g = &mut gate[i as usize];
+        if *g > 0.0 {
+            fired.push(i);
+        } else {
+            *g = 0.0;
+        }
+    }
+    fired
 }
 
 /// How many of the listed neurons have a non-zero activation (the rows the axpy reads).
@@ -532,6 +597,42 @@ fn relu_bias_active(h: &mut [f32], active: &[u32], bias: Option<&[f32]>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Under ReLU-gated activations only the listed neurons whose gate is positive need their
+    /// `up` row; the others get an exact 0, and the activation over the fired rows gives what
+    /// it gives over every listed row. Other activations need every listed row.
+    #[test]
+    fn up_rows_only_where_the_gate_fired() {
+        let gate0 = [0.5f32, -1.0, 0.0, 2.0, f32::NAN, -0.0, 3.0];
+        let up = [2.0f32, 5.0, -7.0, -1.5, 4.0, 1.0, 0.25];
+        let active = [0u32, 1, 2, 3, 4, 5];
+        for act in [FfnAct::Reglu, FfnAct::Drelu] {
+            let mut gate = gate0;
+            let mut fired = vec![99];
+            let rows = gate_fired(act, &mut gate, &active, &mut fired).to_vec();
+            assert_eq!(rows, [0, 3], "{act:?}");
+            for i in [1usize, 2, 4, 5] {
+                assert_eq!(gate[i].to_bits(), 0f32.to_bits(), "{act:?} neuron {i}");
+            }
+            assert_eq!(gate[6], 3.0, "unlisted neurons untouched");
+            // The activation of the fired rows, against the activation of every listed row.
+            let mut all = gate0;
+            activate_k(act, &mut all, &up).unwrap();
+            for &i in &rows {
+                let i = i as usize;
+                activate_k(act, &mut gate[i..i + 1], &up[i..i + 1]).unwrap();
+            }
+            for &i in &active {
+                let i = i as usize;
+                assert_eq!(gate[i], all[i], "{act:?} neuron {i}");
+            }
+        }
+        let mut gate = gate0;
+        let mut fired = Vec::new();
+        let rows = gate_fired(FfnAct::Swiglu, &mut gate, &active, &mut fired);
+        assert_eq!(rows, active);
+        assert_eq!(gate[1], -1.0);
+    }
 
     /// Cuts move half-way (at most `nff / 16`) towards equal times, stay increasing and inside
     /// the layer, and are used only for the thread count they were learned for.
