@@ -361,8 +361,9 @@ macro_rules! int_kernels {
             debug_assert!(acts.iter().all(|a| a.q.len() >= nb * 32
                 && a.d.len() >= nb
                 && (KIND == 1 || a.s.len() >= nb)));
-            let mut acc = [_mm256_setzero_ps(); N];
-            let mut corr = [0f32; N];
+            // Even and odd blocks into separate accumulators: two dependency chains.
+            let mut acc = [[_mm256_setzero_ps(); N]; 2];
+            let mut corr = [[0f32; N]; 2];
             for b in 0..nb {
                 // SAFETY: block `b` < nb lies within `row`; act entries for block `b` exist.
                 unsafe {
@@ -389,9 +390,9 @@ macro_rules! int_kernels {
                         let si = if KIND == 1 { dot_u_off::<16>(u, x) } else { dot_u4_i8(u, x) };
                         let s = _mm256_cvtepi32_ps(si);
                         let d = _mm256_set1_ps(dw * *a.d.get_unchecked(b));
-                        acc[k] = _mm256_fmadd_ps(s, d, acc[k]);
+                        acc[b & 1][k] = _mm256_fmadd_ps(s, d, acc[b & 1][k]);
                         if KIND != 1 {
-                            corr[k] = off.mul_add(*a.s.get_unchecked(b), corr[k]);
+                            corr[b & 1][k] = off.mul_add(*a.s.get_unchecked(b), corr[b & 1][k]);
                         }
                     }
                 }
@@ -399,7 +400,9 @@ macro_rules! int_kernels {
             let mut out = [0f32; N];
             for k in 0..N {
                 // SAFETY: this function's CPU features are available (its contract).
-                out[k] = unsafe { hsum(acc[k]) + corr[k] };
+                out[k] = unsafe {
+                    hsum(_mm256_add_ps(acc[0][k], acc[1][k])) + (corr[0][k] + corr[1][k])
+                };
             }
             out
         }
