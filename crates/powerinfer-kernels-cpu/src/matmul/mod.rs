@@ -81,6 +81,20 @@ const SHORT_ROW_BYTES: usize = 384;
 /// 31.6–32.5.
 const LIST_GEMV_ROW_BYTES: usize = 1024;
 
+/// Float rows up to this many bytes go through the backend's sparse list kernels (AVX-512:
+/// four rows per pass behind the prefetch stream), longer ones through the four-row kernels
+/// with in-row prefetches. F16 at 10%, 2 threads, Xeon, weights not in cache, against the
+/// four-row kernels: 5632×2048 (4 KiB rows) GEMV 0.101–0.102 vs 0.124–0.125 ms, axpy
+/// 0.096–0.117 vs 0.119–0.122; 11008×4096 (8 KiB rows, LLaMA-7B's sparse FFN) 0.373–0.380 vs
+/// 0.361–0.371 and 0.360–0.376 vs 0.338–0.356 (slower in every pair); 4096×11008 (22 KiB)
+/// 0.357–0.364 vs 0.282–0.288.
+const FLOAT_LIST_MAX_ROW_BYTES: usize = 4096;
+
+/// Whether the sparse products of `w` take the backend's list kernels (where it has them).
+fn sparse_list_fits(ops: &RowOps, w: &Weights<'_>) -> bool {
+    ops.act != act::ActFormat::F32 || w.row_bytes <= FLOAT_LIST_MAX_ROW_BYTES
+}
+
 /// One-token sparse axpy over rows of at least this many bytes splits the active rows between
 /// threads (with a list kernel; [`MatMul::axpy_rows_split`]), shorter rows split the columns
 /// (5632×2048 Q4_0, 1152-byte rows: no gain measured). Float rows always split the columns,
@@ -994,7 +1008,7 @@ impl<'p> MatMul<'p> {
         let acts = ActBuf::new(ops.act, x, w.cols);
         let act = acts.get(0);
         let out = OutPtr::new(y);
-        if let Some(dot_list) = ops.dot_list {
+        if let (Some(dot_list), true) = (ops.dot_list, sparse_list_fits(&ops, w)) {
             self.pool.for_chunks(active.len(), |r| {
                 let part = &active[r];
                 let mut res = vec![0f32; part.len()];
@@ -1362,7 +1376,7 @@ impl<'p> MatMul<'p> {
             if n_tokens == 1 && select.is_none() {
                 // SAFETY: threads own disjoint column ranges `c0..c1 <= cols == y.len()`.
                 let yo = unsafe { out.slice(c0..c1) };
-                if let Some(axpy_list) = ops.axpy_list {
+                if let (Some(axpy_list), true) = (ops.axpy_list, sparse_list_fits(&ops, w)) {
                     // Every listed row has a nonzero activation (filtered by the callers).
                     let rows = ListedRows {
                         data: w.data,
