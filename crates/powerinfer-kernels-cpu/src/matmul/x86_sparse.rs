@@ -674,39 +674,23 @@ fn dot_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut 
     assert!(rows.start == 0 && res.len() == rows.list.len() && a.f.len() == n);
     // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above, the
     // activation has a row's length.
-    unsafe { dot_list_float_rows::<L, FLOAT_ROWS>(rows, a.f, res) }
+    unsafe { dot_list::<DFloat<L>, FLOAT_ROWS>(rows, a, res) }
 }
 
-/// [`dot_list_float`]'s loop, `R` rows per pass.
-///
-/// # Safety
-/// Every listed row lies inside `rows.data` and holds `x.len()` elements of `L`;
-/// `res.len() == rows.list.len()`; AVX2/FMA/F16C and AVX-512F/VL available.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn dot_list_float_rows<L: FloatLoad16, const R: usize>(
-    rows: &ListedRows<'_>,
-    x: &[f32],
-    res: &mut [f32],
-) {
-    let mut st = Stream::new(rows, LEAD_DOT + R * rows.row_bytes);
-    let base = rows.data.as_ptr();
-    let row = |i: u32| {
-        // SAFETY: listed rows lie inside `rows.data` (caller).
-        unsafe { base.add(i as usize * rows.row_bytes) }
-    };
-    let mut groups = rows.list.chunks_exact(R);
-    let mut k = 0;
-    for g in &mut groups {
-        let p: [*const u8; R] = std::array::from_fn(|r| row(g[r]));
-        // SAFETY: whole rows of `x.len()` elements; features available (caller).
-        let v = unsafe { dot_float_rows512::<L, R>(p, x, |_| st.consume(R * 64 * L::SIZE)) };
-        res[k..k + R].copy_from_slice(&v);
-        k += R;
-    }
-    for &i in groups.remainder() {
-        // SAFETY: as above.
-        res[k] = unsafe { dot_float_rows512::<L, 1>([row(i)], x, |_| st.consume(64 * L::SIZE)) }[0];
-        k += 1;
+/// Float rows of `L`'s elements as [`DotRows`] (a "block" is one element): the dense 512-bit
+/// float dot's arithmetic, feeding the stream a step of 64 elements at a time.
+struct DFloat<L>(std::marker::PhantomData<L>);
+impl<L: FloatLoad16> DotRows for DFloat<L> {
+    const BYTES: usize = L::SIZE;
+    #[inline(always)]
+    unsafe fn rows<const R: usize>(
+        p: [*const u8; R],
+        nb: usize,
+        a: &Act<'_>,
+        st: &mut Stream<'_>,
+    ) -> [f32; R] {
+        // SAFETY: forwarded contract (`nb` elements at every `p[r]` and in `a.f`).
+        unsafe { dot_float_rows512::<L, R>(p, &a.f[..nb], |_| st.consume(R * 64 * L::SIZE)) }
     }
 }
 
@@ -917,82 +901,56 @@ unsafe fn axpy_rows<B: Block32, const N: usize>(
     }
 }
 
+/// One of the axpy row kernels, with the row count as a parameter: `out += Σ_k a[k] · rows[k]`.
+trait AxpyRows {
+    /// # Safety
+    /// `out.len()` values (whole blocks) readable at every `p[k]`; `N ≤ 8`; the kernel's CPU
+    /// features available.
+    unsafe fn rows<const N: usize>(
+        p: [*const u8; N],
+        a: [f32; N],
+        out: &mut [f32],
+        st: &mut Stream<'_>,
+    );
+}
+/// Rows of 32-value blocks ([`axpy_rows`]).
+struct Blocks<B>(std::marker::PhantomData<B>);
+impl<B: Block32> AxpyRows for Blocks<B> {
+    #[inline(always)]
+    unsafe fn rows<const N: usize>(
+        p: [*const u8; N],
+        a: [f32; N],
+        out: &mut [f32],
+        st: &mut Stream<'_>,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { axpy_rows::<B, N>(p, a, out.len() / 32, out, st) }
+    }
+}
+/// Float rows of `L`'s elements ([`axpy_float_rows`]).
+struct Floats<L>(std::marker::PhantomData<L>);
+impl<L: FloatLoad16> AxpyRows for Floats<L> {
+    #[inline(always)]
+    unsafe fn rows<const N: usize>(
+        p: [*const u8; N],
+        a: [f32; N],
+        out: &mut [f32],
+        st: &mut Stream<'_>,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { axpy_float_rows::<L, N>(p, a, out, st) }
+    }
+}
+
 /// `out += Σ a[i] · row_i[start..end]` over the listed rows, `R` per pass, the rest in one
 /// shorter pass.
 ///
 /// # Safety
-/// Every listed slice lies in `rows.data` and is `out.len() / 32` whole blocks of `B`; `a`
-/// covers every listed index; the CPU features available.
+/// Every listed slice lies in `rows.data` and holds `out.len()` values of `A` (whole blocks);
+/// `a` covers every listed index; the CPU features available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-unsafe fn axpy_list<B: Block32, const R: usize>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
-    let nb = out.len() / 32;
-    let mut st = Stream::new(rows, LEAD_AXPY + R * (rows.end - rows.start));
-    let base = rows.data.as_ptr();
-    let slice = |i: u32| {
-        // SAFETY: listed slices lie inside `rows.data` (caller).
-        unsafe { base.add(i as usize * rows.row_bytes + rows.start) }
-    };
-    let mut groups = rows.list.chunks_exact(R);
-    for g in &mut groups {
-        let p: [*const u8; R] = std::array::from_fn(|k| slice(g[k]));
-        let av: [f32; R] = std::array::from_fn(|k| a[g[k] as usize]);
-        // SAFETY: `nb` whole blocks at every `p[k]`; `out` has 32·nb values.
-        unsafe { axpy_rows::<B, R>(p, av, nb, out, &mut st) };
-    }
-    let rest = groups.remainder();
-    macro_rules! tail {
-        ($($n:literal)*) => {
-            match rest.len() {
-                $($n => {
-                    let p: [*const u8; $n] = std::array::from_fn(|k| slice(rest[k]));
-                    let av: [f32; $n] = std::array::from_fn(|k| a[rest[k] as usize]);
-                    // SAFETY: as above.
-                    unsafe { axpy_rows::<B, $n>(p, av, nb, out, &mut st) };
-                })*
-                _ => for &i in rest {
-                    // SAFETY: as above.
-                    unsafe { axpy_rows::<B, 1>([slice(i)], [a[i as usize]], nb, out, &mut st) };
-                }
-            }
-        };
-    }
-    tail!(1 2 3 4 5 6 7);
-}
-
-fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
-    let nb = out.len() / 32;
-    check_rows(rows, 18, nb);
-    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
-    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
-    unsafe { axpy_list::<BQ4_0, AXPY_ROWS>(rows, a, out) }
-}
-
-fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
-    let nb = out.len() / 32;
-    check_rows(rows, 34, nb);
-    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
-    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
-    unsafe { axpy_list::<BQ8_0, AXPY_ROWS>(rows, a, out) }
-}
-
-/// `out += Σ a[i] · row_i[start..end]` over the listed float row slices (`L`'s elements),
-/// [`AXPY_ROWS`] per pass behind the prefetch stream: each element takes `fma(a_i, w, y)` row
-/// after row in list order, the roundings of the AVX2 and scalar one-row kernels.
-fn axpy_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
-    check_rows(rows, L::SIZE, out.len());
-    assert!(rows.list.iter().all(|&i| (i as usize) < a.len()));
-    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
-    unsafe { axpy_list_float_rows::<L, AXPY_ROWS>(rows, a, out) }
-}
-
-/// [`axpy_list_float`]'s loop, `R` rows per pass.
-///
-/// # Safety
-/// Every listed slice lies in `rows.data` and holds `out.len()` elements of `L`; `a` covers
-/// every listed index; AVX2/FMA/F16C and AVX-512F/VL available.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn axpy_list_float_rows<L: FloatLoad16, const R: usize>(
+unsafe fn axpy_list<A: AxpyRows, const R: usize>(
     rows: &ListedRows<'_>,
     a: &[f32],
     out: &mut [f32],
@@ -1007,13 +965,53 @@ unsafe fn axpy_list_float_rows<L: FloatLoad16, const R: usize>(
     for g in &mut groups {
         let p: [*const u8; R] = std::array::from_fn(|k| slice(g[k]));
         let av: [f32; R] = std::array::from_fn(|k| a[g[k] as usize]);
-        // SAFETY: `out.len()` elements at every `p[k]` (caller).
-        unsafe { axpy_float_rows::<L, R>(p, av, out, &mut st) };
+        // SAFETY: `out.len()` values at every `p[k]` (caller).
+        unsafe { A::rows::<R>(p, av, out, &mut st) };
     }
-    for &i in groups.remainder() {
-        // SAFETY: as above.
-        unsafe { axpy_float_rows::<L, 1>([slice(i)], [a[i as usize]], out, &mut st) };
+    let rest = groups.remainder();
+    macro_rules! tail {
+        ($($n:literal)*) => {
+            match rest.len() {
+                $($n => {
+                    let p: [*const u8; $n] = std::array::from_fn(|k| slice(rest[k]));
+                    let av: [f32; $n] = std::array::from_fn(|k| a[rest[k] as usize]);
+                    // SAFETY: as above.
+                    unsafe { A::rows::<$n>(p, av, out, &mut st) };
+                })*
+                _ => for &i in rest {
+                    // SAFETY: as above.
+                    unsafe { A::rows::<1>([slice(i)], [a[i as usize]], out, &mut st) };
+                }
+            }
+        };
     }
+    tail!(1 2 3 4 5 6 7);
+}
+
+fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    check_rows(rows, 18, nb);
+    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
+    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
+    unsafe { axpy_list::<Blocks<BQ4_0>, AXPY_ROWS>(rows, a, out) }
+}
+
+fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    check_rows(rows, 34, nb);
+    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
+    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
+    unsafe { axpy_list::<Blocks<BQ8_0>, AXPY_ROWS>(rows, a, out) }
+}
+
+/// `out += Σ a[i] · row_i[start..end]` over the listed float row slices (`L`'s elements),
+/// [`AXPY_ROWS`] per pass behind the prefetch stream: each element takes `fma(a_i, w, y)` row
+/// after row in list order, the roundings of the AVX2 and scalar one-row kernels.
+fn axpy_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    check_rows(rows, L::SIZE, out.len());
+    assert!(rows.list.iter().all(|&i| (i as usize) < a.len()));
+    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
+    unsafe { axpy_list::<Floats<L>, AXPY_ROWS>(rows, a, out) }
 }
 
 /// `out += Σ_k a[k] · rows[k]` for `N` float rows (element 0 at `p[k]`), row after row per
@@ -1138,6 +1136,26 @@ mod tests {
         }
     }
 
+    /// `n_rows` rows of `nb` random blocks of `block_bytes` (an f16 scale in [−1, 1], then
+    /// random bytes), and an activation of `32·nb` values in [−1, 1].
+    fn random_rows(
+        next: &mut impl FnMut() -> u64,
+        n_rows: usize,
+        nb: usize,
+        block_bytes: usize,
+    ) -> (Vec<u8>, Vec<f32>) {
+        let mut data = vec![0u8; n_rows * nb * block_bytes];
+        for blk in data.chunks_exact_mut(block_bytes) {
+            let d = half::f16::from_f32((next() % 2001) as f32 / 1000.0 - 1.0);
+            blk[..2].copy_from_slice(&d.to_le_bytes());
+            blk[2..].iter_mut().for_each(|q| *q = next() as u8);
+        }
+        let x = (0..nb * 32)
+            .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        (data, x)
+    }
+
     /// The one-row VBMI kernel gives every row the bits of the eight-row pair kernel (and of
     /// the dense VNNI kernel), for rows of quads only, quads and a last pair, and a pair alone.
     #[test]
@@ -1148,16 +1166,8 @@ mod tests {
         }
         let mut next = xorshift(0x2545_F491_4F6C_DD1D);
         for nb in [2usize, 4, 6, 8, 10, 36, 128, 130, 344] {
-            let (n_rows, rb) = (21, nb * 18);
-            let mut data = vec![0u8; n_rows * rb];
-            for blk in data.chunks_exact_mut(18) {
-                let d = half::f16::from_f32((next() % 2001) as f32 / 1000.0 - 1.0);
-                blk[..2].copy_from_slice(&d.to_le_bytes());
-                blk[2..].iter_mut().for_each(|q| *q = next() as u8);
-            }
-            let x: Vec<f32> = (0..nb * 32)
-                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
-                .collect();
+            let rb = nb * 18;
+            let (data, x) = random_rows(&mut next, 21, nb, 18);
             let buf = ActBuf::new(ActFormat::Q8_0Pairs, &x, nb * 32);
             let a = buf.get(0);
             // Rows 3..20: eight-row passes and a remainder on the pair kernel's side.
@@ -1197,16 +1207,8 @@ mod tests {
         }
         let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         for nb in [1usize, 2, 3, 7, 36, 128, 129, 344] {
-            let (n_rows, rb) = (21, nb * 34);
-            let mut data = vec![0u8; n_rows * rb];
-            for blk in data.chunks_exact_mut(34) {
-                let d = half::f16::from_f32((next() % 2001) as f32 / 1000.0 - 1.0);
-                blk[..2].copy_from_slice(&d.to_le_bytes());
-                blk[2..].iter_mut().for_each(|q| *q = next() as u8);
-            }
-            let x: Vec<f32> = (0..nb * 32)
-                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
-                .collect();
+            let rb = nb * 34;
+            let (data, x) = random_rows(&mut next, 21, nb, 34);
             let buf = ActBuf::new(ActFormat::Q8_0, &x, nb * 32);
             let a = buf.get(0);
             let list: Vec<u32> = (3..20).collect();
