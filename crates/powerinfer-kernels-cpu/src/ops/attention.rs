@@ -378,24 +378,30 @@ fn attend_group(
     // Positions per tile.
     let tw = if wide { TILE_WIDE } else { TILE };
     let tile = &mut scratch.tile;
+    // The head rows of positions `p0..p0 + np` of `src` (K or V) widened into `tile`, after
+    // requesting the next tile's rows; returns `np`.
+    let load_tile = |src: &[f16], p0: usize, tile: &mut [f32]| {
+        let np = (n_ctx - p0).min(tw);
+        for p in (p0 + tw..n_ctx).take(tw) {
+            prefetch_head(src, p * kv_row + kv_off, d);
+        }
+        widen_tile(
+            isa,
+            wide,
+            src,
+            p0 * kv_row + kv_off,
+            kv_row,
+            d,
+            &mut tile[..np * d],
+        );
+        np
+    };
     if tiled {
         tile.clear();
         tile.resize(tw * d, 0.0);
         let mut s = [0f32; TILE_WIDE];
         for p0 in (0..n_ctx).step_by(tw) {
-            let np = (n_ctx - p0).min(tw);
-            for p in (p0 + tw..n_ctx).take(tw) {
-                prefetch_head(k, p * kv_row + kv_off, d);
-            }
-            widen_tile(
-                isa,
-                wide,
-                k,
-                p0 * kv_row + kv_off,
-                kv_row,
-                d,
-                &mut tile[..np * d],
-            );
+            let np = load_tile(k, p0, tile);
             tile[np * d..].fill(0.0);
             for (j, qh) in q.chunks_exact(d).enumerate() {
                 tile_scores(isa, wide, qh, tile, scale, &mut s[..tw]);
@@ -439,19 +445,7 @@ fn attend_group(
     let mut p_start = 0;
     if tiled {
         for p0 in (0..n_ctx).step_by(tw) {
-            let np = (n_ctx - p0).min(tw);
-            for p in (p0 + tw..n_ctx).take(tw) {
-                prefetch_head(v, p * kv_row + kv_off, d);
-            }
-            widen_tile(
-                isa,
-                wide,
-                v,
-                p0 * kv_row + kv_off,
-                kv_row,
-                d,
-                &mut tile[..np * d],
-            );
+            let np = load_tile(v, p0, tile);
             for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
                 tile_axpy(isa, wide, oh, &scores[j * n_ctx + p0..][..np], tile);
             }
