@@ -580,6 +580,21 @@ fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
     unsafe { dot_list::<DQ4_0, DOT_ROWS>(rows, a, res) }
 }
 
+/// Blocks per row of a dense range product, after checking what its kernel relies on: rows
+/// of whole `block_bytes` blocks, rows `r` inside `data`, one output per row. Panics otherwise
+/// (a frame bug).
+fn range_blocks(
+    data: &[u8],
+    row_bytes: usize,
+    r: &std::ops::Range<usize>,
+    y: &[f32],
+    block_bytes: usize,
+) -> usize {
+    let nb = row_bytes / block_bytes;
+    assert!(row_bytes == nb * block_bytes && r.end * row_bytes <= data.len() && y.len() == r.len());
+    nb
+}
+
 /// The dense Q4_0 GEMV over rows `r` with [`dense_q4_0_quad`]; installed only where AVX-512
 /// VBMI was detected.
 fn dot_range_q4_0(
@@ -589,8 +604,7 @@ fn dot_range_q4_0(
     a: &Act<'_>,
     y: &mut [f32],
 ) {
-    let nb = row_bytes / 18;
-    assert!(row_bytes == nb * 18 && r.end * row_bytes <= data.len() && y.len() == r.len());
+    let nb = range_blocks(data, row_bytes, &r, y, 18);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.po.len() >= nb / 2 * 8);
     if nb % 2 == 1 {
         // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
@@ -618,8 +632,7 @@ fn dot_range_q8_0(
     a: &Act<'_>,
     y: &mut [f32],
 ) {
-    let nb = row_bytes / 34;
-    assert!(row_bytes == nb * 34 && r.end * row_bytes <= data.len() && y.len() == r.len());
+    let nb = range_blocks(data, row_bytes, &r, y, 34);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb);
     // SAFETY: installed only for Backend::Avx512 (features detected); rows `r` checked above,
     // the activation holds `nb` blocks.
