@@ -890,12 +890,12 @@ fn pack_q4_0_declines_what_it_cannot_pack() {
         .is_none());
 }
 
-/// One-token products over long quantized rows (which AVX-512 routes through the sparse list
-/// kernel over every row): bit-identical to the AVX2 GEMV, to the sparse product over every
-/// row, and across thread counts; within the bound of the reference. Q4_0 with an even and an
-/// odd block count, rows just below, just above and far above the routing length (1024
-/// bytes), and enough rows for several grains per thread (the list calls' prefetch stream
-/// running on into the next grain).
+/// One-token products over long quantized rows (which AVX-512 routes through its dense range
+/// kernel or the sparse list kernel over every row): bit-identical to the AVX2 GEMV, to the
+/// sparse product over every row, and across thread counts; within the bound of the reference.
+/// Q4_0 with an even and an odd block count, Q8_0 and the K-quants, rows just below, just
+/// above and far above the routing length (1024 bytes), and enough rows for several grains per
+/// thread (the prefetch stream running on into the next grain).
 #[test]
 fn long_quantized_rows_gemv() {
     let mut rng = Rng(4242);
@@ -909,6 +909,16 @@ fn long_quantized_rows_gemv() {
         (GgmlType::Q8_0, 1024, 19),
         (GgmlType::Q8_0, 4096 + 32, 19),
         (GgmlType::Q8_0, 11008, 19),
+        // K-quants: rows just below (840, 704 bytes) and above (1050) the routing length, the
+        // 7B shapes' 4096 and 11008 columns, and many grains per thread.
+        (GgmlType::Q6_K, 1024, 19),
+        (GgmlType::Q6_K, 1280, 19),
+        (GgmlType::Q6_K, 11008, 19),
+        (GgmlType::Q5_K, 1024, 19),
+        (GgmlType::Q5_K, 4096 + 256, 19),
+        (GgmlType::Q4_K, 4096, 19),
+        (GgmlType::Q4_K, 11008, 19),
+        (GgmlType::Q4_K, 2048, 700),
     ] {
         let c = make_case(ty, rows, cols, &mut rng);
         let w = Weights::new(ty, rows, cols, &c.data).unwrap();

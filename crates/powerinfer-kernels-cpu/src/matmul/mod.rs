@@ -48,6 +48,8 @@ pub(crate) mod x86_gemm;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_int;
 #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+pub(crate) mod x86_kquant;
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
 pub(crate) mod x86_packed;
 #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
 pub(crate) mod x86_sparse;
@@ -648,8 +650,9 @@ const ONE_ROW_PREFETCH_BYTES: usize = 2048;
 /// without a list kernel. Xeon, 2 threads, alternated runs of `bench kernels` (weights not in
 /// cache): Q4_1 5.0–5.5 → 9.9–10.5 GB/s, Q5_0 4.7–5.0 → 8.5–9.0, Q5_1 4.9–5.3 → 10.4–12.0
 /// (1 KiB; 2, 4 and 8 KiB the same). The hardware prefetchers had left these slow loops
-/// waiting on memory. Not the K-quants, which are bound by their arithmetic: Q4_K and Q6_K
-/// unchanged, Q5_K 0.61–0.69 → 0.52–0.58 of the bandwidth.
+/// waiting on memory. Not the K-quants: their 256-bit kernels are bound by their arithmetic
+/// (Q4_K and Q6_K unchanged, Q5_K 0.61–0.69 → 0.52–0.58 of the bandwidth), and on AVX-512 their
+/// long rows take a range kernel with its own prefetch stream (`x86_kquant`).
 fn one_row_prefetch(ty: GgmlType) -> bool {
     cfg!(target_arch = "x86_64") && matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1)
 }
@@ -741,11 +744,12 @@ impl<'p> MatMul<'p> {
                     acts.len() - 1
                 }
             };
-            // Long quantized rows: the list kernel over every row (8 rows per pass share each
-            // activation load; same per-row operations, same bits).
+            // Long quantized rows: the backend's dense range kernel, or the list kernel over
+            // every row (8 rows per pass share each activation load; same per-row operations,
+            // same bits).
             // Float rows: up to FLOAT_ONE_ROW_MAX_COLS elements (longer ones go four per pass
             // with in-row prefetches, see `gemv_rows`).
-            let listed = ops.dot_list.is_some()
+            let listed = (ops.dot_list.is_some() || ops.dot_range.is_some())
                 && (ops.act != act::ActFormat::F32 || j.w.cols <= FLOAT_ONE_ROW_MAX_COLS)
                 && j.w.row_bytes >= LIST_GEMV_ROW_BYTES;
             prepared.push((total, j.w, ops, act, listed, OutPtr::new(j.y)));

@@ -34,6 +34,7 @@ pub(crate) fn override_avx2(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
     #[cfg(powerinfer_avx512)]
     if vnni {
         super::x86_sparse::override_sparse(ty, ops);
+        super::x86_kquant::override_kquant(ty, ops);
     }
     match ty {
         T::F32 => {

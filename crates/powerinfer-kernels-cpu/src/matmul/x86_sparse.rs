@@ -583,7 +583,7 @@ fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
 /// Blocks per row of a dense range product, after checking what its kernel relies on: rows
 /// of whole `block_bytes` blocks, rows `r` inside `data`, one output per row. Panics otherwise
 /// (a frame bug).
-fn range_blocks(
+pub(super) fn range_blocks(
     data: &[u8],
     row_bytes: usize,
     r: &std::ops::Range<usize>,
