@@ -121,7 +121,7 @@ struct Row {
 /// Printed beside each result so that such differences show.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct WeightsMemory {
-    /// Bytes/s of a plain read of the whole file image the engine decodes from (best of 3,
+    /// Bytes/s of a plain read of the whole file image the engine decodes from (median of 3,
     /// the benchmark's threads, the kernels' reading path).
     pub(crate) read_bps: f64,
     /// Of the file's resident mapped bytes, the share mapped with 2 MiB pages (`FilePmdMapped`
