@@ -76,11 +76,14 @@ const SHORT_ROW_BYTES: usize = 384;
 /// way there. On a 2-vCPU Xeon (AVX-512 + AMX, 480 MiB L3), 2 threads, weights not in cache,
 /// the one-row loop reads Q4_0 at 15–16 GB/s where the list kernel reads 22–23 (4096×4096,
 /// 2048×2048, 5632×2048); TinyLlama-shaped Q4_0 decode went from 17.7 to 37 tok/s, hence the
-/// lower bound (Q4_0 from 2048 columns, Q8_0 from 1024). Float rows (AVX-512: F32, F16, BF16)
-/// of up to [`FLOAT_ONE_ROW_MAX_COLS`] elements take their list kernel too (four rows per
-/// pass): TinyLlama-shaped F16 decode on that Xeon, alternated runs, dense 14.73–15.13 against
-/// 14.01–14.60 tok/s one row at a time with in-row prefetches, sparse 32.7–33.9 against
-/// 31.6–32.5.
+/// lower bound (Q4_0 from 2048 columns, Q8_0 from 1024). Not float rows (AVX-512: F32, F16,
+/// BF16), although they have list kernels: one row at a time with in-row prefetches reads them
+/// faster. Same Xeon, F16, `bench kernels` medians: 2048×2048 30.6 against 25.1 GB/s through
+/// the list kernel, 5632×2048 31.7 against 25.0, 32000×2048 31.3 against 24.7 (27.3–28.2
+/// against 24.2–24.5 in 4 KiB pages); TinyLlama-shaped F16 decode, alternated runs: dense
+/// 14.42–14.62 against 12.46–12.51 tok/s (14.61–14.77 against 12.66–12.70 with `--no-mmap`),
+/// sparse 34.3–34.9 against 30.2–30.7. (An earlier measurement, in another phase of that VM,
+/// had favoured the list kernel by 3–5%.)
 const LIST_GEMV_ROW_BYTES: usize = 1024;
 
 /// Float rows up to this many bytes go through the backend's sparse list kernels (AVX-512:
@@ -114,8 +117,7 @@ const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 /// grain: 64 KiB 35.0–35.4, 128 KiB 36.1–36.2, 256 KiB 36.3–37.1 tok/s.
 pub const GEMV_GRAIN_BYTES: usize = 128 << 10;
 
-/// Float rows up to this many elements go through the dense GEMV one per pass (or the list
-/// kernel, where the backend has one: see [`LIST_GEMV_ROW_BYTES`]), longer ones four
+/// Float rows up to this many elements go through the dense GEMV one per pass, longer ones four
 /// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows, 4096×11008
 /// 22.5 vs 29.5–30.5; decode of a 7B-shaped F16 model at 0.86–1.03× llama.cpp with 4096-element
 /// rows one per pass, 0.88–0.99× four per pass, 0.77–0.97× with every row one per pass).
@@ -746,11 +748,9 @@ impl<'p> MatMul<'p> {
             };
             // Long quantized rows: the backend's dense range kernel, or the list kernel over
             // every row (8 rows per pass share each activation load; same per-row operations,
-            // same bits).
-            // Float rows: up to FLOAT_ONE_ROW_MAX_COLS elements (longer ones go four per pass
-            // with in-row prefetches, see `gemv_rows`).
+            // same bits). Not float rows (see `LIST_GEMV_ROW_BYTES`).
             let listed = (ops.dot_list.is_some() || ops.dot_range.is_some())
-                && (ops.act != act::ActFormat::F32 || j.w.cols <= FLOAT_ONE_ROW_MAX_COLS)
+                && ops.act != act::ActFormat::F32
                 && j.w.row_bytes >= LIST_GEMV_ROW_BYTES;
             prepared.push((total, j.w, ops, act, listed, OutPtr::new(j.y)));
             total += j.w.rows;
