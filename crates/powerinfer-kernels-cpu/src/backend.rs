@@ -91,6 +91,47 @@ impl std::fmt::Display for Backend {
     }
 }
 
+/// Who designed this CPU, for the few tuning constants (prefetch distances) whose best value
+/// differs between microarchitectures. It never changes a result, only speed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpuVendor {
+    /// `GenuineIntel`.
+    Intel,
+    /// `AuthenticAMD`.
+    Amd,
+    /// Any other vendor string, or a CPU that is not x86-64.
+    Other,
+}
+
+impl CpuVendor {
+    /// This CPU's vendor, from CPUID leaf 0 (read once per process, then cached).
+    pub fn detect() -> CpuVendor {
+        static VENDOR: OnceLock<CpuVendor> = OnceLock::new();
+        *VENDOR.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                // SAFETY: CPUID exists on every x86-64 CPU; leaf 0 only reads the vendor
+                // string and the highest leaf.
+                #[allow(unused_unsafe)]
+                let r = unsafe { std::arch::x86_64::__cpuid(0) };
+                let mut id = [0u8; 12];
+                id[..4].copy_from_slice(&r.ebx.to_le_bytes());
+                id[4..8].copy_from_slice(&r.edx.to_le_bytes());
+                id[8..].copy_from_slice(&r.ecx.to_le_bytes());
+                match &id {
+                    b"GenuineIntel" => CpuVendor::Intel,
+                    b"AuthenticAMD" => CpuVendor::Amd,
+                    _ => CpuVendor::Other,
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                CpuVendor::Other
+            }
+        })
+    }
+}
+
 #[derive(Clone, Copy, Default)]
 struct Features {
     avx2: bool,
@@ -130,5 +171,25 @@ mod tests {
         assert!(Backend::Scalar.is_available());
         assert!(Backend::detect().is_available());
         assert_eq!(Backend::available()[0], Backend::Scalar);
+    }
+
+    #[test]
+    fn vendor_matches_proc_cpuinfo() {
+        let v = CpuVendor::detect();
+        assert_eq!(v, CpuVendor::detect());
+        let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+            println!("skipped: no /proc/cpuinfo");
+            return;
+        };
+        let Some(line) = info.lines().find(|l| l.starts_with("vendor_id")) else {
+            println!("skipped: /proc/cpuinfo has no vendor_id");
+            return;
+        };
+        let want = match line.split(':').nth(1).map(str::trim) {
+            Some("GenuineIntel") => CpuVendor::Intel,
+            Some("AuthenticAMD") => CpuVendor::Amd,
+            _ => CpuVendor::Other,
+        };
+        assert_eq!(v, want, "{line}");
     }
 }

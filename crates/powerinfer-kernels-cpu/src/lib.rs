@@ -19,7 +19,7 @@ pub mod ops;
 pub mod pool;
 pub mod reference;
 
-pub use backend::Backend;
+pub use backend::{Backend, CpuVendor};
 pub use error::KernelError;
 pub use matmul::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, RowSelect, Weights};
 pub use pool::{PoolKind, ThreadPool};

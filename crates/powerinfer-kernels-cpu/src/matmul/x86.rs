@@ -360,13 +360,42 @@ impl FloatLoad16 for LBF16 {
 }
 
 /// Bytes ahead of the elements being read that [`dot_float_wide512`] asks to have in L1, in
-/// each of its rows. Xeon, TinyLlama-shaped F16 dense decode, 2 threads, alternated runs
-/// (tok/s): none 11.85–12.12, 768 bytes 12.95–12.97, 1024 12.81–12.91, 1536 12.68–13.12,
-/// 2048 12.74–12.92, 3072 12.28–12.47, 4096 10.49–10.56, 8192 9.93–10.04. Sparse decode
-/// (rows scattered, so some lines past a row's end go unused) was no slower: 29.5–30.0 vs
-/// 29.4–29.5 tok/s with the prefetches kept inside each row.
+/// each of its rows, on Intel CPUs. Xeon, TinyLlama-shaped F16 dense decode, 2 threads,
+/// alternated runs (tok/s): none 11.85–12.12, 768 bytes 12.95–12.97, 1024 12.81–12.91, 1536
+/// 12.68–13.12, 2048 12.74–12.92, 3072 12.28–12.47, 4096 10.49–10.56, 8192 9.93–10.04. Sparse
+/// decode (rows scattered, so some lines past a row's end go unused) was no slower: 29.5–30.0
+/// vs 29.4–29.5 tok/s with the prefetches kept inside each row.
 #[cfg(powerinfer_avx512)]
-const FLOAT_AHEAD: usize = 1536;
+const FLOAT_AHEAD_INTEL: usize = 1536;
+
+/// [`FLOAT_AHEAD_INTEL`] on AMD CPUs, where the hardware prefetchers already run ahead and far
+/// requests only compete with them. Zen 4 (2 vCPUs), the same decodes, 3 alternated rounds
+/// (tok/s, dense / sparse): 256 bytes 14.3, 11.0, 16.7 / 29.3, 29.2, 28.7; 768 12.5, 10.8,
+/// 10.7 / 26.9, 27.8, 27.5; 1024 10.8, 11.7, 10.6 / 24.1, 26.1, 24.8; 1536 10.1, 10.9 / 24.8,
+/// 26.0; none 13.6–14.5 / 28.9–31.1 (0–512 within this VM's noise). Side by side with
+/// llama.cpp at 256: dense 1.00× (0.93, 1.00, 1.02), where 1536 had given 0.73×.
+#[cfg(powerinfer_avx512)]
+const FLOAT_AHEAD_AMD: usize = 256;
+
+/// The prefetch distance of [`dot_float_wide512`] for this CPU (see [`FLOAT_AHEAD_INTEL`]).
+#[cfg(powerinfer_avx512)]
+#[inline]
+fn float_ahead() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // 0: not read yet (no distance is 0).
+    static AHEAD: AtomicUsize = AtomicUsize::new(0);
+    match AHEAD.load(Ordering::Relaxed) {
+        0 => {
+            let a = match crate::backend::CpuVendor::detect() {
+                crate::backend::CpuVendor::Amd => FLOAT_AHEAD_AMD,
+                _ => FLOAT_AHEAD_INTEL,
+            };
+            AHEAD.store(a, Ordering::Relaxed);
+            a
+        }
+        a => a,
+    }
+}
 
 /// [`dot_float_wide`] for `R` rows at once with four zmm accumulators per row (`4R` of the 32
 /// registers): the same FMAs per lane and the same additions as the AVX2 kernel, so the same
@@ -384,13 +413,14 @@ unsafe fn dot_float_wide512<L: FloatLoad16, const R: usize>(
 ) -> [f32; R] {
     debug_assert!(rows.iter().all(|r| r.len() >= x.len() * L::SIZE));
     let w = rows.map(|r| r.as_ptr());
+    let ahead = float_ahead();
     // SAFETY: every row holds `x.len()` elements (caller); features available (caller).
     unsafe {
         dot_float_rows512::<L, R>(w, x, |i| {
-            // The lines FLOAT_AHEAD bytes on in every row, into L1 (prefetches never fault:
+            // The lines `ahead` bytes on in every row, into L1 (prefetches never fault:
             // past a row's end they touch the next row or nothing).
             for r in 0..R {
-                let q = w[r].wrapping_add(i * L::SIZE + FLOAT_AHEAD);
+                let q = w[r].wrapping_add(i * L::SIZE + ahead);
                 for l in 0..L::SIZE {
                     _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(64 * l) as *const i8);
                 }
