@@ -266,6 +266,89 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     assert!(sparse.get("vs_llama_cpp").is_none());
 }
 
+/// With several files run by llama.cpp, each row's twin is the llama.cpp file of its shape and
+/// weight type: a Q8_0 PowerInfer file against the Q8_0 dense file, an F16 one against the F16.
+#[cfg(unix)]
+#[test]
+fn bench_decode_pairs_each_file_with_the_llama_run_of_its_twin() {
+    use std::os::unix::fs::PermissionsExt;
+    let q8 = synth();
+    let dir = tempfile::tempdir().unwrap();
+    let (f16_sparse, f16_dense) = (
+        dir.path().join("f.powerinfer.gguf"),
+        dir.path().join("f.gguf"),
+    );
+    powerinfer(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--type",
+        "f16",
+        "--seed",
+        "3",
+        "--out",
+        s(&f16_sparse),
+        "--dense-out",
+        s(&f16_dense),
+    ]);
+    // llama.cpp's speed names the file it ran: 100 tok/s for the Q8_0 file, 400 for the F16.
+    let fake = dir.path().join("llama-bench");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\ncase \"$*\" in *{q8}*) ts=100 ;; *{f16}*) ts=400 ;; *) ts=1 ;; esac\n\
+             echo \"[{{\\\"n_prompt\\\": 0, \\\"n_gen\\\": 2, \\\"avg_ts\\\": $ts}}]\"\n",
+            q8 = s(&q8.dense),
+            f16 = s(&f16_dense)
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = powerinfer(&[
+        "bench",
+        "decode",
+        "-m",
+        s(&q8.sparse),
+        "-m",
+        s(&f16_sparse),
+        "-m",
+        s(&f16_dense),
+        "-m",
+        s(&q8.dense),
+        "-t",
+        "1",
+        "-n",
+        "2",
+        "--prompt",
+        "2",
+        "-r",
+        "1",
+        "--sparse-only",
+        "--llama-bench",
+        s(&fake),
+        "--json",
+    ]);
+    let rows: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    for (r, model, llama) in [
+        (&rows[0], &q8.sparse, 100.0),
+        (&rows[1], &f16_sparse, 400.0),
+        (&rows[2], &f16_dense, 400.0),
+        (&rows[3], &q8.dense, 100.0),
+    ] {
+        assert_eq!(r["model"].as_str(), Some(s(model)));
+        let tps = r["decode_tps"].as_f64().unwrap();
+        let twin = r["vs_llama_twin"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no twin in {r}"));
+        assert!((twin - tps / llama).abs() <= 1e-9 * twin, "{r}");
+    }
+    assert!(rows[0].get("vs_llama_cpp").is_none());
+    assert_eq!(rows[2]["llama_cpp_tps"].as_f64(), Some(400.0));
+    assert_eq!(rows[3]["llama_cpp_tps"].as_f64(), Some(100.0));
+}
+
 #[test]
 fn run_profile_reports_every_operation() {
     let f = synth();

@@ -34,9 +34,10 @@
 //! the order reversed every other round, and each figure is the median over the rounds; the
 //! ratios to llama.cpp are medians of the ratios within each round. On a machine whose memory
 //! bandwidth drifts from minute to minute (shared VMs), ratios of runs made seconds apart are
-//! far steadier than the speeds themselves. When exactly one file was run by llama.cpp, every
-//! row is also compared with it (`vs llama twin`: e.g. a PowerInfer file's sparse decode
-//! against llama.cpp's dense decode of its dense twin).
+//! far steadier than the speeds themselves. Every row is also compared with llama.cpp's run of
+//! its twin (`vs llama twin`: e.g. a PowerInfer file's sparse decode against llama.cpp's dense
+//! decode of its dense twin): the one file llama.cpp ran, if there is exactly one, else the one
+//! file it ran of the row's architecture, layer count, widths and attention weight type.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -203,6 +204,10 @@ struct ByteModel {
     /// KV cache bytes per position (K and V, F16, all layers).
     kv_per_pos: f64,
     is_powerinfer: bool,
+    /// What a dense twin shares with this model: architecture, layers, widths and the type of
+    /// the first layer's attention weights (a PowerInfer file and the dense GGUF of the same
+    /// weights agree on all of them).
+    twin_key: String,
 }
 
 fn byte_model(path: &Path) -> Result<ByteModel, String> {
@@ -218,12 +223,21 @@ fn byte_model(path: &Path) -> Result<ByteModel, String> {
     let n_head_kv = uint("attention.head_count_kv").map_or(n_head, |v| v as f64);
     let n_layer = uint("block_count").unwrap_or(0) as f64;
     let kv_per_pos = 2.0 * 2.0 * n_layer * n_embd / n_head * n_head_kv;
+    let attn_type = ["blk.0.attn_q.weight", "blk.0.attn_qkv.weight"]
+        .iter()
+        .find_map(|n| f.tensor_info(n))
+        .map(|t| t.ggml_type().to_string());
+    let twin_key = format!(
+        "{arch}/{n_layer}/{n_embd}/{n_head}/{n_head_kv}/{:?}/{attn_type:?}",
+        uint("feed_forward_length")
+    );
     let mut m = ByteModel {
         fixed: 0.0,
         sparse_rows: 0.0,
         predictor: 0.0,
         kv_per_pos,
         is_powerinfer: f.kind() == FileKind::PowerInfer,
+        twin_key,
     };
     for t in f.tensors() {
         let name = t.name();
@@ -489,12 +503,32 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         }
     }
     let llama_index = |m: &Path| llama_files.iter().position(|p| p.as_path() == m);
-    // The one file llama.cpp ran, if there is exactly one: every row's twin reference.
-    let twin = (llama_files.len() == 1).then_some(0);
+    // Each row's twin reference: the one file llama.cpp ran, if there is exactly one, else
+    // the one llama.cpp file of the row's shape and weight type (see `ByteModel::twin_key`).
+    let llama_keys: Vec<String> = llama_files
+        .iter()
+        .map(|p| byte_model(p).map(|b| b.twin_key))
+        .collect::<Result<_, _>>()?;
+    let twins: Vec<Option<usize>> = configs
+        .iter()
+        .map(|(path, _)| {
+            if llama_files.len() == 1 {
+                return Ok(Some(0));
+            }
+            let key = byte_model(path)?.twin_key;
+            let mut same = llama_keys.iter().enumerate().filter(|(_, k)| **k == key);
+            Ok(match (same.next(), same.next()) {
+                (Some((f, _)), None) => Some(f),
+                _ => None,
+            })
+        })
+        .collect::<Result<_, String>>()?;
+    let any_twin = twins.iter().any(Option::is_some);
     let objects: Vec<serde_json::Value> = configs
         .iter()
         .zip(&measured)
-        .map(|((path, _), runs)| {
+        .zip(&twins)
+        .map(|(((path, _), runs), twin)| {
             let tps_rounds: Vec<f64> = runs.iter().map(|r| r.tps).collect();
             let tps = median(&tps_rounds);
             // The row of the median round supplies density and bytes (they hardly vary).
@@ -534,7 +568,7 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 o["vs_llama_cpp"] = median(&ratios(f)).into();
                 o["vs_llama_cpp_rounds"] = ratios(f).into();
             }
-            if let Some(f) = twin {
+            if let Some(f) = *twin {
                 o["vs_llama_twin"] = median(&ratios(f)).into();
                 o["vs_llama_twin_rounds"] = ratios(f).into();
             }
@@ -559,7 +593,7 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         "ratio",
         "ceiling",
         "llama.cpp",
-        if twin.is_some() {
+        if any_twin {
             format!(" {:>14}", "vs llama twin")
         } else {
             String::new()
@@ -579,10 +613,10 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             ),
             None => String::from("-"),
         };
-        let twin_col = if twin.is_some() {
-            format!(" {:>13.2}x", num("vs_llama_twin"))
-        } else {
-            String::new()
+        let twin_col = match (any_twin, o.get("vs_llama_twin")) {
+            (true, Some(_)) => format!(" {:>13.2}x", num("vs_llama_twin")),
+            (true, None) => format!(" {:>14}", "-"),
+            (false, _) => String::new(),
         };
         println!(
             "{:<44} {:>6} {:>8.2} {:>7.3} {:>9.1} {:>7.1} {:>6.2} {:>8.1} {:>10}{}",
@@ -624,7 +658,7 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                     list("vs_llama_cpp_rounds")
                 );
             }
-            if twin.is_some() {
+            if o.get("vs_llama_twin_rounds").is_some() {
                 println!(
                     "    ratio to llama twin by round: {}",
                     list("vs_llama_twin_rounds")
