@@ -381,19 +381,10 @@ const FLOAT_AHEAD_AMD: usize = 256;
 #[cfg(powerinfer_avx512)]
 #[inline]
 fn float_ahead() -> usize {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    // 0: not read yet (no distance is 0).
-    static AHEAD: AtomicUsize = AtomicUsize::new(0);
-    match AHEAD.load(Ordering::Relaxed) {
-        0 => {
-            let a = match crate::backend::CpuVendor::detect() {
-                crate::backend::CpuVendor::Amd => FLOAT_AHEAD_AMD,
-                _ => FLOAT_AHEAD_INTEL,
-            };
-            AHEAD.store(a, Ordering::Relaxed);
-            a
-        }
-        a => a,
+    // `detect` is cached: one atomic load per call.
+    match crate::backend::CpuVendor::detect() {
+        crate::backend::CpuVendor::Amd => FLOAT_AHEAD_AMD,
+        _ => FLOAT_AHEAD_INTEL,
     }
 }
 
