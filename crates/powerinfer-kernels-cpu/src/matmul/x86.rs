@@ -368,22 +368,34 @@ impl FloatLoad16 for LBF16 {
 #[cfg(powerinfer_avx512)]
 const FLOAT_AHEAD_INTEL: usize = 1536;
 
-/// [`FLOAT_AHEAD_INTEL`] on AMD CPUs, where the hardware prefetchers already run ahead and far
-/// requests only compete with them. Zen 4 (2 vCPUs), the same decodes, 3 alternated rounds
-/// (tok/s, dense / sparse): 256 bytes 14.3, 11.0, 16.7 / 29.3, 29.2, 28.7; 768 12.5, 10.8,
-/// 10.7 / 26.9, 27.8, 27.5; 1024 10.8, 11.7, 10.6 / 24.1, 26.1, 24.8; 1536 10.1, 10.9 / 24.8,
-/// 26.0; none 13.6–14.5 / 28.9–31.1 (0–512 within this VM's noise). Side by side with
-/// llama.cpp at 256: dense 1.00× (0.93, 1.00, 1.02), where 1536 had given 0.73×.
+/// [`FLOAT_AHEAD_INTEL`] on AMD CPUs, for the one-row dot (rows of up to 4096 elements in the
+/// dense GEMV): 0, no software prefetches (the hardware prefetchers already run ahead and the
+/// requests only compete with them). Zen 4 (2 vCPUs), TinyLlama F16 dense decode, 3 alternated
+/// rounds (tok/s): 256 bytes 14.3, 11.0, 16.7; 768 12.5, 10.8, 10.7; 1024 10.8, 11.7, 10.6;
+/// 1536 10.1, 10.9; none 13.6–14.5. Then, with the distances alternated pass by pass in one
+/// process over the file's 154 mapped matrices (12 passes, medians): none 27.3, 32.8, 32.9,
+/// 33.6 GB/s against 256 bytes 23.1, 27.2, 28.9, 29.1 (128: 29.4, 31.1); copies in base pages,
+/// 5632×2048 38.1 vs 32.5, 2048×2048 41.3 vs 37.4. Decode, 4 alternated pairs: dense
+/// 13.19–13.95 vs 12.27–13.78 tok/s, sparse 30.5–33.8 vs 26.8–30.4.
 #[cfg(powerinfer_avx512)]
-const FLOAT_AHEAD_AMD: usize = 256;
+const FLOAT_AHEAD_AMD_ONE_ROW: usize = 0;
 
-/// The prefetch distance of [`dot_float_wide512`] for this CPU (see [`FLOAT_AHEAD_INTEL`]).
+/// [`FLOAT_AHEAD_AMD_ONE_ROW`] for the four-row dot (longer dense rows; the sparse GEMV's rows
+/// over 4 KiB): four streams at once, where 256 bytes still helps a little. Zen 4, copies in
+/// base pages, passes alternated (20, medians): 4096×11008 31.6 GB/s vs 28.4 without
+/// prefetches (512 bytes: 29.8), 2048×5632 23.8 vs 23.2 (512: 24.1).
+#[cfg(powerinfer_avx512)]
+const FLOAT_AHEAD_AMD_ROWS: usize = 256;
+
+/// The prefetch distance of [`dot_float_wide512`] over `rows` rows at once on this CPU (see
+/// [`FLOAT_AHEAD_INTEL`]); 0: no prefetches.
 #[cfg(powerinfer_avx512)]
 #[inline]
-fn float_ahead() -> usize {
+fn float_ahead(rows: usize) -> usize {
     // `detect` is cached: one atomic load per call.
     match crate::backend::CpuVendor::detect() {
-        crate::backend::CpuVendor::Amd => FLOAT_AHEAD_AMD,
+        crate::backend::CpuVendor::Amd if rows == 1 => FLOAT_AHEAD_AMD_ONE_ROW,
+        crate::backend::CpuVendor::Amd => FLOAT_AHEAD_AMD_ROWS,
         _ => FLOAT_AHEAD_INTEL,
     }
 }
@@ -404,10 +416,13 @@ unsafe fn dot_float_wide512<L: FloatLoad16, const R: usize>(
 ) -> [f32; R] {
     debug_assert!(rows.iter().all(|r| r.len() >= x.len() * L::SIZE));
     let w = rows.map(|r| r.as_ptr());
-    let ahead = float_ahead();
+    let ahead = float_ahead(R);
     // SAFETY: every row holds `x.len()` elements (caller); features available (caller).
     unsafe {
         dot_float_rows512::<L, R>(w, x, |i| {
+            if ahead == 0 {
+                return;
+            }
             // The lines `ahead` bytes on in every row, into L1 (prefetches never fault:
             // past a row's end they touch the next row or nothing).
             for r in 0..R {
