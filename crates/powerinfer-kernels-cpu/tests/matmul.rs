@@ -733,6 +733,35 @@ fn read_rows_checksums_the_listed_rows() {
     }
 }
 
+/// `read_sequential` (the plain half of `powerinfer bench`'s bandwidth probe) returns the
+/// wrapping sum of the buffer's little-endian u64 words (a last partial word byte by byte) for
+/// any length and thread count: every byte read once, whichever thread reads it.
+#[test]
+fn read_sequential_checksums_every_byte() {
+    let mut rng = Rng(12);
+    let data: Vec<u8> = (0..70_001).map(|_| rng.next_u64() as u8).collect();
+    for len in [0, 1, 7, 8, 9, 63, 64, 65, 127, 4096, 4096 + 61, 70_001] {
+        let bytes = &data[..len];
+        let words = len / 8 * 8;
+        let mut want = 0u64;
+        for c in bytes[..words].chunks(8) {
+            want = want.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()));
+        }
+        for &b in &bytes[words..] {
+            want = want.wrapping_add(b as u64);
+        }
+        for pool in pools() {
+            let mm = MatMul::new(&pool);
+            assert_eq!(
+                mm.read_sequential(bytes),
+                want,
+                "{len} bytes, {} threads",
+                pool.n_threads()
+            );
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 

@@ -182,42 +182,83 @@ fn median_sorted(v: &[f64]) -> f64 {
     }
 }
 
-/// Median read bandwidth (bytes/s) of `pool`'s threads reading a `bytes`-long buffer (at least
-/// 1 GiB is advised: this machine's L3 holds hundreds of MiB) front to back, each thread its
-/// contiguous part, through the kernels' own reading path ([`MatMul::read_rows`]: on AVX-512
-/// the software prefetch stream of the sparse kernels, elsewhere plain word sums), the buffer
-/// in transparent huge pages where the OS grants them, as the engine's weights are. A plain
-/// summing loop over a heap buffer (what this measured before) read 16–24 GB/s on a Xeon VM
-/// where this path reads ~28 and the kernels 25–36, so the ratios against it overstated them.
+/// Read bandwidth (bytes/s) of `pool`'s threads reading a `bytes`-long buffer (at least 1 GiB
+/// is advised: this machine's L3 holds hundreds of MiB) front to back, each thread its
+/// contiguous part: the better of the kernels' two ways of reading ([`read_rates`]), the
+/// buffer in transparent huge pages where the OS grants them, as the engine's weights are.
 pub(crate) fn read_bandwidth(pool: &ThreadPool, bytes: usize, passes: usize) -> f64 {
+    bandwidth_rates(pool, bytes, passes).best()
+}
+
+/// [`read_bandwidth`]'s two rates.
+pub(crate) fn bandwidth_rates(pool: &ThreadPool, bytes: usize, passes: usize) -> ReadRates {
     const ROW: usize = 4096;
     let rows = (bytes / ROW).max(1);
     match page_fill(rows * ROW) {
-        Ok(buf) => read_bps(pool, &buf[..], passes),
-        Err(_) => f64::NAN,
+        Ok(buf) => read_rates(pool, &buf[..], passes),
+        Err(_) => ReadRates {
+            stream: f64::NAN,
+            plain: f64::NAN,
+        },
+    }
+}
+
+/// How fast `pool`'s threads read one buffer (bytes/s, medians over the passes), two ways.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReadRates {
+    /// Through the row-sparse kernels' reading path ([`MatMul::read_rows`] over 4 KiB rows: on
+    /// AVX-512 their software prefetch stream, elsewhere plain word sums).
+    pub(crate) stream: f64,
+    /// Plain loads, the hardware prefetchers alone ([`MatMul::read_sequential`]).
+    pub(crate) plain: f64,
+}
+
+impl ReadRates {
+    /// The faster of the two: what this memory gives. Which one wins depends on the CPU. On a
+    /// Xeon VM a plain summing loop read 16–24 GB/s where the stream read ~28 (and the kernels
+    /// 25–36), so ratios against the plain loop alone overstated the kernels; on a Zen 4 VM the
+    /// plain read gave 31–33 GB/s against the stream's 27–29, and llama.cpp's F16 decode read
+    /// faster than the stream alone: ratios against the stream alone overstated them there.
+    pub(crate) fn best(&self) -> f64 {
+        self.stream.max(self.plain)
     }
 }
 
 /// Median rate (bytes/s) of `pool`'s threads reading `bytes` front to back, each its contiguous
-/// part, through the kernels' reading path ([`MatMul::read_rows`] over 4 KiB rows; a tail of
-/// less than a row is not read), over `passes` passes.
+/// part: [`ReadRates::best`] of [`read_rates`].
 pub(crate) fn read_bps(pool: &ThreadPool, bytes: &[u8], passes: usize) -> f64 {
+    read_rates(pool, bytes, passes).best()
+}
+
+/// Both [`ReadRates`] of `bytes` (a tail of less than 4 KiB is not read by the stream), the two
+/// ways alternated pass by pass so that both see the same phases of a noisy machine.
+pub(crate) fn read_rates(pool: &ThreadPool, bytes: &[u8], passes: usize) -> ReadRates {
     const ROW: usize = 4096;
     let rows = bytes.len() / ROW;
-    let Ok(w) = Weights::new(GgmlType::F32, rows, ROW / 4, &bytes[..rows * ROW]) else {
-        return f64::NAN;
-    };
-    let all: Vec<u32> = (0..rows as u32).collect();
     let mm = MatMul::new(pool);
+    let w = Weights::new(GgmlType::F32, rows, ROW / 4, &bytes[..rows * ROW]).ok();
+    let all: Vec<u32> = (0..rows as u32).collect();
     let mut sink = 0u64;
-    let mut secs = Vec::with_capacity(passes.max(1));
+    let (mut stream, mut plain) = (Vec::new(), Vec::new());
     for _ in 0..passes.max(1) {
+        if let Some(w) = &w {
+            let t = Instant::now();
+            sink = sink.wrapping_add(mm.read_rows(w, &all).unwrap_or(0));
+            stream.push(t.elapsed().as_secs_f64());
+        }
         let t = Instant::now();
-        sink = sink.wrapping_add(mm.read_rows(&w, &all).unwrap_or(0));
-        secs.push(t.elapsed().as_secs_f64());
+        sink = sink.wrapping_add(mm.read_sequential(bytes));
+        plain.push(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(sink);
-    (rows * ROW) as f64 / Timing::of(&mut secs).median
+    ReadRates {
+        stream: if stream.is_empty() {
+            f64::NAN
+        } else {
+            (rows * ROW) as f64 / Timing::of(&mut stream).median
+        },
+        plain: bytes.len() as f64 / Timing::of(&mut plain).median,
+    }
 }
 
 /// Greatest common divisor.
@@ -359,7 +400,8 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
     for &kind in &kinds {
         let pool = ThreadPool::with_kind(threads, kind);
         let mm = MatMul::with_backend(&pool, backend).map_err(|e| e.to_string())?;
-        let bw = read_bandwidth(&pool, bw_bytes, if a.quick { 3 } else { 5 }) / 1e9;
+        let rates = bandwidth_rates(&pool, bw_bytes, if a.quick { 3 } else { 5 });
+        let bw = rates.best() / 1e9;
         let pool_name = match kind {
             PoolKind::Spin => "spin",
             PoolKind::Rayon => "rayon",
@@ -372,10 +414,13 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
         });
         if !a.json {
             println!(
-                "threads {} ({pool_name} pool), backend {}, memory read bandwidth {bw:.1} GB/s, \
-                 empty job {:.2} µs, weights in {} pages at offset {}",
+                "threads {} ({pool_name} pool), backend {}, memory read bandwidth {bw:.1} GB/s \
+                 (plain loads {:.1}, prefetch stream {:.1}), empty job {:.2} µs, weights in {} \
+                 pages at offset {}",
                 pool.n_threads(),
                 mm.backend(),
+                rates.plain / 1e9,
+                rates.stream / 1e9,
                 dispatch.median * 1e6,
                 a.pages,
                 a.offset,
@@ -400,6 +445,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
             "backend": mm.backend().name(), "ms": dispatch.median * 1e3,
             "best_ms": dispatch.best * 1e3, "gbps": 0.0, "best_gbps": 0.0, "gflops": 0.0,
             "bandwidth_gbps": bw, "ratio": 0.0,
+            "bandwidth_plain_gbps": rates.plain / 1e9, "bandwidth_stream_gbps": rates.stream / 1e9,
         }));
         let mut emit = |kernel: &str,
                         ty: GgmlType,

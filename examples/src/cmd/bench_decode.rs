@@ -122,8 +122,8 @@ struct Row {
 /// Printed beside each result so that such differences show.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct WeightsMemory {
-    /// Bytes/s of a plain read of the whole file image the engine decodes from (median of 3,
-    /// the benchmark's threads, the kernels' reading path).
+    /// Bytes/s of a read of the whole file image the engine decodes from (the benchmark's
+    /// threads, the faster of the kernels' two reading paths, medians of 3: `bench::read_bps`).
     pub(crate) read_bps: f64,
     /// Of the file's resident mapped bytes, the share mapped with 2 MiB pages (`FilePmdMapped`
     /// over `Rss` of its mappings in `/proc/self/smaps`); `None` when not mapped or unknown.
