@@ -121,6 +121,10 @@ fn bench_decode_reports_bytes_and_ratios() {
         let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
         assert!(f("decode_tps") > 0.0);
         assert!(f("bandwidth_gbps") > 0.0);
+        // The prompt's 3 tokens over its time.
+        assert_eq!(r["prompt_tokens"].as_u64(), Some(3));
+        let pp = 3.0 / (f("prompt_ms") / 1e3);
+        assert!((f("prompt_tps") - pp).abs() <= 1e-9 * pp, "{r}");
         let gbps = f("bytes_per_token") * f("decode_tps") / 1e9;
         assert!((f("gbps") - gbps).abs() <= 1e-9 * gbps.max(1.0));
         assert!((f("ratio") - gbps / f("bandwidth_gbps")).abs() < 1e-9);
@@ -174,9 +178,10 @@ fn closed_stdout_ends_quietly() {
 }
 
 /// `--rounds` with `--llama-bench`: every configuration and llama.cpp once per round, medians
-/// over the rounds, and ratios that are medians of the per-round ratios. llama.cpp is stood in
-/// for by a script that prints `llama-bench`'s JSON with a different speed on each call (the
-/// order of the calls is what the script records).
+/// over the rounds, and ratios that are medians of the per-round ratios, for decoding and for
+/// the prompt. llama.cpp is stood in for by a script that prints `llama-bench`'s JSON (a
+/// prompt-processing and a text-generation test) with different speeds on each call (the order
+/// of the calls and the arguments are what the script records).
 #[cfg(unix)]
 #[test]
 fn bench_decode_rounds_pair_each_round_with_llama() {
@@ -184,13 +189,17 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     let f = synth();
     let dir = tempfile::tempdir().unwrap();
     let count = dir.path().join("calls");
+    let args = dir.path().join("args");
     let fake = dir.path().join("llama-bench");
     std::fs::write(
         &fake,
         format!(
             "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0)\nn=$((n + 1))\necho $n > {c}\n\
-             echo \"[{{\\\"n_prompt\\\": 0, \\\"n_gen\\\": 2, \\\"avg_ts\\\": $((n * 100))}}]\"\n",
-            c = count.display()
+             echo \"$*\" > {a}\n\
+             echo \"[{{\\\"n_prompt\\\": 2, \\\"n_gen\\\": 0, \\\"avg_ts\\\": $((n * 10))}}, \
+             {{\\\"n_prompt\\\": 0, \\\"n_gen\\\": 2, \\\"avg_ts\\\": $((n * 100))}}]\"\n",
+            c = count.display(),
+            a = args.display()
         ),
     )
     .unwrap();
@@ -264,6 +273,38 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
         dense["vs_llama_twin"].as_f64().unwrap()
     ));
     assert!(sparse.get("vs_llama_cpp").is_none());
+    // The prompt: llama.cpp asked for a 2-token prompt test, which ran at 10, 20, 30 tok/s;
+    // ours is the prompt's tokens over its time, compared round by round.
+    let called = std::fs::read_to_string(&args).unwrap();
+    assert!(called.contains("-p 2 -n 2"), "{called}");
+    assert_eq!(
+        list(dense, "llama_cpp_prompt_tps_rounds"),
+        [10.0, 20.0, 30.0]
+    );
+    for r in [sparse, dense] {
+        assert_eq!(r["prompt_tokens"].as_u64(), Some(2));
+        let pp = list(r, "prompt_tps_rounds");
+        assert!(pp.len() == 3 && pp.iter().all(|&v| v > 0.0), "{pp:?}");
+        assert!(close(
+            r["prompt_tps"].as_f64().unwrap(),
+            median3(pp.clone())
+        ));
+        let want: Vec<f64> = pp
+            .iter()
+            .zip([10.0, 20.0, 30.0])
+            .map(|(o, l)| o / l)
+            .collect();
+        let got = list(r, "prompt_vs_llama_twin_rounds");
+        assert!(
+            got.len() == 3 && got.iter().zip(&want).all(|(g, w)| close(*g, *w)),
+            "{got:?} vs {want:?}"
+        );
+        assert!(close(
+            r["prompt_vs_llama_twin"].as_f64().unwrap(),
+            median3(want)
+        ));
+    }
+    assert!(sparse.get("prompt_vs_llama_cpp").is_none());
 }
 
 /// With several files run by llama.cpp, each row's twin is the llama.cpp file of its shape and
@@ -347,6 +388,11 @@ fn bench_decode_pairs_each_file_with_the_llama_run_of_its_twin() {
     assert!(rows[0].get("vs_llama_cpp").is_none());
     assert_eq!(rows[2]["llama_cpp_tps"].as_f64(), Some(400.0));
     assert_eq!(rows[3]["llama_cpp_tps"].as_f64(), Some(100.0));
+    // This llama-bench printed no prompt test: no prompt comparison, our prompt speed still.
+    for r in rows {
+        assert!(r.get("llama_cpp_prompt_tps").is_none() && r.get("prompt_vs_llama_twin").is_none());
+        assert!(r["prompt_tps"].as_f64().unwrap() > 0.0, "{r}");
+    }
 }
 
 #[test]

@@ -25,8 +25,10 @@
 //! tokens; `--sequential` evaluates them one after the other instead, for comparison.
 //!
 //! With `--llama-bench PATH` (llama.cpp's `llama-bench`), each dense GGUF file is also run by
-//! llama.cpp in the same invocation (`-p 0 -n TOKENS -t THREADS -r REPEATS -o json`) and its
-//! tokens/s is printed beside ours, with the ratio. llama.cpp copies Q4_0 matrices into a
+//! llama.cpp in the same invocation (`-p PROMPT -n TOKENS -t THREADS -r REPEATS -o json`) and its
+//! tokens/s is printed beside ours, with the ratio; so is its prompt processing (the `pp` test
+//! of PROMPT tokens, when PROMPT > 1) beside our prompt evaluation (PROMPT tokens in the engine's
+//! blocks, best of the repeats). llama.cpp copies Q4_0 matrices into a
 //! repacked layout in anonymous memory at load (its CPU repack or, on AMX CPUs, its AMX buffer),
 //! so for Q4_0 files `--repack` is the like-for-like comparison.
 //!
@@ -109,6 +111,7 @@ struct Row {
     density: f64,
     bytes_per_token: f64,
     load_ms: f64,
+    /// Milliseconds of one sequence's prompt evaluation, best of the repeats.
     prompt_ms: f64,
     /// How the engine's copy of the file reads (see [`WeightsMemory`]).
     memory: WeightsMemory,
@@ -301,7 +304,8 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         .chain((0..a.prompt.saturating_sub(1) as u32).map(|i| (100 + 37 * i) % n_vocab))
         .collect();
     let nb = a.batch.max(1);
-    let mut best: Option<(f64, f64, f64)> = None;
+    let mut best: Option<(f64, f64)> = None;
+    let mut prompt_ms = f64::INFINITY;
     for _ in 0..a.repeats.max(1) {
         let mut cache = engine.new_cache();
         // Every sequence gets the prompt with its own last token, so the sequences differ.
@@ -318,7 +322,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
                 .map_err(|e| e.to_string())?;
             toks.push((seq, argmax(&out.logits)));
         }
-        let prompt_ms = t.elapsed().as_secs_f64() * 1e3 / nb as f64;
+        prompt_ms = prompt_ms.min(t.elapsed().as_secs_f64() * 1e3 / nb as f64);
         let mut density = 0.0;
         let t = Instant::now();
         for _ in 0..a.tokens {
@@ -338,10 +342,10 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         let tps = (a.tokens * nb) as f64 / t.elapsed().as_secs_f64();
         let density = density / (a.tokens * nb).max(1) as f64;
         if best.is_none_or(|b| tps > b.0) {
-            best = Some((tps, density, prompt_ms));
+            best = Some((tps, density));
         }
     }
-    let (tps, density, prompt_ms) = best.expect("at least one run");
+    let (tps, density) = best.expect("at least one run");
     let bm = byte_model(path)?;
     let sparse = bm.is_powerinfer && !dense;
     let mean_pos = a.prompt as f64 + a.tokens as f64 / 2.0;
@@ -385,12 +389,30 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-/// Tokens/s of llama.cpp's text generation test on `path`.
-fn llama_bench(bin: &Path, path: &Path, a: &DecodeArgs, threads: usize) -> Result<f64, String> {
+/// What `llama-bench` measured on one file.
+#[derive(Clone, Copy, Debug)]
+struct LlamaRun {
+    /// Tokens/s of its text generation test (`tg`).
+    tg: f64,
+    /// Tokens/s of its prompt processing test (`pp`), when one was asked for and printed.
+    pp: Option<f64>,
+}
+
+/// llama.cpp's text generation test on `path` and, for prompts of more than one token, its
+/// prompt processing test of `a.prompt` tokens.
+fn llama_bench(
+    bin: &Path,
+    path: &Path,
+    a: &DecodeArgs,
+    threads: usize,
+) -> Result<LlamaRun, String> {
+    let pp = if a.prompt > 1 { a.prompt } else { 0 };
     let out = Command::new(bin)
         .arg("-m")
         .arg(path)
-        .args(["-p", "0", "-n"])
+        .arg("-p")
+        .arg(pp.to_string())
+        .arg("-n")
         .arg(a.tokens.to_string())
         .arg("-t")
         .arg(threads.to_string())
@@ -411,10 +433,26 @@ fn llama_bench(bin: &Path, path: &Path, a: &DecodeArgs, threads: usize) -> Resul
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
         .map_err(|e| format!("llama-bench output is not JSON: {e}"))?;
-    v.as_array()
-        .and_then(|a| a.iter().find(|r| r["n_gen"].as_u64().unwrap_or(0) > 0))
-        .and_then(|r| r["avg_ts"].as_f64())
-        .ok_or_else(|| "llama-bench printed no text-generation result".to_string())
+    let tests = v.as_array().map(Vec::as_slice).unwrap_or_default();
+    let speed = |want: fn(u64, u64) -> bool| {
+        tests
+            .iter()
+            .find(|r| {
+                want(
+                    r["n_prompt"].as_u64().unwrap_or(0),
+                    r["n_gen"].as_u64().unwrap_or(0),
+                )
+            })
+            .and_then(|r| r["avg_ts"].as_f64())
+    };
+    let tg = speed(|_, gen| gen > 0)
+        .ok_or_else(|| "llama-bench printed no text-generation result".to_string())?;
+    let pp = if pp > 0 {
+        speed(|prompt, gen| prompt > 0 && gen == 0)
+    } else {
+        None
+    };
+    Ok(LlamaRun { tg, pp })
 }
 
 /// Runs `powerinfer bench decode`.
@@ -462,6 +500,8 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
     // measured[c][r]: configuration c in round r; llama[f][r]: llama.cpp on llama_files[f].
     let mut measured: Vec<Vec<Row>> = (0..configs.len()).map(|_| Vec::new()).collect();
     let mut llama: Vec<Vec<f64>> = vec![Vec::new(); llama_files.len()];
+    // llama_pp[f][r]: llama.cpp's prompt processing, where it printed one.
+    let mut llama_pp: Vec<Vec<Option<f64>>> = vec![Vec::new(); llama_files.len()];
     for round in 0..rounds {
         // Every job of the round: ours (configuration index) or llama.cpp (file index).
         let mut jobs: Vec<(bool, usize)> = Vec::new();
@@ -477,15 +517,20 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         for (is_llama, i) in jobs {
             if is_llama {
                 let bin = a.llama_bench.as_ref().expect("llama files need the binary");
-                let tps = llama_bench(bin, llama_files[i], &a, threads)?;
+                let run = llama_bench(bin, llama_files[i], &a, threads)?;
                 if !a.json {
                     eprintln!(
-                        "round {}: llama.cpp {}: {tps:.2} tok/s",
+                        "round {}: llama.cpp {}: {:.2} tok/s{}",
                         round + 1,
-                        llama_files[i].display()
+                        llama_files[i].display(),
+                        run.tg,
+                        run.pp
+                            .map(|p| format!(", prompt {p:.1} tok/s"))
+                            .unwrap_or_default()
                     );
                 }
-                llama[i].push(tps);
+                llama[i].push(run.tg);
+                llama_pp[i].push(run.pp);
             } else {
                 let (path, dense) = &configs[i];
                 let r = measure(path, &a, *dense)?;
@@ -530,6 +575,10 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         .zip(&twins)
         .map(|(((path, _), runs), twin)| {
             let tps_rounds: Vec<f64> = runs.iter().map(|r| r.tps).collect();
+            let prompt_rounds: Vec<f64> = runs
+                .iter()
+                .map(|r| a.prompt as f64 / (r.prompt_ms / 1e3))
+                .collect();
             let tps = median(&tps_rounds);
             // The row of the median round supplies density and bytes (they hardly vary).
             let r = &runs[median_index(&tps_rounds)];
@@ -552,6 +601,9 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "ceiling_tps": bw / r.bytes_per_token,
                 "load_ms": r.load_ms,
                 "prompt_ms": r.prompt_ms,
+                "prompt_tokens": a.prompt,
+                "prompt_tps": median(&prompt_rounds),
+                "prompt_tps_rounds": prompt_rounds,
                 "weights_read_gbps": r.memory.read_bps / 1e9,
                 "weights_huge_page_share": r.memory.huge_share,
             });
@@ -571,6 +623,21 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             if let Some(f) = *twin {
                 o["vs_llama_twin"] = median(&ratios(f)).into();
                 o["vs_llama_twin_rounds"] = ratios(f).into();
+            }
+            // Prompt processing: only where llama.cpp printed it in every round.
+            let pp = |f: usize| -> Option<Vec<f64>> { llama_pp[f].iter().copied().collect() };
+            let pp_ratios = |l: &[f64]| -> Vec<f64> {
+                prompt_rounds.iter().zip(l).map(|(o, l)| o / l).collect()
+            };
+            if let Some(l) = llama_index(path).and_then(pp) {
+                o["llama_cpp_prompt_tps"] = median(&l).into();
+                o["llama_cpp_prompt_tps_rounds"] = l.clone().into();
+                o["prompt_vs_llama_cpp"] = median(&pp_ratios(&l)).into();
+                o["prompt_vs_llama_cpp_rounds"] = pp_ratios(&l).into();
+            }
+            if let Some(l) = twin.and_then(pp) {
+                o["prompt_vs_llama_twin"] = median(&pp_ratios(&l)).into();
+                o["prompt_vs_llama_twin_rounds"] = pp_ratios(&l).into();
             }
             o
         })
@@ -636,6 +703,23 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             huge_share: o["weights_huge_page_share"].as_f64(),
         };
         println!("    {}", memory.describe(bw));
+        let prompt_vs = match (o.get("llama_cpp_prompt_tps"), o.get("prompt_vs_llama_twin")) {
+            (Some(l), _) => format!(
+                "; llama.cpp {:.1} tok/s ({:.2}x)",
+                l.as_f64().unwrap_or(0.0),
+                num("prompt_vs_llama_cpp")
+            ),
+            (None, Some(t)) => format!(
+                "; {:.2}x llama.cpp's on its twin",
+                t.as_f64().unwrap_or(0.0)
+            ),
+            (None, None) => String::new(),
+        };
+        println!(
+            "    prompt: {} tokens at {:.1} tok/s{prompt_vs}",
+            a.prompt,
+            num("prompt_tps")
+        );
         if rounds > 1 {
             let list = |k: &str| {
                 o[k].as_array()
@@ -662,6 +746,18 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 println!(
                     "    ratio to llama twin by round: {}",
                     list("vs_llama_twin_rounds")
+                );
+            }
+            if o.get("prompt_vs_llama_cpp_rounds").is_some() {
+                println!(
+                    "    prompt ratio to llama.cpp by round: {}",
+                    list("prompt_vs_llama_cpp_rounds")
+                );
+            }
+            if o.get("prompt_vs_llama_twin_rounds").is_some() {
+                println!(
+                    "    prompt ratio to llama twin by round: {}",
+                    list("prompt_vs_llama_twin_rounds")
                 );
             }
         }
