@@ -247,26 +247,24 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     // llama.cpp ran once per round: 100, 200, 300 tok/s, in that order.
     assert_eq!(list(dense, "llama_cpp_tps_rounds"), [100.0, 200.0, 300.0]);
     assert_eq!(dense["llama_cpp_tps"].as_f64(), Some(200.0));
-    for r in [sparse, dense] {
-        assert_eq!(r["rounds"].as_u64(), Some(3));
-        let tps = list(r, "decode_tps_rounds");
-        assert_eq!(tps.len(), 3);
-        assert!(close(
-            r["decode_tps"].as_f64().unwrap(),
-            median3(tps.clone())
-        ));
-        // The only file llama.cpp ran is every row's twin: per-round ratios, then the median.
-        let want: Vec<f64> = tps
-            .iter()
-            .zip([100.0, 200.0, 300.0])
-            .map(|(o, l)| o / l)
-            .collect();
-        let got = list(r, "vs_llama_twin_rounds");
+    // A row's figures `ours` by round against llama.cpp's `llama` (the only file llama.cpp
+    // ran is every row's twin): their median, the per-round ratios `ratio`_rounds, and the
+    // median of those as `ratio`.
+    let check = |r: &Json, ours: &str, llama: [f64; 3], ratio: &str| {
+        let v = list(r, &format!("{ours}_rounds"));
+        assert!(v.len() == 3 && v.iter().all(|&x| x > 0.0), "{v:?}");
+        assert!(close(r[ours].as_f64().unwrap(), median3(v.clone())));
+        let want: Vec<f64> = v.iter().zip(llama).map(|(o, l)| o / l).collect();
+        let got = list(r, &format!("{ratio}_rounds"));
         assert!(
             got.len() == 3 && got.iter().zip(&want).all(|(g, w)| close(*g, *w)),
             "{got:?} vs {want:?}"
         );
-        assert!(close(r["vs_llama_twin"].as_f64().unwrap(), median3(want)));
+        assert!(close(r[ratio].as_f64().unwrap(), median3(want)));
+    };
+    for r in [sparse, dense] {
+        assert_eq!(r["rounds"].as_u64(), Some(3));
+        check(r, "decode_tps", [100.0, 200.0, 300.0], "vs_llama_twin");
     }
     assert!(close(
         dense["vs_llama_cpp"].as_f64().unwrap(),
@@ -283,26 +281,7 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     );
     for r in [sparse, dense] {
         assert_eq!(r["prompt_tokens"].as_u64(), Some(2));
-        let pp = list(r, "prompt_tps_rounds");
-        assert!(pp.len() == 3 && pp.iter().all(|&v| v > 0.0), "{pp:?}");
-        assert!(close(
-            r["prompt_tps"].as_f64().unwrap(),
-            median3(pp.clone())
-        ));
-        let want: Vec<f64> = pp
-            .iter()
-            .zip([10.0, 20.0, 30.0])
-            .map(|(o, l)| o / l)
-            .collect();
-        let got = list(r, "prompt_vs_llama_twin_rounds");
-        assert!(
-            got.len() == 3 && got.iter().zip(&want).all(|(g, w)| close(*g, *w)),
-            "{got:?} vs {want:?}"
-        );
-        assert!(close(
-            r["prompt_vs_llama_twin"].as_f64().unwrap(),
-            median3(want)
-        ));
+        check(r, "prompt_tps", [10.0, 20.0, 30.0], "prompt_vs_llama_twin");
     }
     assert!(sparse.get("prompt_vs_llama_cpp").is_none());
 }
