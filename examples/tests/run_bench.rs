@@ -19,6 +19,22 @@ fn powerinfer(args: &[&str]) -> Output {
     out
 }
 
+/// `powerinfer bench decode --json` on `models` (1 thread, one run per configuration, `tokens`
+/// decoded after a prompt of `prompt` tokens) with `extra` flags; its rows.
+fn bench_decode(models: &[&Path], tokens: &str, prompt: &str, extra: &[&str]) -> Vec<Json> {
+    let mut args = vec!["bench", "decode"];
+    for m in models {
+        args.extend(["-m", s(m)]);
+    }
+    args.extend([
+        "-t", "1", "-n", tokens, "--prompt", prompt, "-r", "1", "--json",
+    ]);
+    args.extend(extra);
+    let out = powerinfer(&args);
+    let rows: Json = serde_json::from_slice(&out.stdout).unwrap();
+    rows.as_array().unwrap().clone()
+}
+
 struct Files {
     _dir: tempfile::TempDir,
     sparse: PathBuf,
@@ -95,25 +111,7 @@ fn gpu_index_flags_build_reuse_reset_disable() {
 #[test]
 fn bench_decode_reports_bytes_and_ratios() {
     let f = synth();
-    let out = powerinfer(&[
-        "bench",
-        "decode",
-        "-m",
-        s(&f.dense),
-        "-m",
-        s(&f.sparse),
-        "-t",
-        "1",
-        "-n",
-        "4",
-        "--prompt",
-        "3",
-        "-r",
-        "1",
-        "--json",
-    ]);
-    let rows: Json = serde_json::from_slice(&out.stdout).unwrap();
-    let rows = rows.as_array().unwrap();
+    let rows = &bench_decode(&[&f.dense, &f.sparse], "4", "3", &[]);
     assert_eq!(rows.len(), 3, "{rows:?}");
     let modes: Vec<&str> = rows.iter().map(|r| r["mode"].as_str().unwrap()).collect();
     assert_eq!(modes, ["dense", "sparse", "dense"]);
@@ -204,30 +202,12 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     )
     .unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = powerinfer(&[
-        "bench",
-        "decode",
-        "-m",
-        s(&f.sparse),
-        "-m",
-        s(&f.dense),
-        "-t",
-        "1",
-        "-n",
+    let rows = &bench_decode(
+        &[&f.sparse, &f.dense],
         "2",
-        "--prompt",
         "2",
-        "-r",
-        "1",
-        "--sparse-only",
-        "--rounds",
-        "3",
-        "--llama-bench",
-        s(&fake),
-        "--json",
-    ]);
-    let rows: Json = serde_json::from_slice(&out.stdout).unwrap();
-    let rows = rows.as_array().unwrap();
+        &["--sparse-only", "--rounds", "3", "--llama-bench", s(&fake)],
+    );
     assert_eq!(rows.len(), 2, "{rows:?}");
     assert_eq!(std::fs::read_to_string(&count).unwrap().trim(), "3");
     let list = |r: &Json, k: &str| -> Vec<f64> {
@@ -324,32 +304,12 @@ fn bench_decode_pairs_each_file_with_the_llama_run_of_its_twin() {
     )
     .unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = powerinfer(&[
-        "bench",
-        "decode",
-        "-m",
-        s(&q8.sparse),
-        "-m",
-        s(&f16_sparse),
-        "-m",
-        s(&f16_dense),
-        "-m",
-        s(&q8.dense),
-        "-t",
-        "1",
-        "-n",
+    let rows = &bench_decode(
+        &[&q8.sparse, &f16_sparse, &f16_dense, &q8.dense],
         "2",
-        "--prompt",
         "2",
-        "-r",
-        "1",
-        "--sparse-only",
-        "--llama-bench",
-        s(&fake),
-        "--json",
-    ]);
-    let rows: Json = serde_json::from_slice(&out.stdout).unwrap();
-    let rows = rows.as_array().unwrap();
+        &["--sparse-only", "--llama-bench", s(&fake)],
+    );
     assert_eq!(rows.len(), 4, "{rows:?}");
     for (r, model, llama) in [
         (&rows[0], &q8.sparse, 100.0),
