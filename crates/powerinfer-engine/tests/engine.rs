@@ -26,11 +26,14 @@ fn sparse_with_perfect_predictor_equals_dense_relu() {
     let ld64: Vec<f64> = ld.iter().map(|&x| x as f64).collect();
     let r = rel_diff(&ls, &ld64);
     eprintln!("sparse vs dense: max diff / std = {r:.3e}");
-    assert!(r <= 1e-4, "sparse vs dense: max diff / std = {r}");
+    // The two sum in other orders, and the F16 products round their activations to f16 (as
+    // ggml does), which turns such differences into an f16 step here and there: 4.0e-4
+    // measured (below 1e-4 with f32 activations).
+    assert!(r <= 1e-3, "sparse vs dense: max diff / std = {r}");
     // Decode steps too.
     let ls = s.eval(&[42]).unwrap();
     let ld: Vec<f64> = d.eval(&[42]).unwrap().iter().map(|&x| x as f64).collect();
-    assert!(rel_diff(&ls, &ld) <= 1e-4);
+    assert!(rel_diff(&ls, &ld) <= 1e-3);
     let density = s.stats().ffn_density();
     eprintln!("sparse FFN density {density:.4}");
     assert!(
@@ -413,7 +416,10 @@ fn batched_sequences_match_separate_sessions() {
     // Sequences at different positions, decoded together (`decode`) and mixed with a prompt
     // block of a third sequence (`eval_batch`), against each evaluated alone. Quantized weights:
     // bit-identical (the products of several tokens are those of one token). F16: the
-    // several-token products sum in another order; the difference is rounding.
+    // several-token products sum in another order, and since F16 products round their
+    // activations to f16 (as ggml does) such a difference can move a later activation by one
+    // f16 step (2^-10 relative): up to 1.5e-4 of the logits' std measured, 1e-6 before the
+    // rounding; bound 1e-3.
     for (ty, seed) in [
         (GgmlType::Q4_0, 21),
         (GgmlType::Q8_0, 22),
@@ -469,7 +475,7 @@ fn batched_sequences_match_separate_sessions() {
                     let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
                     let r = rel_diff(got, &want64);
                     eprintln!("{ty:?} dense={dense} entry {i}: {r:e}");
-                    assert!(r <= 1e-5, "{ty:?} dense={dense} entry {i}: {r:e}");
+                    assert!(r <= 1e-3, "{ty:?} dense={dense} entry {i}: {r:e}");
                 } else {
                     assert_eq!(*got, &want[..], "{ty:?} dense={dense} entry {i}");
                 }

@@ -401,13 +401,15 @@ fn sparse_equals_dense(arch: Family, seed: u64) {
     let ld = d.eval_all(&PROMPT).unwrap();
     let r = rel_diff(&ls, &to64(&ld));
     eprintln!("{arch:?} sparse vs dense (prompt): max diff / std = {r:.3e}");
-    assert!(r <= 1e-4, "{arch:?} sparse vs dense: {r}");
+    // Other summation orders, turned into f16 steps by the F16 products' rounding of their
+    // activations: Falcon 2.7e-4 measured.
+    assert!(r <= 1e-3, "{arch:?} sparse vs dense: {r}");
     // Decode steps (the t = 1 indexed path).
     for tok in [42, 7, 300] {
         let ls = s.eval(&[tok]).unwrap();
         let ld = d.eval(&[tok]).unwrap();
         let r = rel_diff(&ls, &to64(&ld));
-        assert!(r <= 1e-4, "{arch:?} decode sparse vs dense: {r}");
+        assert!(r <= 1e-3, "{arch:?} decode sparse vs dense: {r}");
     }
     let density = s.stats().ffn_density();
     eprintln!("{arch:?} sparse FFN density {density:.4}");
@@ -420,7 +422,7 @@ fn sparse_equals_dense(arch: Family, seed: u64) {
     let lt = twin.session().eval_all(&PROMPT).unwrap();
     let r = rel_diff(&lt, &to64(&ld));
     eprintln!("{arch:?} dense twin vs dense: max diff / std = {r:.3e}");
-    assert!(r <= 1e-4, "{arch:?} twin: {r}");
+    assert!(r <= 1e-3, "{arch:?} twin: {r}");
 
     // The observer sees ReLU(up (+ b)) and a predictor that misses nothing.
     let hp = sparse.model().hparams.clone();
@@ -436,21 +438,23 @@ fn sparse_equals_dense(arch: Family, seed: u64) {
     let mut o = sparse.session();
     let lo = o.eval_observed(&PROMPT, &mut rec).unwrap();
     let r = rel_diff(&lo, &to64(&ld[ld.len() - hp.n_vocab..]));
-    assert!(r <= 1e-4, "{arch:?} observed vs dense: {r}");
+    assert!(r <= 1e-3, "{arch:?} observed vs dense: {r}");
     assert_eq!(rec.calls, hp.n_layer);
     let fired = rec.fired as f64 / rec.values as f64;
     eprintln!(
         "{arch:?} observed: {:.4} of neurons fired, {} missed by the predictor (largest {:.1e})",
         fired, rec.missed, rec.missed_max
     );
-    // Exact up to f32 rounding: only a neuron whose pre-activation is within rounding of 0
-    // can be missed, and its value is then negligible.
+    // Exact up to rounding: only a neuron whose pre-activation is within rounding of 0 can be
+    // missed, and its value is then negligible. The F16 products round their activations to
+    // f16 (as ggml does), the predictor's and the up projection's alike, so "within rounding"
+    // is a few f16 steps: 1.9e-4 measured (below 1e-4 with f32 activations).
     assert!(
         rec.missed * 1000 <= rec.fired,
         "{arch:?}: {} missed",
         rec.missed
     );
-    assert!(rec.missed_max < 1e-4, "{arch:?}: missed {}", rec.missed_max);
+    assert!(rec.missed_max < 1e-3, "{arch:?}: missed {}", rec.missed_max);
     assert!((0.03..0.2).contains(&fired), "{arch:?} fired {fired}");
 }
 

@@ -222,7 +222,7 @@ fn check_axpy(ty_i: usize, rows: usize, units: usize, n_tokens: usize, seed: u64
         &c.w,
         rows,
         cols,
-        &to_f64(&a),
+        &r::axpy_coefficients(ty, &a),
         n_tokens,
         &scores,
         0.0,
@@ -471,6 +471,91 @@ fn avx512_matches_avx2_bitwise() {
     }
 }
 
+/// F16 weights multiply the activation rounded to f16 (ties to even), as ggml converts it to
+/// its F16 weights' `vec_dot_type`, on every path: each product of F16 weights with `x` has
+/// exactly the bits of the same product of F32 weights holding the same values with `x`
+/// already rounded (the float kernels share their arithmetic across element types), and
+/// differs from that F32 product with `x` unrounded. One-row and four-row GEMV lengths (F16
+/// rows one per pass up to 8192 elements, F32 rows up to 4096), the
+/// blocked GEMM, the row-sparse products (list kernels for rows of at most 4 KiB, four-row
+/// kernels beyond), the sparse axpy's coefficients, every backend, 1 and 3 threads.
+#[test]
+fn f16_products_multiply_activations_rounded_to_f16() {
+    let mut rng = Rng(77);
+    for cols in [5, 64 + 9, 2048 + 5, 4096 + 16 + 3, 8192 + 37] {
+        for n_tokens in [1, 5, 16] {
+            let rows = 23;
+            let w16: Vec<half::f16> = (0..rows * cols)
+                .map(|_| half::f16::from_f32(rng.f32()))
+                .collect();
+            let d16: Vec<u8> = w16.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let d32: Vec<u8> = w16.iter().flat_map(|v| v.to_f32().to_le_bytes()).collect();
+            // Values of many magnitudes, most of them not f16 numbers.
+            let x: Vec<f32> = (0..cols * n_tokens)
+                .map(|i| rng.f32() * [1.0, 3e-3, 40.0, 1e-6][i % 4])
+                .collect();
+            let xr: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+            assert!(x.iter().zip(&xr).filter(|(a, b)| a != b).count() > x.len() / 2);
+            // Axpy coefficients (`rows` per token), with some exact zeros.
+            let a: Vec<f32> = (0..rows * n_tokens)
+                .map(|i| [rng.f32() * 3e-3, 0.0, rng.f32(), rng.f32() * 20.0][i % 4])
+                .collect();
+            let ar: Vec<f32> = a.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+            let scores: Vec<f32> = (0..rows * n_tokens).map(|_| rng.f32()).collect();
+            let sel = RowSelect {
+                scores: &scores,
+                threshold: 0.2,
+                skip: None,
+            };
+            let ws = [
+                Weights::new(GgmlType::F16, rows, cols, &d16).unwrap(),
+                Weights::new(GgmlType::F32, rows, cols, &d32).unwrap(),
+            ];
+            for backend in Backend::available() {
+                for pool in pools() {
+                    let mm = MatMul::with_backend(&pool, backend).unwrap();
+                    let what =
+                        format!("{backend} {}t {rows}x{cols} T={n_tokens}", pool.n_threads());
+                    let run = |w: &Weights<'_>, x: &[f32], sparse: bool| {
+                        let mut y = vec![f32::NAN; rows * n_tokens];
+                        match (sparse, n_tokens) {
+                            (false, 1) => mm.gemv(w, x, &mut y).unwrap(),
+                            (false, _) => mm.gemm(w, x, n_tokens, &mut y).unwrap(),
+                            (true, 1) => mm.sparse_gemv(w, x, &sel, &mut y).unwrap(),
+                            (true, _) => mm.sparse_gemm(w, x, n_tokens, &sel, &mut y).unwrap(),
+                        }
+                        bits(&y)
+                    };
+                    for sparse in [false, true] {
+                        let got = run(&ws[0], &x, sparse);
+                        assert_eq!(got, run(&ws[1], &xr, sparse), "{what} sparse={sparse}");
+                        assert_ne!(
+                            got,
+                            run(&ws[1], &x, sparse),
+                            "{what} sparse={sparse}: unrounded"
+                        );
+                    }
+                    // The axpy over the same matrix taken as transposed (`rows` neurons of
+                    // `cols`): its coefficients are rounded too.
+                    let (t, a, ar) = (n_tokens, &a[..], &ar[..]);
+                    let axpy = |w: &Weights<'_>, a: &[f32]| {
+                        let mut y = vec![0.5f32; cols * t];
+                        if t == 1 {
+                            mm.sparse_axpy(w, a, &sel, &mut y).unwrap();
+                        } else {
+                            mm.sparse_axpy_batch(w, a, t, &sel, &mut y).unwrap();
+                        }
+                        bits(&y)
+                    };
+                    let got = axpy(&ws[0], a);
+                    assert_eq!(got, axpy(&ws[1], ar), "{what} axpy");
+                    assert_ne!(got, axpy(&ws[1], a), "{what} axpy: unrounded");
+                }
+            }
+        }
+    }
+}
+
 /// Empty shapes are valid and produce empty (or untouched) outputs, never a panic; absurd token
 /// counts are a typed error, not an overflow.
 #[test]
@@ -604,7 +689,7 @@ fn sparse_long_rows_low_density() {
             &c.w,
             rows,
             cols,
-            &to_f64(&a),
+            &r::axpy_coefficients(ty, &a),
             1,
             &scores,
             0.0,

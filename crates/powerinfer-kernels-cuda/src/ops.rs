@@ -205,7 +205,9 @@ impl Gpu {
     /// Dense product: `dst[t, i] = W_i · x_t` for the `rows` rows of `w`, `t` tokens
     /// (`x`: t × cols, `dst`: t × rows). For Q8_0/Q4_0 weights `x` is first quantized to Q8_0
     /// blocks (f32 scales) in a scratch buffer, as the CPU kernels do
-    /// (`powerinfer_kernels_cpu::reference::matmul::quantize_activation`).
+    /// (`powerinfer_kernels_cpu::reference::matmul::quantize_activation`). For F16 weights `x`
+    /// is multiplied as f32, where the CPU kernels first round it to f16 (as ggml's CPU backend
+    /// does): the two sides of a hybrid FFN then differ by that rounding.
     pub fn matmul(
         &self,
         stream: &Stream,

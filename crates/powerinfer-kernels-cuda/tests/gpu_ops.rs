@@ -59,13 +59,24 @@ fn check_dense_matmul_on(
     }
     let got = y.to_host(s).unwrap();
     // Q8_0/Q4_0 products multiply the activation quantized as the CPU kernels quantize it.
-    let x64 = rm::quantize_activation(ty, &x);
+    let x64 = gpu_activation(ty, &x);
     assert_close(
         &format!("matmul {ty} {rows}x{cols} T={t}"),
         &got,
         &rm::gemm(&w, rows, cols, &x64, t),
         &abs_gemm(&w, rows, cols, &x64, t),
     );
+}
+
+/// The activation values the GPU products multiply: for Q8_0/Q4_0 weights `x` quantized as the
+/// CPU kernels quantize it, otherwise `x` itself (the GPU's F16 products read the f32 values;
+/// the CPU kernels round them to f16 first, as ggml's CPU backend does).
+fn gpu_activation(ty: GgmlType, x: &[f32]) -> Vec<f64> {
+    if powerinfer_kernels_cuda::geometry::quantized_activation(ty) {
+        rm::quantize_activation(ty, x)
+    } else {
+        x.iter().map(|&v| v as f64).collect()
+    }
 }
 
 #[test]
@@ -126,7 +137,7 @@ proptest! {
         let mut skip = vec![true; n];
         for &b in &bucket { skip[b as usize] = false; }
         // Q8_0/Q4_0 products multiply the activation quantized as the CPU kernels quantize it.
-        let x64 = rm::quantize_activation(ty, &x);
+        let x64 = gpu_activation(ty, &x);
         let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, theta, Some(&skip));
         assert_close(&format!("sparse_matmul {ty} n={n} cols={cols} T={t} k={}", bucket.len()), &got, &want, &abs_gemm(&w, n, cols, &x64, t));
     }
@@ -153,7 +164,7 @@ proptest! {
         let mut y = gpu.upload(s, &vec![7.0f32; t * n]).unwrap();
         gpu.sparse_matmul(s, &slice, &xd, &pd, 0.0, t, &mut y).unwrap();
         let got = y.to_host(s).unwrap();
-        let x64 = rm::quantize_activation(ty, &x);
+        let x64 = gpu_activation(ty, &x);
         let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, 0.0, None);
         assert_close(&format!("sparse_matmul {ty} n={n} cols={cols} T={t} active={active}"), &got, &want, &abs_gemm(&w, n, cols, &x64, t));
     }

@@ -1,5 +1,6 @@
-//! Activations prepared for the row kernels: kept as f32 for float weights, or quantized on the
-//! fly to 8-bit blocks for quantized weights so that the dot products run on integers.
+//! Activations prepared for the row kernels: kept as f32 for F32 and BF16 weights, rounded to
+//! f16 for F16 weights (as ggml converts them to its F16 weights' `vec_dot_type`), or quantized
+//! on the fly to 8-bit blocks for quantized weights so that the dot products run on integers.
 //!
 //! The quantized formats are this crate's own structure-of-arrays layout (values, then scales),
 //! not ggml's block structs; their numbers follow ggml's formats of the same name:
@@ -12,11 +13,19 @@
 //! saves a conversion in the kernels. [`crate::reference::matmul::quantize_activation`] defines
 //! the same numbers in plain code.
 
+use super::scratch::ScratchVec;
+use powerinfer_gguf::quants::{f16_bits_to_f32, f32_to_f16_bits};
+
 /// Activation format a weight type's dot product consumes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ActFormat {
-    /// Plain f32 (F32, F16, BF16 weights).
+    /// Plain f32 (F32, BF16 weights).
     F32,
+    /// Every value rounded to the nearest f16 (ties to even; beyond ±65504 it becomes ±∞, as in
+    /// ggml), kept both as f32 (exactly the f16 values: what the scalar, AVX2 and multi-token
+    /// kernels read) and as f16 bits (half the bytes: what the AVX-512 one-token kernels read
+    /// and widen back to the same f32 values). For F16 weights.
+    F16,
     /// 32-blocks, f32 scale.
     Q8_0,
     /// 32-blocks, f32 scale and `d·Σq`.
@@ -47,6 +56,16 @@ pub(crate) struct Act<'a> {
     /// Q8_0Pairs: the offset vectors, 8 per block pair (read by the x86 kernels only).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub po: &'a [i32],
+    /// F16: the f16 bits of `f`, one per column (read by the x86 kernels only).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub h: &'a [u16],
+}
+
+impl ActFormat {
+    /// Whether the values stay floats (F32 or F16), i.e. the weights are float rows.
+    pub(crate) fn is_float(self) -> bool {
+        matches!(self, ActFormat::F32 | ActFormat::F16)
+    }
 }
 
 /// The prepared activations of `t` tokens of `cols` values each.
@@ -56,11 +75,14 @@ pub(crate) struct ActBuf<'a> {
     src: &'a [f32],
     cols: usize,
     f: &'a [f32],
-    q: Vec<i8>,
-    d: Vec<f32>,
-    s: Vec<f32>,
-    bs: Vec<i16>,
-    po: Vec<i32>,
+    /// F16: the rounded values (as f32) and their f16 bits.
+    fr: ScratchVec<f32>,
+    h: ScratchVec<u16>,
+    q: ScratchVec<i8>,
+    d: ScratchVec<f32>,
+    s: ScratchVec<f32>,
+    bs: ScratchVec<i16>,
+    po: ScratchVec<i32>,
 }
 
 impl<'a> ActBuf<'a> {
@@ -77,31 +99,40 @@ impl<'a> ActBuf<'a> {
             src: x,
             cols,
             f: &[],
-            q: Vec::new(),
-            d: Vec::new(),
-            s: Vec::new(),
-            bs: Vec::new(),
-            po: Vec::new(),
+            fr: ScratchVec::empty(),
+            h: ScratchVec::empty(),
+            q: ScratchVec::empty(),
+            d: ScratchVec::empty(),
+            s: ScratchVec::empty(),
+            bs: ScratchVec::empty(),
+            po: ScratchVec::empty(),
         };
         let qk = match fmt {
             ActFormat::F32 => {
                 buf.f = x;
                 return buf;
             }
+            ActFormat::F16 => {
+                let n = t * cols;
+                buf.fr = ScratchVec::zeroed(n);
+                buf.h = ScratchVec::zeroed(n);
+                round_f16(&x[..n], &mut buf.fr, &mut buf.h);
+                return buf;
+            }
             ActFormat::Q8_0 | ActFormat::Q8_1 | ActFormat::Q8_0Pairs => 32,
             ActFormat::Q8K => 256,
         };
         let nb = cols / qk;
-        buf.q = vec![0i8; t * cols];
-        buf.d = vec![0f32; t * nb];
+        buf.q = ScratchVec::zeroed(t * cols);
+        buf.d = ScratchVec::zeroed(t * nb);
         if fmt == ActFormat::Q8_1 {
-            buf.s = vec![0f32; t * nb];
+            buf.s = ScratchVec::zeroed(t * nb);
         }
         if fmt == ActFormat::Q8_0Pairs {
-            buf.po = vec![0i32; t * (nb / 2) * 8];
+            buf.po = ScratchVec::zeroed(t * (nb / 2) * 8);
         }
         if fmt == ActFormat::Q8K {
-            buf.bs = vec![0i16; t * cols / 16];
+            buf.bs = ScratchVec::zeroed(t * cols / 16);
         }
         // Token by token on the calling thread: even 128 tokens take well under 1% of a GEMM.
         for tok in 0..t {
@@ -124,7 +155,7 @@ impl<'a> ActBuf<'a> {
                     d,
                     &mut buf.bs[tok * cols / 16..(tok + 1) * cols / 16],
                 ),
-                ActFormat::F32 => {}
+                ActFormat::F32 | ActFormat::F16 => {}
             }
         }
         buf
@@ -137,6 +168,11 @@ impl<'a> ActBuf<'a> {
         match self.fmt {
             ActFormat::F32 => Act {
                 f: &self.f[t * c..(t + 1) * c],
+                ..Act::default()
+            },
+            ActFormat::F16 => Act {
+                f: &self.fr[t * c..(t + 1) * c],
+                h: &self.h[t * c..(t + 1) * c],
                 ..Act::default()
             },
             ActFormat::Q8_0 | ActFormat::Q8_1 | ActFormat::Q8_0Pairs => {
@@ -173,8 +209,49 @@ impl<'a> ActBuf<'a> {
     /// Bytes of one token's prepared activation (for cache blocking).
     pub(crate) fn bytes_per_token(&self) -> usize {
         match self.fmt {
-            ActFormat::F32 => self.cols * 4,
+            ActFormat::F32 | ActFormat::F16 => self.cols * 4,
             _ => self.cols + self.cols / 8,
+        }
+    }
+}
+
+/// Rounds every value of `x` to the nearest f16 (ties to even): `h` gets the bits, `f` the same
+/// values widened back to f32 (exact). Equal to [`f32_to_f16_bits`] and [`f16_bits_to_f32`] per
+/// value (F16C's conversions are IEEE ones; NaNs stay NaNs).
+pub(crate) fn round_f16(x: &[f32], f: &mut [f32], h: &mut [u16]) {
+    assert!(f.len() == x.len() && h.len() == x.len());
+    #[cfg(target_arch = "x86_64")]
+    let done = if crate::Backend::Avx2.is_available() {
+        let done = x.len() / 8 * 8;
+        // SAFETY: AVX2/FMA/F16C were detected on this CPU; the three slices have equal lengths.
+        unsafe { round_f16_avx2(&x[..done], &mut f[..done], &mut h[..done]) };
+        done
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for ((&v, fv), hv) in x[done..].iter().zip(&mut f[done..]).zip(&mut h[done..]) {
+        *hv = f32_to_f16_bits(v);
+        *fv = f16_bits_to_f32(*hv);
+    }
+}
+
+/// [`round_f16`] on whole groups of 8 with F16C.
+///
+/// # Safety
+/// AVX2, FMA and F16C available; the slices have the same length, a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn round_f16_avx2(x: &[f32], f: &mut [f32], h: &mut [u16]) {
+    use std::arch::x86_64::*;
+    for i in (0..x.len()).step_by(8) {
+        // SAFETY: elements i..i+8 lie in all three slices (equal lengths, multiples of 8).
+        unsafe {
+            let b =
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(x.as_ptr().add(i)));
+            _mm_storeu_si128(h.as_mut_ptr().add(i) as *mut __m128i, b);
+            _mm256_storeu_ps(f.as_mut_ptr().add(i), _mm256_cvtph_ps(b));
         }
     }
 }
@@ -437,5 +514,42 @@ mod tests {
             let sum: i16 = a.q[g * 16..g * 16 + 16].iter().map(|&v| v as i16).sum();
             assert_eq!(a.bs[g], sum);
         }
+    }
+
+    /// `ActFormat::F16` holds exactly the reference's rounded values and their f16 bits, on the
+    /// F16C path (groups of 8) and the scalar tail alike: ties, the largest finite f16, overflow
+    /// to infinity, subnormals, signed zeros, NaN.
+    #[test]
+    fn f16_values_match_reference_exactly() {
+        let mut x = xs(64 + 5);
+        let special = [
+            1.0 + 2f32.powi(-11),       // a tie: to even (1.0)
+            1.0 + 3.0 * 2f32.powi(-11), // a tie: to even (1 + 2^-9)
+            65504.0,
+            65519.0,
+            65520.0, // rounds to infinity
+            -1e9,
+            2f32.powi(-24), // the smallest subnormal
+            3e-8,
+            -0.0,
+            f32::INFINITY,
+        ];
+        x[..special.len()].copy_from_slice(&special);
+        x[64..64 + 3].copy_from_slice(&special[2..5]); // in the scalar tail too
+        x[40] = f32::NAN;
+        let buf = ActBuf::new(ActFormat::F16, &x, x.len());
+        let a = buf.get(0);
+        let want = quantize_activation(GgmlType::F16, &x);
+        for i in 0..x.len() {
+            assert_eq!(a.h[i], f32_to_f16_bits(x[i]), "[{i}] {}", x[i]);
+            if x[i].is_nan() {
+                assert!(a.f[i].is_nan() && want[i].is_nan());
+            } else {
+                assert_eq!(a.f[i] as f64, want[i], "[{i}] {}", x[i]);
+            }
+        }
+        assert_eq!(a.f[4], f32::INFINITY);
+        assert_eq!(a.f[0], 1.0);
+        assert_eq!(a.f[6], 2f32.powi(-24));
     }
 }

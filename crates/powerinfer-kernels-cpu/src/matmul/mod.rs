@@ -40,6 +40,7 @@
 
 pub(crate) mod act;
 pub(crate) mod scalar;
+pub(crate) mod scratch;
 pub(crate) mod table;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
@@ -97,7 +98,7 @@ const FLOAT_LIST_MAX_ROW_BYTES: usize = 4096;
 
 /// Whether the sparse products of `w` take the backend's list kernels (where it has them).
 fn sparse_list_fits(ops: &RowOps, w: &Weights<'_>) -> bool {
-    ops.act != act::ActFormat::F32 || w.row_bytes <= FLOAT_LIST_MAX_ROW_BYTES
+    !ops.act.is_float() || w.row_bytes <= FLOAT_LIST_MAX_ROW_BYTES
 }
 
 /// One-token sparse axpy over rows of at least this many bytes splits the active rows between
@@ -117,11 +118,17 @@ const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 /// grain: 64 KiB 35.0–35.4, 128 KiB 36.1–36.2, 256 KiB 36.3–37.1 tok/s.
 pub const GEMV_GRAIN_BYTES: usize = 128 << 10;
 
-/// Float rows up to this many elements go through the dense GEMV one per pass, longer ones four
-/// per pass (F16, 2 threads, Zen 4: 5632×2048 35.8 vs 25–29 GB/s one vs four rows, 4096×11008
-/// 22.5 vs 29.5–30.5; decode of a 7B-shaped F16 model at 0.86–1.03× llama.cpp with 4096-element
-/// rows one per pass, 0.88–0.99× four per pass, 0.77–0.97× with every row one per pass).
-const FLOAT_ONE_ROW_MAX_COLS: usize = 4096;
+/// Float rows whose activation, as the kernels read it, takes up to this many bytes go through
+/// the dense GEMV one per pass, longer ones four per pass (so that the activation stays in L1
+/// beside the weight stream, or else each of its loads serves four rows). f32 activations
+/// (4096 elements at most one per pass): F16, 2 threads, Zen 4, 5632×2048 35.8 vs 25–29 GB/s
+/// one vs four rows, 4096×11008 22.5 vs 29.5–30.5; decode of a 7B-shaped F16 model at
+/// 0.86–1.03× llama.cpp with 4096-element rows one per pass, 0.88–0.99× four per pass,
+/// 0.77–0.97× with every row one per pass. F16 weights' activations are read as f16 bits
+/// (`ActFormat::F16`), so their rows of up to 8192 elements go one per pass: Zen 4, 3
+/// alternated `bench kernels` runs (small pages, offset 32), 2048×5632 30.3–31.9 GB/s one per
+/// pass vs 25.8–30.6 four per pass, 4096×11008 still 23.1–24.0 vs 27.9–31.2.
+const FLOAT_ONE_ROW_MAX_ACT_BYTES: usize = 16 << 10;
 
 /// The wrapping sum of `bytes` as little-endian u64 words, a last partial word byte by byte
 /// ([`MatMul::read_rows`]'s and [`MatMul::read_sequential`]'s checksum).
@@ -609,16 +616,17 @@ fn gemv_rows(
         return;
     }
     let mut done = 0;
-    // Four rows per pass for float rows longer than FLOAT_ONE_ROW_MAX_COLS (each load of the
-    // long f32 activation then serves four rows) and for short quantized rows
+    // Four rows per pass for float rows whose activation exceeds FLOAT_ONE_ROW_MAX_ACT_BYTES
+    // (each load of the long activation then serves four rows) and for short quantized rows
     // (≤ SHORT_ROW_BYTES: the per-row reduction dominates there; a predictor's fc2, 5632×256
     // Q4_0, went from 27.5 to 34 GB/s). Other rows go one at a time: one sequential stream
     // per thread, the activation in L1 (quantized 11008×4096: 33.7 vs 17.5 GB/s, 2048×2048:
     // 33 vs 15; F16 5632×2048: 35.8 vs 25–29). The sparse GEMV, whose scattered rows are
     // software-prefetched and partly compute-bound, always uses four rows per pass.
+    let act_bytes = w.cols * if ops.act == act::ActFormat::F16 { 2 } else { 4 };
     let rows4 = match ops.act {
-        act::ActFormat::F32 if w.cols > FLOAT_ONE_ROW_MAX_COLS => ops.rows4,
-        act::ActFormat::F32 => None,
+        f if f.is_float() && act_bytes > FLOAT_ONE_ROW_MAX_ACT_BYTES => ops.rows4,
+        f if f.is_float() => None,
         _ if w.row_bytes <= SHORT_ROW_BYTES => ops.rows4,
         _ => None,
     };
@@ -750,7 +758,7 @@ impl<'p> MatMul<'p> {
             // every row (8 rows per pass share each activation load; same per-row operations,
             // same bits). Not float rows (see `LIST_GEMV_ROW_BYTES`).
             let listed = (ops.dot_list.is_some() || ops.dot_range.is_some())
-                && ops.act != act::ActFormat::F32
+                && !ops.act.is_float()
                 && j.w.row_bytes >= LIST_GEMV_ROW_BYTES;
             prepared.push((total, j.w, ops, act, listed, OutPtr::new(j.y)));
             total += j.w.rows;
@@ -1258,6 +1266,8 @@ impl<'p> MatMul<'p> {
         check_len("a", w_t.rows, a.len())?;
         check_len("y", w_t.cols, y.len())?;
         select.check(w_t.rows, 1)?;
+        let mut rounded = Vec::new();
+        let a = self.axpy_coefficients(w_t, a, &mut rounded)?;
         let active = select_rows(
             &select.scores[..w_t.rows],
             select.threshold,
@@ -1279,6 +1289,8 @@ impl<'p> MatMul<'p> {
         check_len("a", w_t.rows, a.len())?;
         check_len("y", w_t.cols, y.len())?;
         check_active(active, w_t.rows)?;
+        let mut rounded = Vec::new();
+        let a = self.axpy_coefficients(w_t, a, &mut rounded)?;
         let nonzero: Vec<u32> = active
             .iter()
             .copied()
@@ -1301,6 +1313,8 @@ impl<'p> MatMul<'p> {
         check_len("a", mul(w_t.rows, n_tokens)?, a.len())?;
         check_len("y", mul(w_t.cols, n_tokens)?, y.len())?;
         select.check(w_t.rows, n_tokens)?;
+        let mut rounded = Vec::new();
+        let a = self.axpy_coefficients(w_t, a, &mut rounded)?;
         let rows = w_t.rows;
         let active: Vec<u32> = (0..rows)
             .filter(|&i| {
@@ -1309,6 +1323,24 @@ impl<'p> MatMul<'p> {
             .map(|i| i as u32)
             .collect();
         self.axpy_core(w_t, a, n_tokens, &active, Some(select), y)
+    }
+
+    /// The coefficients the axpy multiplies: `a` itself, or for F16 weights `a` rounded to f16
+    /// in `buf` (as every F16 product rounds its activations, and as PowerInfer's F16 axpy
+    /// converts them), before the zero test, so a value that rounds to 0 is skipped.
+    fn axpy_coefficients<'b>(
+        &self,
+        w: &Weights<'_>,
+        a: &'b [f32],
+        buf: &'b mut Vec<f32>,
+    ) -> Result<&'b [f32], KernelError> {
+        if self.ops(w)?.act != act::ActFormat::F16 {
+            return Ok(a);
+        }
+        let mut bits = vec![0u16; a.len()];
+        buf.resize(a.len(), 0.0);
+        act::round_f16(a, buf, &mut bits);
+        Ok(buf)
     }
 
     /// The one-token axpy over long rows on backends with a list kernel: thread `k` of `n`
@@ -1376,7 +1408,7 @@ impl<'p> MatMul<'p> {
         if n_tokens == 1
             && select.is_none()
             && w.row_bytes >= ROW_SPLIT_AXPY_BYTES
-            && ops.act != act::ActFormat::F32
+            && !ops.act.is_float()
         {
             if let (Some(axpy_list), true) = (ops.axpy_list, self.pool.n_threads() > 1) {
                 self.axpy_rows_split(w, a, active, axpy_list, y);

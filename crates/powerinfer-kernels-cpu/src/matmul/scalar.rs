@@ -45,7 +45,7 @@ pub(crate) fn dot_f32(row: &[u8], a: &Act<'_>) -> f32 {
     sum8(x.len(), |i| f32_at(row, 4 * i) * x[i])
 }
 
-/// F16 row · f32 activation.
+/// F16 row · f32 activation (already rounded to f16: `ActFormat::F16`).
 pub(crate) fn dot_f16(row: &[u8], a: &Act<'_>) -> f32 {
     let x = a.f;
     sum8(x.len(), |i| f16_at(row, 2 * i) * x[i])

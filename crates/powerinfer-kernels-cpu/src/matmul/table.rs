@@ -133,7 +133,7 @@ fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
     };
     Some(match ty {
         T::F32 => ops(s::dot_f32, s::dot4_f32, s::axpy_f32, A::F32),
-        T::F16 => ops(s::dot_f16, s::dot4_f16, s::axpy_f16, A::F32),
+        T::F16 => ops(s::dot_f16, s::dot4_f16, s::axpy_f16, A::F16),
         T::BF16 => ops(s::dot_bf16, s::dot4_bf16, s::axpy_bf16, A::F32),
         T::Q8_0 => ops(s::dot_q8_0, s::dot4_q8_0, s::axpy_q8_0, A::Q8_0),
         T::Q4_0 => ops(s::dot_q4_0, s::dot4_q4_0, s::axpy_q4_0, A::Q8_0),

@@ -242,27 +242,28 @@ unsafe fn dot_float_tile<L: FloatLoad, const R: usize, const N: usize>(
 /// the chunks after the last whole 64 go to accumulators 0, 1, 2 in turn. Then
 /// `(acc0 + acc1) + (acc2 + acc3)`, its low 8 lanes plus its high 8, a fixed-order horizontal
 /// sum, and scalar FMAs for the last `n % 16` elements. [`dot_float_wide512`] computes the
-/// same operations with zmm registers.
+/// same operations with zmm registers. The activation is `n` elements of `X` (f32, or the f16
+/// bits of an `ActFormat::F16` activation, widened exactly: the same f32 values, the same bits
+/// as from its f32 copy).
 ///
 /// # Safety
-/// `row` holds `x.len()` elements of `L`; AVX2/FMA/F16C available.
+/// `row` holds `n` elements of `L`, `x` holds `n` elements of `X`; AVX2/FMA/F16C available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_float_wide<L: FloatLoad>(row: &[u8], x: &[f32]) -> f32 {
-    let n = x.len();
-    debug_assert!(row.len() >= n * L::SIZE);
+unsafe fn dot_float_wide<L: FloatLoad, X: FloatLoad>(row: &[u8], x: &[u8], n: usize) -> f32 {
+    debug_assert!(row.len() >= n * L::SIZE && x.len() >= n * X::SIZE);
     let (w, xp) = (row.as_ptr(), x.as_ptr());
     let mut acc = [_mm256_setzero_ps(); 8];
     let mut i = 0;
     // SAFETY (all loads): element indices below `n`, in bounds of `row` (n elements of
-    // L::SIZE bytes) and of `x`.
+    // L::SIZE bytes) and of `x` (n elements of X::SIZE bytes).
     unsafe {
         while i + 64 <= n {
             for c in 0..8 {
                 let j = i + 8 * c;
                 acc[c] = _mm256_fmadd_ps(
                     L::load8(w.add(j * L::SIZE)),
-                    _mm256_loadu_ps(xp.add(j)),
+                    X::load8(xp.add(j * X::SIZE)),
                     acc[c],
                 );
             }
@@ -274,7 +275,7 @@ unsafe fn dot_float_wide<L: FloatLoad>(row: &[u8], x: &[f32]) -> f32 {
                 let j = i + 8 * h;
                 acc[c + h] = _mm256_fmadd_ps(
                     L::load8(w.add(j * L::SIZE)),
-                    _mm256_loadu_ps(xp.add(j)),
+                    X::load8(xp.add(j * X::SIZE)),
                     acc[c + h],
                 );
             }
@@ -285,11 +286,31 @@ unsafe fn dot_float_wide<L: FloatLoad>(row: &[u8], x: &[f32]) -> f32 {
         let hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[3]), _mm256_add_ps(acc[5], acc[7]));
         let mut s = hsum(_mm256_add_ps(lo, hi));
         for j in i..n {
-            s = L::load1(w.add(j * L::SIZE)).mul_add(*xp.add(j), s);
+            s = L::load1(w.add(j * L::SIZE)).mul_add(X::load1(xp.add(j * X::SIZE)), s);
         }
         s
     }
 }
+
+/// Calls `$f!(X, bytes, n)` with the one-token activation `$a` as the kernels read it: its f16
+/// bits (`X = LF16`) where it has them (`ActFormat::F16`), else its f32 values (`X = LF32`).
+/// Both give the same f32 values, so the same results.
+macro_rules! with_act {
+    ($a:expr, |$x:ident, $bytes:ident, $n:ident| $body:expr) => {{
+        let a: &Act<'_> = $a;
+        let $n = a.f.len();
+        if a.h.is_empty() {
+            type $x = LF32;
+            let $bytes: &[u8] = bytemuck::cast_slice(a.f);
+            $body
+        } else {
+            type $x = LF16;
+            let $bytes: &[u8] = bytemuck::cast_slice(a.h);
+            $body
+        }
+    }};
+}
+pub(crate) use with_act;
 
 /// How the 512-bit one-token float dot turns 16 stored elements into 16 f32 lanes.
 #[cfg(powerinfer_avx512)]
@@ -405,21 +426,23 @@ fn float_ahead(rows: usize) -> usize {
 /// bits for any `R`; each 16-activation load serves all `R` rows.
 ///
 /// # Safety
-/// Every row holds `x.len()` elements of `L`; AVX2/FMA/F16C and AVX-512F/VL available.
+/// Every row holds `n` elements of `L`, `x` holds `n` elements of `X`; AVX2/FMA/F16C and
+/// AVX-512F/VL available.
 #[cfg(powerinfer_avx512)] // set by build.rs on Rust ≥ 1.89 only
 #[allow(clippy::incompatible_msrv)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn dot_float_wide512<L: FloatLoad16, const R: usize>(
+unsafe fn dot_float_wide512<L: FloatLoad16, X: FloatLoad16, const R: usize>(
     rows: [&[u8]; R],
-    x: &[f32],
+    x: &[u8],
+    n: usize,
 ) -> [f32; R] {
-    debug_assert!(rows.iter().all(|r| r.len() >= x.len() * L::SIZE));
+    debug_assert!(rows.iter().all(|r| r.len() >= n * L::SIZE) && x.len() >= n * X::SIZE);
     let w = rows.map(|r| r.as_ptr());
     let ahead = float_ahead(R);
-    // SAFETY: every row holds `x.len()` elements (caller); features available (caller).
+    // SAFETY: every row holds `n` elements, `x` too (caller); features available (caller).
     unsafe {
-        dot_float_rows512::<L, R>(w, x, |i| {
+        dot_float_rows512::<L, X, R>(w, x.as_ptr(), n, |i| {
             if ahead == 0 {
                 return;
             }
@@ -435,22 +458,23 @@ unsafe fn dot_float_wide512<L: FloatLoad16, const R: usize>(
     }
 }
 
-/// [`dot_float_wide512`]'s arithmetic on `R` rows given by their first element, calling
-/// `ahead(i)` before each step of 64 elements (`i` the step's first element): the caller's
-/// prefetches.
+/// [`dot_float_wide512`]'s arithmetic on `R` rows given by their first element and an
+/// activation of `n` elements of `X` at `xp`, calling `ahead(i)` before each step of 64
+/// elements (`i` the step's first element): the caller's prefetches.
 ///
 /// # Safety
-/// `x.len()` elements of `L` readable at every `w[r]`; AVX2/FMA/F16C and AVX-512F/VL available.
+/// `n` elements of `L` readable at every `w[r]`, `n` elements of `X` at `xp`; AVX2/FMA/F16C
+/// and AVX-512F/VL available.
 #[cfg(powerinfer_avx512)]
 #[allow(clippy::incompatible_msrv)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-pub(crate) unsafe fn dot_float_rows512<L: FloatLoad16, const R: usize>(
+pub(crate) unsafe fn dot_float_rows512<L: FloatLoad16, X: FloatLoad16, const R: usize>(
     w: [*const u8; R],
-    x: &[f32],
+    xp: *const u8,
+    n: usize,
     mut ahead: impl FnMut(usize),
 ) -> [f32; R] {
-    let (n, xp) = (x.len(), x.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let mut i = 0;
     // SAFETY (all loads): element indices below `n`, in bounds of every row and of `x`.
@@ -459,7 +483,7 @@ pub(crate) unsafe fn dot_float_rows512<L: FloatLoad16, const R: usize>(
             ahead(i);
             for c in 0..4 {
                 let j = i + 16 * c;
-                let xv = _mm512_loadu_ps(xp.add(j));
+                let xv = X::load16(xp.add(j * X::SIZE));
                 for r in 0..R {
                     acc[r][c] = _mm512_fmadd_ps(L::load16(w[r].add(j * L::SIZE)), xv, acc[r][c]);
                 }
@@ -468,7 +492,7 @@ pub(crate) unsafe fn dot_float_rows512<L: FloatLoad16, const R: usize>(
         }
         let mut c = 0;
         while i + 16 <= n {
-            let xv = _mm512_loadu_ps(xp.add(i));
+            let xv = X::load16(xp.add(i * X::SIZE));
             for r in 0..R {
                 acc[r][c] = _mm512_fmadd_ps(L::load16(w[r].add(i * L::SIZE)), xv, acc[r][c]);
             }
@@ -482,7 +506,7 @@ pub(crate) unsafe fn dot_float_rows512<L: FloatLoad16, const R: usize>(
             let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
             let mut s = hsum(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
             for j in i..n {
-                s = L::load1(w[r].add(j * L::SIZE)).mul_add(*xp.add(j), s);
+                s = L::load1(w[r].add(j * L::SIZE)).mul_add(X::load1(xp.add(j * X::SIZE)), s);
             }
             out[r] = s;
         }
@@ -580,7 +604,8 @@ macro_rules! float_wrappers {
         fn $rows4(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
             // SAFETY: installed only when AVX2/FMA/F16C were detected; the frame passes four
             // whole rows and an activation of the row length.
-            rows.map(|r| unsafe { dot_float_wide::<$l>(r, a.f) })
+            with_act!(a, |X, x, n| rows
+                .map(|r| unsafe { dot_float_wide::<$l, X>(r, x, n) }))
         }
         fn $dot_batch(row: &[u8], a: &Act<'_>) -> f32 {
             // SAFETY: as above, a whole row and an activation of its length.
@@ -595,7 +620,7 @@ macro_rules! float_wrappers {
         fn $dot(row: &[u8], a: &Act<'_>) -> f32 {
             // SAFETY: installed only when AVX2/FMA/F16C were detected; the frame passes a whole
             // row (`a.f.len()` elements) and an activation of the same length.
-            unsafe { dot_float_wide::<$l>(row, a.f) }
+            with_act!(a, |X, x, n| unsafe { dot_float_wide::<$l, X>(row, x, n) })
         }
         fn $dot4(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
             // SAFETY: as above, four activations of the row's length.
@@ -650,11 +675,15 @@ macro_rules! float_wrappers512 {
         fn $dot(row: &[u8], a: &Act<'_>) -> f32 {
             // SAFETY: installed only on the Avx512 backend (AVX-512F/VL detected); the frame
             // passes a whole row and an activation of its length.
-            unsafe { dot_float_wide512::<$l, 1>([row], a.f)[0] }
+            with_act!(a, |X, x, n| unsafe {
+                dot_float_wide512::<$l, X, 1>([row], x, n)[0]
+            })
         }
         fn $rows4(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
             // SAFETY: as above, four whole rows.
-            unsafe { dot_float_wide512::<$l, 4>(rows, a.f) }
+            with_act!(a, |X, x, n| unsafe {
+                dot_float_wide512::<$l, X, 4>(rows, x, n)
+            })
         }
     };
 }

@@ -57,6 +57,7 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+use super::scratch::ScratchVec;
 use super::x86::{hsum, FloatLoad16, LBF16, LF16, LF32};
 use super::{OutPtr, Weights};
 use crate::backend::Backend;
@@ -110,7 +111,13 @@ pub(crate) fn dense_gemm(
     }
     match w.ty {
         GgmlType::F32 => float_gemm::<LF32>(pool, w, x, n_tokens, y),
-        GgmlType::F16 => float_gemm::<LF16>(pool, w, x, n_tokens, y),
+        GgmlType::F16 => {
+            // The values every F16 product multiplies (`ActFormat::F16`): x rounded to f16.
+            let n = n_tokens * w.cols;
+            let (mut xr, mut bits) = (ScratchVec::zeroed(n), ScratchVec::zeroed(n));
+            super::act::round_f16(&x[..n], &mut xr, &mut bits);
+            float_gemm::<LF16>(pool, w, &xr, n_tokens, y)
+        }
         GgmlType::BF16 => float_gemm::<LBF16>(pool, w, x, n_tokens, y),
         GgmlType::Q8_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q8_0 => {
             q8_0_gemm(pool, w, x, n_tokens, y)
@@ -196,10 +203,10 @@ unsafe fn float_tile<L: FloatLoad16, const R: usize, const P: usize>(
 /// The activations of [`float_tile`]: tokens in pairs, per pair and 8-element step the first
 /// token's 8 values then the second's (an odd last token paired with zeros); `cols % 8`
 /// trailing values are not copied (the tile reads them from `x`).
-fn pair_activations(x: &[f32], cols: usize, n_tokens: usize) -> Vec<f32> {
+fn pair_activations(x: &[f32], cols: usize, n_tokens: usize) -> ScratchVec<f32> {
     let steps = cols / 8;
     let pairs = n_tokens.div_ceil(2);
-    let mut out = vec![0f32; pairs * steps * 16];
+    let mut out = ScratchVec::zeroed(pairs * steps * 16);
     for (p, dst) in out
         .chunks_exact_mut((steps * 16).max(1))
         .enumerate()
@@ -345,9 +352,9 @@ const QPAIR: usize = 192;
 /// ×8, block `2p + 1`'s ×8; 0 for a missing block).
 struct Q8Acts {
     /// `npairs·64` bytes per token.
-    u: Vec<u8>,
+    u: ScratchVec<u8>,
     /// `npairs·16` values per token.
-    d: Vec<f32>,
+    d: ScratchVec<f32>,
     /// Pairs of blocks per token.
     npairs: usize,
 }
@@ -359,8 +366,8 @@ impl Q8Acts {
         let acts = super::act::ActBuf::new(super::act::ActFormat::Q8_0, x, cols);
         let nb = cols / 32;
         let npairs = nb.div_ceil(2);
-        let mut u = vec![0u8; n_tokens * npairs * 64];
-        let mut d = vec![0f32; n_tokens * npairs * 16];
+        let mut u = ScratchVec::zeroed(n_tokens * npairs * 64);
+        let mut d = ScratchVec::zeroed(n_tokens * npairs * 16);
         for t in 0..n_tokens {
             let a = acts.get(t);
             let ut = &mut u[t * npairs * 64..(t + 1) * npairs * 64];
@@ -598,7 +605,7 @@ const Q4_PREFETCH: usize = 256;
 struct Q4Acts<'a> {
     acts: super::act::ActBuf<'a>,
     /// `nb + 8` values per token.
-    off: Vec<i32>,
+    off: ScratchVec<i32>,
 }
 
 impl<'a> Q4Acts<'a> {
@@ -606,7 +613,7 @@ impl<'a> Q4Acts<'a> {
     fn new(x: &'a [f32], cols: usize, n_tokens: usize) -> Self {
         let acts = super::act::ActBuf::new(super::act::ActFormat::Q8_0, x, cols);
         let nb = cols / 32;
-        let mut off = vec![0i32; n_tokens * (nb + 8)];
+        let mut off = ScratchVec::zeroed(n_tokens * (nb + 8));
         for t in 0..n_tokens {
             let q = acts.get(t).q;
             let o = &mut off[t * (nb + 8)..(t + 1) * (nb + 8)];

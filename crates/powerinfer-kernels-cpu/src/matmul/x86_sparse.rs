@@ -37,7 +37,7 @@
 
 use super::act::Act;
 use super::table::{ListedRows, RowOps};
-use super::x86::{dot_float_rows512, FloatLoad16, LBF16, LF16, LF32};
+use super::x86::{dot_float_rows512, with_act, FloatLoad16, LBF16, LF16, LF32};
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
 
@@ -702,8 +702,11 @@ impl<L: FloatLoad16> DotRows for DFloat<L> {
         a: &Act<'_>,
         st: &mut Stream<'_>,
     ) -> [f32; R] {
-        // SAFETY: forwarded contract (`nb` elements at every `p[r]` and in `a.f`).
-        unsafe { dot_float_rows512::<L, R>(p, &a.f[..nb], |_| st.consume(R * 64 * L::SIZE)) }
+        // SAFETY: forwarded contract (`nb` elements at every `p[r]` and in the activation,
+        // `a.f` and, where present, `a.h`).
+        with_act!(a, |X, x, _n| unsafe {
+            dot_float_rows512::<L, X, R>(p, x.as_ptr(), nb, |_| st.consume(R * 64 * L::SIZE))
+        })
     }
 }
 

@@ -135,8 +135,11 @@ pub fn dequantize(ty: GgmlType, data: &[u8]) -> Option<Vec<f64>> {
 /// The activation format the kernels quantize to for a weight type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActivationQuant {
-    /// Activations stay f32 (F32, F16, BF16 weights).
+    /// Activations stay f32 (F32, BF16 weights).
     None,
+    /// Every value rounded to the nearest f16, ties to even (F16 weights, as ggml converts the
+    /// activation of an F16 product to F16; beyond ±65504 a value becomes ±∞ as there).
+    F16,
     /// Blocks of 32 (Q8_0: Q4_0, Q5_0, Q8_0 weights; Q8_1: Q4_1, Q5_1 — same values).
     Q8Blocks32,
     /// Blocks of 256 (Q8_K: K-quant weights).
@@ -149,17 +152,19 @@ pub fn activation_quant(ty: GgmlType) -> ActivationQuant {
     match ty {
         T::Q8_0 | T::Q4_0 | T::Q5_0 | T::Q4_1 | T::Q5_1 => ActivationQuant::Q8Blocks32,
         T::Q4_K | T::Q5_K | T::Q6_K => ActivationQuant::Q8Blocks256,
+        T::F16 => ActivationQuant::F16,
         _ => ActivationQuant::None,
     }
 }
 
 /// The activation values the product kernels actually multiply for weights of type `ty`: `x`
-/// itself for float weights, else per block `d · q` with `d = max|x| / 127` (f32) and
+/// itself for F32 and BF16 weights, `x` rounded to f16 for F16 weights, else per block `d · q` with `d = max|x| / 127` (f32) and
 /// `q = round(x · (1/d))` (f32 arithmetic, round half away from zero, clamped to ±127; all zero
 /// when `max|x| = 0`). `x.len()` must be a multiple of the block.
 pub fn quantize_activation(ty: GgmlType, x: &[f32]) -> Vec<f64> {
     let qk = match activation_quant(ty) {
         ActivationQuant::None => return x.iter().map(|&v| v as f64).collect(),
+        ActivationQuant::F16 => return x.iter().map(|&v| f16::from_f32(v).to_f64()).collect(),
         ActivationQuant::Q8Blocks32 => 32,
         ActivationQuant::Q8Blocks256 => 256,
     };
@@ -176,12 +181,30 @@ pub fn quantize_activation(ty: GgmlType, x: &[f32]) -> Vec<f64> {
     out
 }
 
+/// The coefficients the sparse axpy multiplies the rows of a `ty` matrix by: `a` rounded to
+/// f16 for F16 weights (as PowerInfer's F16 axpy converts them; a value that rounds to 0 is
+/// skipped), `a` itself for every other type (the quantized axpy kernels keep f32 coefficients).
+pub fn axpy_coefficients(ty: GgmlType, a: &[f32]) -> Vec<f64> {
+    match activation_quant(ty) {
+        ActivationQuant::F16 => quantize_activation(ty, a),
+        _ => a.iter().map(|&v| v as f64).collect(),
+    }
+}
+
 /// A bound on `|x[i] − quantize_activation(ty, x)[i]|` for each `i`, known without quantizing:
 /// half a quantization step, `max|x_block| / 254`, plus slack for the f32 arithmetic of the
-/// quantizer (relative 2⁻²⁰ of the block maximum).
+/// quantizer (relative 2⁻²⁰ of the block maximum); for F16 rounding half an f16 step,
+/// `|x| · 2⁻¹¹ + 2⁻²⁵` (the second term for subnormal results; values of magnitude 65520 and
+/// more, which round to infinity, are outside the bound).
 pub fn activation_error_bound(ty: GgmlType, x: &[f32]) -> Vec<f64> {
     let qk = match activation_quant(ty) {
         ActivationQuant::None => return vec![0.0; x.len()],
+        ActivationQuant::F16 => {
+            return x
+                .iter()
+                .map(|&v| (v as f64).abs() * 2f64.powi(-11) + 2f64.powi(-25))
+                .collect()
+        }
         ActivationQuant::Q8Blocks32 => 32,
         ActivationQuant::Q8Blocks256 => 256,
     };
