@@ -9,8 +9,8 @@
 //! prompt, Zen 4, 5 alternated runs, 80–87 tok/s with fresh vectors, 88–93 with these
 //! (82–93 before the copy existed).
 //!
-//! Each thread keeps at most [`KEPT`] buffers per element type, the largest it has returned;
-//! they live as long as the thread (the caller's thread: products prepare their temporaries
+//! Each thread keeps at most [`KEPT`] buffers per element type, the largest it has returned,
+//! none over [`MAX_KEPT_BYTES`]; they live as long as the thread (the caller's thread: products prepare their temporaries
 //! before they hand work to the pool).
 
 use std::cell::RefCell;
@@ -18,6 +18,10 @@ use std::ops::{Deref, DerefMut};
 
 /// Buffers kept per thread and element type.
 const KEPT: usize = 8;
+
+/// Larger buffers are freed when dropped, not kept (a long prompt's one-off copies of a 7B
+/// model's 11008-wide activations would otherwise stay with the thread).
+const MAX_KEPT_BYTES: usize = 64 << 20;
 
 /// Element types with a per-thread pool of buffers.
 pub(crate) trait Pooled: Copy + Default + 'static {
@@ -71,7 +75,7 @@ impl<T: Pooled> ScratchVec<T> {
 impl<T: Pooled> Drop for ScratchVec<T> {
     fn drop(&mut self) {
         let v = std::mem::take(&mut self.0);
-        if v.capacity() == 0 {
+        if v.capacity() == 0 || v.capacity() * std::mem::size_of::<T>() > MAX_KEPT_BYTES {
             return;
         }
         // A buffer dropped while its thread's pools are being destroyed is freed.
@@ -127,5 +131,8 @@ mod tests {
         drop(many);
         assert_eq!(u8::with_pool(|p| p.len()), Some(KEPT));
         assert!(ScratchVec::<i8>::empty().is_empty());
+        // Too large to keep.
+        drop(ScratchVec::<i16>::zeroed(MAX_KEPT_BYTES / 2 + 1));
+        assert_eq!(i16::with_pool(|p| p.len()), Some(0));
     }
 }
