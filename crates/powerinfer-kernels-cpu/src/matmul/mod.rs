@@ -14,9 +14,11 @@
 //! | [`sparse_axpy_indexed`](MatMul::sparse_axpy_indexed) | the same over the rows listed in `active` |
 //!
 //! Weight types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, for every kernel.
-//! Float weights take f32 activations; quantized weights take activations quantized on the fly
-//! (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants) and use integer dot
-//! products. The axpy kernels use the f32 activation `a_i` directly for every type.
+//! F32 and BF16 weights take f32 activations; F16 weights take them rounded to f16 (ties to
+//! even, as ggml converts them for its F16 dot products; beyond ±65504 a value becomes ±∞), and
+//! so do the F16 axpy's coefficients `a_i`; quantized weights take activations quantized on the
+//! fly (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants) and use integer dot
+//! products. The other axpy kernels use the f32 `a_i` directly.
 //!
 //! Work split: products split the rows (or the list of active rows) into contiguous parts,
 //! one per thread, so every row's result is the same for every thread count (the one-token
@@ -1255,7 +1257,8 @@ impl<'p> MatMul<'p> {
     /// Sparse axpy for one token over the transposed matrix `w_t` (`rows` = neurons, `cols` =
     /// output length): `y += Σ a[i] · row_i` over rows `i` selected by `select` (`scores` has
     /// `rows` values) with `a[i] != 0`. `a` has `rows` values, `y` has `cols`; `y` is added to,
-    /// not overwritten.
+    /// not overwritten. For F16 rows every `a[i]` is first rounded to f16 (a value that rounds
+    /// to 0 is skipped), in all three axpy forms (see the [module docs](self)).
     pub fn sparse_axpy(
         &self,
         w_t: &Weights<'_>,
