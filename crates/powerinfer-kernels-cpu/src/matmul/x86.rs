@@ -292,9 +292,9 @@ unsafe fn dot_float_wide<L: FloatLoad, X: FloatLoad>(row: &[u8], x: &[u8], n: us
     }
 }
 
-/// Calls `$f!(X, bytes, n)` with the one-token activation `$a` as the kernels read it: its f16
-/// bits (`X = LF16`) where it has them (`ActFormat::F16`), else its f32 values (`X = LF32`).
-/// Both give the same f32 values, so the same results.
+/// Evaluates `body` with the one-token activation `a` as the kernels read it: `bytes` its f16
+/// bits and `X = LF16` where it has them (`ActFormat::F16`), else its f32 values and
+/// `X = LF32`; `n` its element count. Both give the same f32 values, so the same results.
 macro_rules! with_act {
     ($a:expr, |$x:ident, $bytes:ident, $n:ident| $body:expr) => {{
         let a: &Act<'_> = $a;
