@@ -62,6 +62,7 @@ use crate::error::KernelError;
 use crate::pool::{split_range, ThreadPool};
 use act::{Act, ActBuf};
 use powerinfer_gguf::GgmlType;
+use scratch::ScratchVec;
 use std::ops::Range;
 use table::{ListedRows, RowOps};
 
@@ -1269,7 +1270,7 @@ impl<'p> MatMul<'p> {
         check_len("a", w_t.rows, a.len())?;
         check_len("y", w_t.cols, y.len())?;
         select.check(w_t.rows, 1)?;
-        let mut rounded = Vec::new();
+        let mut rounded = ScratchVec::empty();
         let a = self.axpy_coefficients(w_t, a, &mut rounded)?;
         let active = select_rows(
             &select.scores[..w_t.rows],
@@ -1292,7 +1293,7 @@ impl<'p> MatMul<'p> {
         check_len("a", w_t.rows, a.len())?;
         check_len("y", w_t.cols, y.len())?;
         check_active(active, w_t.rows)?;
-        let mut rounded = Vec::new();
+        let mut rounded = ScratchVec::empty();
         let a = self.axpy_coefficients(w_t, a, &mut rounded)?;
         let nonzero: Vec<u32> = active
             .iter()
@@ -1316,7 +1317,7 @@ impl<'p> MatMul<'p> {
         check_len("a", mul(w_t.rows, n_tokens)?, a.len())?;
         check_len("y", mul(w_t.cols, n_tokens)?, y.len())?;
         select.check(w_t.rows, n_tokens)?;
-        let mut rounded = Vec::new();
+        let mut rounded = ScratchVec::empty();
         let a = self.axpy_coefficients(w_t, a, &mut rounded)?;
         let rows = w_t.rows;
         let active: Vec<u32> = (0..rows)
@@ -1329,19 +1330,20 @@ impl<'p> MatMul<'p> {
     }
 
     /// The coefficients the axpy multiplies: `a` itself, or for F16 weights `a` rounded to f16
-    /// in `buf` (as every F16 product rounds its activations, and as PowerInfer's F16 axpy
+    /// into `buf` (as every F16 product rounds its activations, and as PowerInfer's F16 axpy
     /// converts them), before the zero test, so a value that rounds to 0 is skipped.
     fn axpy_coefficients<'b>(
         &self,
         w: &Weights<'_>,
         a: &'b [f32],
-        buf: &'b mut Vec<f32>,
+        buf: &'b mut ScratchVec<f32>,
     ) -> Result<&'b [f32], KernelError> {
         if self.ops(w)?.act != act::ActFormat::F16 {
             return Ok(a);
         }
-        let mut bits = vec![0u16; a.len()];
-        buf.resize(a.len(), 0.0);
+        // Pooled buffers: this runs once per layer and token in a sparse F16 decode.
+        let mut bits = ScratchVec::<u16>::zeroed(a.len());
+        *buf = ScratchVec::zeroed(a.len());
         act::round_f16(a, buf, &mut bits);
         Ok(buf)
     }
