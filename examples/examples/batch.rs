@@ -1,12 +1,11 @@
 //! Several prompts decoded together with the powerinfer-rs engine API: one KV cache holds every
-//! sequence, the prompts are evaluated side by side in one `eval_batch` call, and each decode
-//! step is one `decode` call over all sequences that have not finished, so every weight is read
-//! once per step for the whole batch.
+//! sequence, the prompts are evaluated side by side in one `Engine::eval` call, and each decode
+//! step is one `Engine::eval` of a `Batch::decode` over all sequences that have not finished,
+//! so every weight is read once per step for the whole batch.
 //!
 //! `cargo run --release -p powerinfer-cli --example batch -- MODEL [PROMPT]...`
 
-use powerinfer_engine::engine::{Engine, EngineOptions, Segment};
-use powerinfer_engine::sampling::{Sampler, SamplingParams};
+use powerinfer_engine::{Batch, Engine, EngineOptions, EvalOptions, Sampler, SamplingParams};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -29,12 +28,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seqs: Vec<_> = ids.iter().map(|_| cache.add_sequence()).collect();
 
     // All prompts in one pass: each segment's last logits pick its first token.
-    let segments: Vec<Segment<'_>> = seqs
-        .iter()
-        .zip(&ids)
-        .map(|(&seq, tokens)| Segment { seq, tokens })
-        .collect();
-    let outs = engine.eval_batch(&mut cache, &segments, false)?;
+    let mut prompts_batch = Batch::new();
+    for (&seq, tokens) in seqs.iter().zip(&ids) {
+        prompts_batch.push(seq, tokens);
+    }
+    let outs = engine.eval(&mut cache, &prompts_batch, EvalOptions::new())?;
     let mut samplers: Vec<Sampler> = (0..seqs.len())
         .map(|i| {
             Sampler::new(SamplingParams {
@@ -60,7 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             break;
         }
         let batch: Vec<(usize, u32)> = live.iter().map(|&i| (seqs[i], next[i])).collect();
-        let outs = engine.decode(&mut cache, &batch)?;
+        let outs = engine.eval(&mut cache, &Batch::decode(&batch), EvalOptions::new())?;
         steps_tokens += batch.len();
         for (&i, mut out) in live.iter().zip(outs) {
             generated[i].push(next[i]);

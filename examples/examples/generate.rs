@@ -2,8 +2,8 @@
 //!
 //! `cargo run --release -p powerinfer-cli --example generate -- MODEL [PROMPT]`
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
 use powerinfer_engine::sampling::SamplingParams;
+use powerinfer_engine::{Engine, EngineOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);

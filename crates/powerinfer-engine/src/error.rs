@@ -5,8 +5,9 @@ use powerinfer_kernels_cpu::KernelError;
 
 use crate::tokenizer::TokenizerError;
 
-/// Errors of [`crate::model`], [`crate::engine`] and [`crate::kv_cache`].
+/// Errors of loading a model and of evaluating, sampling and generating with it.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     /// The file could not be read or parsed, or a metadata key is missing or mistyped.
     #[error(transparent)]
@@ -17,6 +18,9 @@ pub enum EngineError {
     /// The tokenizer metadata is invalid.
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
+    /// A predictor could not be built or run.
+    #[error(transparent)]
+    Predictor(#[from] powerinfer_predictor::predictor::PredictorError),
     /// A tensor could not be dequantized.
     #[error(transparent)]
     Quant(#[from] powerinfer_gguf::quants::QuantError),

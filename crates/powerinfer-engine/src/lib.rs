@@ -1,33 +1,58 @@
 //! # powerinfer-engine
 //!
-//! The inference engine of powerinfer-rs. So far it holds:
+//! The inference engine of powerinfer-rs: loads `llama`, `bamboo`, `falcon` and `opt` models
+//! from PowerInfer files (`PWRI`, sparse FFN with a predictor) and plain GGUF files, and
+//! generates text on the CPU kernels.
 //!
-//! - [`tokenizer`]: the tokenizers built from GGUF metadata (SentencePiece and byte-level BPE,
-//!   matching llama.cpp token for token);
-//! - [`convert`]: Hugging Face checkpoints + predictors to PowerInfer files (`convert.py`);
-//! - [`synth`]: model-file tools (synthetic ReLU-sparse models, quantization);
-//! - [`model`]: loading `llama` / `bamboo` / `falcon` / `opt` GGUF and PowerInfer files (tensors are views of the
-//!   memory map);
-//! - [`forward`]: the CPU forward pass on `powerinfer-kernels-cpu`, and [`ffn`]: each layer's
-//!   FFN (dense, predictor-driven sparse, or observed for profiling: [`ffn::FfnObserver`]);
-//! - [`profile`]: time, calls and bytes read per operation of the forward pass;
-//! - [`kv_cache`]: an F16 KV cache for several sequences;
-//! - [`sampling`]: greedy, temperature, top-k/top-p/min-p, penalties, seeded RNG;
-//! - [`engine`]: the generation API ([`engine::Engine`], [`engine::Session`]).
+//! ```no_run
+//! use powerinfer_engine::{Engine, EngineOptions, SamplingParams};
 //!
-//! The GPU backend and the hybrid GPU-CPU scheduler are not written yet (see
-//! `ARCHITECTURE.md`).
+//! let engine = Engine::load("model.powerinfer.gguf", EngineOptions::default())?;
+//! let mut session = engine.session();
+//! for token in session.generate("Once upon a time", SamplingParams::greedy(32)) {
+//!     print!("{}", token?.text);
+//! }
+//! eprintln!("{:.1} tokens/s", session.stats().decode_tps());
+//! # Ok::<(), powerinfer_engine::EngineError>(())
+//! ```
+//!
+//! - [`Engine`]: a loaded model and the one evaluation entry point, [`Engine::eval`] over a
+//!   [`Batch`] of sequences' tokens with [`EvalOptions`];
+//! - [`Session`]: one sequence with its own [`KvCache`], text generation and [`Stats`];
+//! - [`SamplingParams`] / [`Sampler`]: greedy, temperature, top-k/top-p/min-p, penalties;
+//! - [`Model`]: what the file says (hyper-parameters, tensors), no execution state;
+//! - [`tokenizer`]: SentencePiece and byte-level BPE tokenizers matching llama.cpp;
+//! - [`FfnObserver`], [`OpProfile`]: what each layer's FFN computed, where the time went.
+//!
+//! With the default feature `tools`: [`synth`] (synthetic models, quantization), [`convert`]
+//! (Hugging Face checkpoints to PowerInfer files) and [`reorder`] (neurons sorted by
+//! activation frequency).
 
+#![warn(missing_docs)]
+
+#[cfg(feature = "tools")]
 pub mod convert;
-pub mod engine;
-pub mod error;
-pub mod ffn;
-pub mod forward;
-mod fused;
+mod engine;
+mod error;
+mod exec;
 pub mod kv_cache;
 pub mod model;
+mod observer;
 pub mod profile;
+#[cfg(feature = "tools")]
 pub mod reorder;
 pub mod sampling;
+mod session;
+#[cfg(feature = "tools")]
 pub mod synth;
 pub mod tokenizer;
+
+pub use engine::{Engine, EngineOptions};
+pub use error::{EngineError, Result};
+pub use exec::{Batch, EvalOptions, EvalOutput, Logits, Segment};
+pub use kv_cache::{KvCache, SeqId};
+pub use model::{Arch, Hparams, Model};
+pub use observer::FfnObserver;
+pub use profile::{Op, OpProfile};
+pub use sampling::{Sampler, SamplingParams};
+pub use session::{Generate, Session, Stats, Token};

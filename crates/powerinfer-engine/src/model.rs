@@ -38,16 +38,16 @@
 //! hyper-parameters imply [`EngineError::TensorShape`].
 
 use std::path::Path;
-use std::sync::OnceLock;
 
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile, Metadata, TensorInfo};
-use powerinfer_kernels_cpu::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
+use powerinfer_kernels_cpu::Weights;
+use powerinfer_predictor::predictor::Predictor;
 
 use crate::error::{EngineError, Result};
-use crate::ffn::FusedSplit;
 
 /// The model family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Arch {
     /// LLaMA (ReluLLaMA, ProSparse, or a plain SiLU LLaMA in a dense GGUF file).
     Llama,
@@ -90,6 +90,7 @@ impl Arch {
 
 /// The FFN activation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FfnAct {
     /// ReLU(gate) ⊙ up.
     Reglu,
@@ -103,6 +104,7 @@ pub enum FfnAct {
 
 /// Hyper-parameters read from the metadata.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Hparams {
     /// Model family.
     pub arch: Arch,
@@ -218,44 +220,33 @@ impl Hparams {
 
 /// A weight matrix in the file: `rows` rows of `cols` elements (ggml `[cols, rows]`).
 #[derive(Clone, Debug)]
-pub struct TensorRef {
+pub(crate) struct TensorRef {
     /// Tensor name.
-    pub name: String,
+    pub(crate) name: String,
     /// Element type.
-    pub ty: GgmlType,
+    pub(crate) ty: GgmlType,
     /// Rows (ggml `ne1`).
-    pub rows: usize,
+    pub(crate) rows: usize,
     /// Elements per row (ggml `ne0`).
-    pub cols: usize,
-    info: TensorInfo,
-}
-
-impl TensorRef {
-    /// Bytes of the whole matrix in the file.
-    pub fn bytes(&self) -> u64 {
-        self.info.n_bytes()
-    }
-
-    /// Bytes of one row (0 for a matrix without rows).
-    pub fn row_bytes(&self) -> u64 {
-        self.bytes().checked_div(self.rows as u64).unwrap_or(0)
-    }
+    pub(crate) cols: usize,
+    /// Where the bytes are in the file.
+    pub(crate) info: TensorInfo,
 }
 
 /// A norm's weight and, for LayerNorm, its bias (copied out of the file, f32).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Norm {
+pub(crate) struct Norm {
     /// Weight (`n_embd` values).
-    pub weight: Vec<f32>,
+    pub(crate) weight: Vec<f32>,
     /// Bias (`n_embd` values): present for the LayerNorms of `falcon` and `opt`.
-    pub bias: Option<Vec<f32>>,
+    pub(crate) bias: Option<Vec<f32>>,
 }
 
 /// The FFN weights of a layer.
 // One per layer, built once: the size difference between the variants does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
-pub enum Ffn {
+pub(crate) enum Ffn {
     /// Dense GGUF layout: `down` is `[n_ff, n_embd]` (rows = n_embd).
     Dense {
         /// `ffn_gate` (rows = n_ff); `None` for the gate-less `falcon` and `opt`.
@@ -280,27 +271,11 @@ pub enum Ffn {
     },
 }
 
-impl Ffn {
-    /// `ffn_gate`, if the FFN has one.
-    pub fn gate(&self) -> Option<&TensorRef> {
-        match self {
-            Ffn::Dense { gate, .. } | Ffn::Sparse { gate, .. } => gate.as_ref(),
-        }
-    }
-
-    /// `ffn_up`.
-    pub fn up(&self) -> &TensorRef {
-        match self {
-            Ffn::Dense { up, .. } | Ffn::Sparse { up, .. } => up,
-        }
-    }
-}
-
 /// The Q/K/V projections of a layer.
 // One per layer, built once: the size difference between the variants does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
-pub enum Qkv {
+pub(crate) enum Qkv {
     /// Separate `attn_q` (rows = n_embd), `attn_k`, `attn_v` (rows = n_embd_kv), with
     /// optional biases (`opt`).
     Separate {
@@ -323,52 +298,46 @@ pub enum Qkv {
 
 /// The weights of one transformer layer.
 #[derive(Clone, Debug)]
-pub struct Layer {
+pub(crate) struct Layer {
     /// `attn_norm` (the FFN's input norm too for `falcon`).
-    pub attn_norm: Norm,
+    pub(crate) attn_norm: Norm,
     /// `attn_norm_2` (`falcon` 40B style: the attention's input norm).
-    pub attn_norm_2: Option<Norm>,
+    pub(crate) attn_norm_2: Option<Norm>,
     /// Q/K/V projections.
-    pub qkv: Qkv,
+    pub(crate) qkv: Qkv,
     /// `attn_output` (rows = n_embd).
-    pub wo: TensorRef,
+    pub(crate) wo: TensorRef,
     /// `attn_output.bias` (`opt`).
-    pub bo: Option<Vec<f32>>,
+    pub(crate) bo: Option<Vec<f32>>,
     /// `ffn_norm` (`None` for `falcon`, whose FFN reads `attn_norm`).
-    pub ffn_norm: Option<Norm>,
+    pub(crate) ffn_norm: Option<Norm>,
     /// FFN weights.
-    pub ffn: Ffn,
+    pub(crate) ffn: Ffn,
     /// `ffn_up.bias` (`opt`, `n_ff` values).
-    pub up_b: Option<Vec<f32>>,
+    pub(crate) up_b: Option<Vec<f32>>,
     /// `ffn_down_t.bias` / `ffn_down.bias` (`opt`, `n_embd` values).
-    pub down_b: Option<Vec<f32>>,
+    pub(crate) down_b: Option<Vec<f32>>,
 }
 
 /// A loaded model: the open file, its hyper-parameters and the tensor bindings.
 pub struct Model {
     file: GgufFile,
     /// Hyper-parameters.
-    pub hparams: Hparams,
+    pub(crate) hparams: Hparams,
     /// `token_embd` (rows = n_vocab).
-    pub tok_embd: TensorRef,
+    pub(crate) tok_embd: TensorRef,
     /// `position_embd` (`opt`; rows = `n_ctx_train + 2`).
-    pub pos_embd: Option<TensorRef>,
+    pub(crate) pos_embd: Option<TensorRef>,
     /// `output_norm`.
-    pub output_norm: Norm,
+    pub(crate) output_norm: Norm,
     /// `output` (rows = n_vocab); `token_embd` when the file has no `output` (tied head).
-    pub output: TensorRef,
+    pub(crate) output: TensorRef,
     /// Layers.
-    pub layers: Vec<Layer>,
+    pub(crate) layers: Vec<Layer>,
     /// The FFN activation.
-    pub ffn_act: FfnAct,
+    pub(crate) ffn_act: FfnAct,
     /// Names of the file's tensors that no part of the model reads, in file order.
     unused: Vec<String>,
-    /// Repacked copies of dense Q4_0 matrices for one-token products, by tensor name, each
-    /// made at the matrix's first one-token product (`None` inside: the backend could not
-    /// pack it) ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
-    packed: std::collections::HashMap<String, OnceLock<Option<PackedQ4_0>>>,
-    /// Per layer: where the one-token sparse FFN cuts its neurons among threads.
-    fused_splits: Vec<FusedSplit>,
 }
 
 impl std::fmt::Debug for Model {
@@ -551,7 +520,6 @@ impl Model {
             .filter(|t| !used.contains(t.name()))
             .map(|t| t.name().to_string())
             .collect();
-        let fused_splits = layers.iter().map(|_| FusedSplit::default()).collect();
         let model = Model {
             file,
             hparams: hp,
@@ -562,46 +530,34 @@ impl Model {
             layers,
             ffn_act,
             unused,
-            packed: Default::default(),
-            fused_splits,
         };
         // Check every matrix once against the kernels' type and size rules.
-        model.weights(&model.output)?;
-        for layer in &model.layers {
-            match &layer.qkv {
-                Qkv::Separate { wq, wk, wv, .. } => {
-                    for t in [wq, wk, wv] {
-                        model.weights(t)?;
-                    }
-                }
-                Qkv::Fused(t) => {
-                    model.weights(t)?;
-                }
-            }
-            model.weights(&layer.wo)?;
-            if let Some(g) = layer.ffn.gate() {
-                model.weights(g)?;
-            }
-            match &layer.ffn {
-                Ffn::Dense { up, down, .. } => {
-                    for t in [up, down] {
-                        model.weights(t)?;
-                    }
-                }
+        for t in model.matrices() {
+            Weights::new(t.ty, t.rows, t.cols, model.file.data_of(&t.info))?;
+        }
+        Ok(model)
+    }
+
+    /// Every 2-D weight matrix the forward pass reads (the token embedding is read by rows).
+    fn matrices(&self) -> impl Iterator<Item = &TensorRef> + '_ {
+        let per_layer = self.layers.iter().flat_map(|layer| {
+            let qkv: Vec<&TensorRef> = match &layer.qkv {
+                Qkv::Separate { wq, wk, wv, .. } => vec![wq, wk, wv],
+                Qkv::Fused(t) => vec![t],
+            };
+            let ffn: Vec<&TensorRef> = match &layer.ffn {
+                Ffn::Dense { gate, up, down } => gate.iter().chain([up, down]).collect(),
                 Ffn::Sparse {
+                    gate,
                     up,
                     down_t,
                     fc1,
                     fc2,
-                    ..
-                } => {
-                    for t in [up, down_t, fc1, fc2] {
-                        model.weights(t)?;
-                    }
-                }
-            }
-        }
-        Ok(model)
+                } => gate.iter().chain([up, down_t, fc1, fc2]).collect(),
+            };
+            qkv.into_iter().chain([&layer.wo]).chain(ffn)
+        });
+        std::iter::once(&self.output).chain(per_layer)
     }
 
     /// Names of the file's tensors that the model does not read (in file order): empty for a
@@ -617,169 +573,32 @@ impl Model {
         &self.file
     }
 
+    /// The hyper-parameters.
+    pub fn hparams(&self) -> &Hparams {
+        &self.hparams
+    }
+
+    /// The FFN activation.
+    pub fn ffn_act(&self) -> FfnAct {
+        self.ffn_act
+    }
+
     /// Whether this is a PowerInfer (sparse) file.
     pub fn is_sparse(&self) -> bool {
         self.file.kind() == FileKind::PowerInfer
     }
 
-    /// A kernel view of `t`, borrowing the memory map.
-    pub fn weights(&self, t: &TensorRef) -> Result<Weights<'_>> {
-        Ok(Weights::new(
-            t.ty,
-            t.rows,
-            t.cols,
-            self.file.data_of(&t.info),
-        )?)
-    }
-
-    /// Marks the Q4_0 matrices that one-token decoding multiplies densely (attention Q/K/V,
-    /// separate or fused, and output; a dense file's FFN gate, up and down; the output head)
-    /// for repacking ([`MatMul::pack_q4_0`]): each is copied at its first one-token product,
-    /// so loading and prompt processing (which read the file's layout) pay nothing. Does
-    /// nothing where `mm`'s backend has no packed kernel.
-    pub(crate) fn plan_repack(&mut self, mm: &MatMul<'_>) {
-        if !mm.has_packed_q4_0() {
-            return;
-        }
-        self.packed = self
-            .repack_candidates()
-            .into_iter()
-            .map(|t| (t.name.clone(), OnceLock::new()))
-            .collect();
-    }
-
-    /// The matrices [`plan_repack`](Self::plan_repack) marks.
-    fn repack_candidates(&self) -> Vec<&TensorRef> {
-        let mut refs: Vec<&TensorRef> = vec![&self.output];
-        for layer in &self.layers {
-            match &layer.qkv {
-                Qkv::Separate { wq, wk, wv, .. } => refs.extend([wq, wk, wv]),
-                Qkv::Fused(w) => refs.push(w),
+    /// Layer `layer`'s activation predictor (`fc1`, `fc2` as stored in the file); `None` for a
+    /// dense file or a layer outside the model.
+    pub fn predictor(&self, layer: usize) -> Result<Option<Predictor<'_>>> {
+        match self.layers.get(layer).map(|l| &l.ffn) {
+            Some(Ffn::Sparse { fc1, fc2, .. }) => {
+                let view =
+                    |t: &TensorRef| Weights::new(t.ty, t.rows, t.cols, self.file.data_of(&t.info));
+                Ok(Some(Predictor::new(view(fc1)?, view(fc2)?)?))
             }
-            refs.push(&layer.wo);
-            if let Ffn::Dense { gate, up, down } = &layer.ffn {
-                refs.extend(gate.iter());
-                refs.extend([up, down]);
-            }
+            _ => Ok(None),
         }
-        refs.retain(|t| t.ty == GgmlType::Q4_0);
-        refs
-    }
-
-    /// Makes every repacked copy that [`plan_repack`](Self::plan_repack) marked and that no
-    /// product has made yet ([`Engine::repack_now`](crate::engine::Engine::repack_now)).
-    pub(crate) fn repack_now(&self, mm: &MatMul<'_>) -> Result<()> {
-        for t in self.repack_candidates() {
-            self.packed_copy(mm, t)?;
-        }
-        Ok(())
-    }
-
-    /// The repacked copy of `t_ref` if it is marked for repacking, made now if this is its
-    /// first use. Without repacking no name is hashed.
-    fn packed_copy(&self, mm: &MatMul<'_>, t_ref: &TensorRef) -> Result<Option<&PackedQ4_0>> {
-        let Some(cell) = (!self.packed.is_empty())
-            .then(|| self.packed.get(&t_ref.name))
-            .flatten()
-        else {
-            return Ok(None);
-        };
-        if let Some(p) = cell.get() {
-            return Ok(p.as_ref());
-        }
-        let w = self.weights(t_ref)?;
-        Ok(cell.get_or_init(|| mm.pack_q4_0(&w)).as_ref())
-    }
-
-    /// `y = W x` for `t` tokens with `W = t_ref`: through its repacked copy for one token
-    /// when it is marked for repacking (bit-identical results), else the ordinary GEMM.
-    pub(crate) fn product(
-        &self,
-        mm: &MatMul<'_>,
-        t_ref: &TensorRef,
-        x: &[f32],
-        t: usize,
-        y: &mut [f32],
-    ) -> Result<()> {
-        let packed = if t == 1 {
-            self.packed_copy(mm, t_ref)?
-        } else {
-            None
-        };
-        match packed {
-            Some(p) => mm.gemv_packed(p, x, y)?,
-            None => mm.gemm(&self.weights(t_ref)?, x, t, y)?,
-        }
-        Ok(())
-    }
-
-    /// Several one-token products `y = W x` in one dispatch (a layer's Q, K and V; a dense
-    /// FFN's gate and up): [`MatMul::gemv_packed_multi`] when every matrix has a repacked
-    /// copy, [`MatMul::gemv_multi`] when none has, else one product after another. The same
-    /// bits as [`product`](Self::product) on each.
-    pub(crate) fn products_one_token(
-        &self,
-        mm: &MatMul<'_>,
-        jobs: &mut [(&TensorRef, &[f32], &mut [f32])],
-    ) -> Result<()> {
-        let mut packed: Vec<Option<&PackedQ4_0>> = Vec::with_capacity(jobs.len());
-        for (t, _, _) in jobs.iter() {
-            packed.push(self.packed_copy(mm, t)?);
-        }
-        let all: Option<Vec<&PackedQ4_0>> = packed.iter().copied().collect();
-        if let Some(all) = all {
-            let mut pj: Vec<PackedGemvJob<'_>> = jobs
-                .iter_mut()
-                .zip(all)
-                .map(|((_, x, y), w)| PackedGemvJob { w, x, y })
-                .collect();
-            mm.gemv_packed_multi(&mut pj)?;
-        } else if packed.iter().all(Option::is_none) {
-            let mut gj = Vec::with_capacity(jobs.len());
-            for (t, x, y) in jobs.iter_mut() {
-                gj.push(GemvJob {
-                    w: self.weights(t)?,
-                    x,
-                    y,
-                });
-            }
-            mm.gemv_multi(&mut gj)?;
-        } else {
-            for (t, x, y) in jobs.iter_mut() {
-                self.product(mm, t, x, 1, y)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Layer `index`'s learned thread split of the one-token sparse FFN.
-    pub(crate) fn fused_split(&self, index: usize) -> &FusedSplit {
-        &self.fused_splits[index]
-    }
-
-    /// Bytes of repacked copies held ([`EngineOptions::repack`](crate::engine::EngineOptions::repack)).
-    pub fn packed_bytes(&self) -> usize {
-        self.packed
-            .values()
-            .filter_map(|c| c.get().and_then(Option::as_ref))
-            .map(PackedQ4_0::bytes)
-            .sum()
-    }
-
-    /// Writes the embedding of `token` (dequantized row of `token_embd`) into `out`.
-    pub fn embed(&self, token: u32, out: &mut [f32]) -> Result<()> {
-        let t = &self.tok_embd;
-        if token as usize >= t.rows {
-            return Err(EngineError::InvalidToken {
-                id: token,
-                n_vocab: t.rows,
-            });
-        }
-        let data = self.file.data_of(&t.info);
-        let row_bytes = data.len() / t.rows;
-        let start = token as usize * row_bytes;
-        powerinfer_gguf::quants::dequantize(t.ty, &data[start..start + row_bytes], out)?;
-        Ok(())
     }
 
     /// The row of OPT's `position_embd` used at (0-based) position `pos`: `pos + 2`.
@@ -791,29 +610,6 @@ impl Model {
     /// Positions therefore go up to `rows - 3` (`n_ctx_train = rows - 2`).
     pub fn position_row(pos: usize) -> usize {
         pos + OPT_POSITION_OFFSET
-    }
-
-    /// Adds the learned position embedding of position `pos` (`opt`) to `out`; a no-op for the
-    /// other architectures. `scratch` holds `n_embd` values.
-    pub fn add_position(&self, pos: usize, out: &mut [f32], scratch: &mut [f32]) -> Result<()> {
-        let Some(t) = &self.pos_embd else {
-            return Ok(());
-        };
-        let row = Model::position_row(pos);
-        if row >= t.rows {
-            return Err(EngineError::ContextFull {
-                needed: pos + 1,
-                ctx_len: t.rows - OPT_POSITION_OFFSET,
-            });
-        }
-        let data = self.file.data_of(&t.info);
-        let row_bytes = data.len() / t.rows;
-        let start = row * row_bytes;
-        powerinfer_gguf::quants::dequantize(t.ty, &data[start..start + row_bytes], scratch)?;
-        out.iter_mut()
-            .zip(scratch.iter())
-            .for_each(|(o, p)| *o += p);
-        Ok(())
     }
 }
 

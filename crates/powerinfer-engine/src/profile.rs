@@ -1,6 +1,6 @@
 //! Where evaluation time goes: wall time, calls and bytes read per operation of the forward pass
 //! ([`OpProfile`]), recorded when asked for ([`Session::set_profiling`],
-//! [`forward::eval_profiled`]).
+//! [`EvalOptions::profile`]).
 //!
 //! The times are the calling thread's wall clock between the ends of consecutive operations,
 //! so they add up to the time of the whole pass (worker threads run inside the operations that
@@ -8,8 +8,8 @@
 //! active rows of a sparse product) and, for attention, from the KV cache: bytes over time is
 //! the operation's achieved read bandwidth, to set against the machine's.
 //!
-//! [`Session::set_profiling`]: crate::engine::Session::set_profiling
-//! [`forward::eval_profiled`]: crate::forward::eval_profiled
+//! [`Session::set_profiling`]: crate::Session::set_profiling
+//! [`EvalOptions::profile`]: crate::EvalOptions::profile
 
 use std::time::{Duration, Instant};
 

@@ -3,13 +3,12 @@
 //! A sparse FFN reads, per token, the gate/up rows and the `ffn_down_t` row of each active
 //! neuron. With the neurons in the converter's order the active rows are scattered over the
 //! whole matrix, and scattered rows of 1–2 KiB read from memory at well under the sequential
-//! speed (Q4_0 5632×2048 at 10%: ~17 GB/s for the rows alone, against ~36 GB/s for the whole
-//! matrix, Xeon VM, 2 threads). A layer's FFN gives the same result for any order of its
+//! speed (`docs/tuning.md`, "Neurons sorted by activation frequency"). A layer's FFN gives the same result for any order of its
 //! neurons, as long as the rows of `ffn_gate`, `ffn_up`, `ffn_down_t`, the predictor's `fc2`
 //! and the up bias are permuted alike. [`reorder_neurons`] sorts each layer's neurons by their
 //! activation frequency (most frequent first), so that the neurons active for most tokens sit
 //! in one block of consecutive rows. The engine cuts a layer's neurons among its threads where
-//! their measured times come out equal (`ffn::FusedSplit`), so the crowded first rows do not
+//! their measured times come out equal (the executor's learned thread split), so the crowded first rows do not
 //! all fall to one thread. The logits change only by the order of the down projection's sum.
 //!
 //! The file keeps its magic, metadata and every other tensor; the activation statistics are

@@ -187,8 +187,8 @@ impl Sampler {
             return;
         }
         let start = self.recent.len().saturating_sub(p.penalty_last_n);
-        // Counts of each token in the window, by sorting a copy (a linear search per token was
-        // quadratic: ~5 ms a token with `penalty_last_n` = 4096).
+        // Counts of each token in the window, by sorting a copy (a linear search per token is
+        // quadratic in the window).
         let mut window = self.recent[start..].to_vec();
         window.sort_unstable();
         let counts = window

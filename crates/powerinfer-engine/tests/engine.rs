@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use powerinfer_engine::engine::{Engine, EngineOptions, Segment};
-use powerinfer_engine::error::EngineError;
+use powerinfer_engine::{Batch, Engine, EngineError, EvalOptions};
+
 use powerinfer_engine::kv_cache::KvCache;
 use powerinfer_engine::model::Model;
 use powerinfer_engine::sampling::SamplingParams;
@@ -46,7 +46,7 @@ fn sparse_with_perfect_predictor_equals_dense_relu() {
 /// Plain f64 forward pass over dequantized weights; logits of every position.
 fn reference(path: &Path, tokens: &[u32]) -> Vec<f64> {
     let model = Model::load(path).unwrap();
-    let hp = model.hparams.clone();
+    let hp = model.hparams().clone();
     let file = GgufFile::open(path).unwrap();
     let sparse = file.kind() == powerinfer_gguf::FileKind::PowerInfer;
     let mat = |name: &str| -> Vec<f64> {
@@ -262,7 +262,7 @@ fn generation_leaves_its_last_token_to_the_session() {
     assert_eq!(first.id, toks[0]);
     assert_eq!(c.n_past(), prompt.len() + 1);
     let rows = c.eval_all(&[9, 10]).unwrap();
-    assert_eq!(rows.len(), 2 * engine.model().hparams.n_vocab);
+    assert_eq!(rows.len(), 2 * engine.model().hparams().n_vocab);
     assert_eq!(c.n_past(), prompt.len() + 3);
 }
 
@@ -388,13 +388,11 @@ fn bad_files_give_typed_errors() {
 fn threshold_option_and_decode_batch() {
     let f = make(GgmlType::F16, Arch::Llama, 7);
     // θ above every score: no neuron is computed, the FFN adds nothing, and it still runs.
-    let none = Engine::load(
-        &f.sparse,
-        EngineOptions {
-            sparse_threshold: Some(1e30),
-            ..opts(false)
-        },
-    )
+    let none = Engine::load(&f.sparse, {
+        let mut o = opts(false);
+        o.sparse_threshold = Some(1e30);
+        o
+    })
     .unwrap();
     assert_eq!(none.threshold(), 1e30);
     let mut s = none.session();
@@ -432,30 +430,22 @@ fn batched_sequences_match_separate_sessions() {
             let a = cache.add_sequence();
             let b = cache.add_sequence();
             let c = cache.add_sequence();
-            engine.eval(&mut cache, a, &PROMPT[..4], false).unwrap();
-            engine.eval(&mut cache, b, &PROMPT[4..9], false).unwrap();
-            let step = engine.decode(&mut cache, &[(a, 50), (b, 60)]).unwrap();
-            let mixed = engine
-                .eval_batch(
-                    &mut cache,
-                    &[
-                        Segment {
-                            seq: b,
-                            tokens: &[61],
-                        },
-                        Segment {
-                            seq: c,
-                            tokens: &PROMPT[9..],
-                        },
-                        Segment {
-                            seq: a,
-                            tokens: &[],
-                        },
-                    ],
-                    true,
-                )
+            let last = EvalOptions::new;
+            engine
+                .eval(&mut cache, &Batch::one(a, &PROMPT[..4]), last())
                 .unwrap();
-            let nv = engine.model().hparams.n_vocab;
+            engine
+                .eval(&mut cache, &Batch::one(b, &PROMPT[4..9]), last())
+                .unwrap();
+            let step = engine
+                .eval(&mut cache, &Batch::decode(&[(a, 50), (b, 60)]), last())
+                .unwrap();
+            let mut batch = Batch::new();
+            batch.push(b, &[61]).push(c, &PROMPT[9..]).push(a, &[]);
+            let mixed = engine
+                .eval(&mut cache, &batch, EvalOptions::new().all_logits())
+                .unwrap();
+            let nv = engine.model().hparams().n_vocab;
             assert_eq!(step.len(), 2);
             assert_eq!(step[0].density.len(), 1);
             assert_eq!(mixed[1].logits.len(), 3 * nv);
@@ -484,7 +474,7 @@ fn batched_sequences_match_separate_sessions() {
             assert_eq!((pos(&cache, a), pos(&cache, b), pos(&cache, c)), (5, 7, 3));
             // A sequence twice in one batch is refused before anything is evaluated.
             assert!(matches!(
-                engine.decode(&mut cache, &[(a, 1), (a, 2)]),
+                engine.eval(&mut cache, &Batch::decode(&[(a, 1), (a, 2)]), last()),
                 Err(EngineError::Invalid(_))
             ));
             assert_eq!(pos(&cache, a), 5);
@@ -503,39 +493,39 @@ fn repacked_q4_0_matches_file_layout_bitwise() {
         powerinfer_kernels_cpu::Backend::detect() == powerinfer_kernels_cpu::Backend::Avx512;
     for (path, dense) in [(&f.dense, true), (&f.sparse, false), (&f.sparse, true)] {
         let plain = Engine::load(path, opts(dense)).unwrap();
-        let packed = Engine::load(
-            path,
-            EngineOptions {
-                repack: true,
-                ..opts(dense)
-            },
-        )
+        let packed = Engine::load(path, {
+            let mut o = opts(dense);
+            o.repack = true;
+            o
+        })
         .unwrap();
-        let eager = Engine::load(
-            path,
-            EngineOptions {
-                repack: true,
-                ..opts(dense)
-            },
-        )
+        let eager = Engine::load(path, {
+            let mut o = opts(dense);
+            o.repack = true;
+            o
+        })
         .unwrap();
-        assert_eq!(plain.model().packed_bytes(), 0);
-        assert_eq!(packed.model().packed_bytes(), 0, "copies made at load");
+        assert_eq!(plain.packed_bytes(), 0);
+        assert_eq!(packed.packed_bytes(), 0, "copies made at load");
         eager.repack_now().unwrap();
-        let all = eager.model().packed_bytes();
+        let all = eager.packed_bytes();
         assert_eq!(all > 0, has_kernel, "{path:?}");
         let run = |e: &Engine| {
             let mut cache = e.new_cache();
             let s = cache.add_sequence();
-            let mut logits = e.eval(&mut cache, s, &PROMPT, true).unwrap().logits;
+            let every = EvalOptions::new().all_logits();
+            let mut logits = e.eval(&mut cache, &Batch::one(s, &PROMPT), every).unwrap()[0]
+                .logits
+                .clone();
             assert_eq!(
-                e.model().packed_bytes(),
+                e.packed_bytes(),
                 if std::ptr::eq(e, &eager) { all } else { 0 },
                 "copies made by a prompt block"
             );
             let mut tok = 7u32;
             for _ in 0..4 {
-                let out = e.eval(&mut cache, s, &[tok], false).unwrap();
+                let out = e.eval(&mut cache, &Batch::one(s, &[tok]), EvalOptions::new());
+                let out = out.unwrap().remove(0);
                 tok = argmax(&out.logits);
                 logits.extend(out.logits);
             }
@@ -544,11 +534,51 @@ fn repacked_q4_0_matches_file_layout_bitwise() {
         let want = run(&plain);
         assert_eq!(run(&packed), want, "{path:?} dense={dense}");
         assert_eq!(
-            packed.model().packed_bytes(),
+            packed.packed_bytes(),
             all,
             "{path:?}: copies after decoding"
         );
         assert_eq!(run(&eager), want, "{path:?} dense={dense}, repack_now");
-        assert_eq!(plain.model().packed_bytes(), 0);
+        assert_eq!(plain.packed_bytes(), 0);
+    }
+}
+
+/// `EngineOptions::fuse`: one dispatch for a token's row-parallel products (Q/K/V, gate/up,
+/// the sparse FFN's predictor and gate/up) gives the logits of one dispatch per product bit
+/// for bit, for every family, weight type, thread count, sparse and dense.
+#[test]
+fn fused_decode_is_bit_identical() {
+    use powerinfer_engine::synth::Family;
+    let decode = |path: &Path, dense: bool, threads: usize, fuse: bool| -> Vec<Vec<u32>> {
+        let mut o = opts(dense);
+        o.threads = threads;
+        o.ctx_len = 64;
+        o.fuse = fuse;
+        let engine = Engine::load(path, o).unwrap();
+        let mut s = engine.session();
+        let mut out = vec![s.eval(&[1, 300, 301, 77]).unwrap()];
+        for t in [5u32, 260, 400, 33, 90, 270] {
+            out.push(s.eval(&[t]).unwrap());
+        }
+        out.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    for (ty, family) in [
+        (GgmlType::Q4_0, Family::Llama),
+        (GgmlType::F16, Family::Bamboo),
+        (GgmlType::Q8_0, Family::Opt),
+        (GgmlType::Q4_0, Family::Falcon),
+    ] {
+        let f = common::make_family(ty, family, 5);
+        for threads in [1, 2, 3] {
+            for (path, dense) in [(&f.sparse, false), (&f.sparse, true), (&f.dense, false)] {
+                assert_eq!(
+                    decode(path, dense, threads, true),
+                    decode(path, dense, threads, false),
+                    "{ty:?} {family:?} threads {threads} {path:?} dense {dense}"
+                );
+            }
+        }
     }
 }

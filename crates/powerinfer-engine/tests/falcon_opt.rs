@@ -4,11 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
-use powerinfer_engine::error::EngineError;
-use powerinfer_engine::forward::FfnObserver;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::Engine;
+use powerinfer_engine::EngineError;
+use powerinfer_engine::FfnObserver;
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter, Value};
 
 mod common;
@@ -330,20 +330,24 @@ fn opt_forward_matches_f64_reference() {
 fn metadata_and_bindings() {
     let f = make(Family::Opt, GgmlType::F16, 4);
     let engine = Engine::load(&f.sparse, opts(false)).unwrap();
-    let m = engine.model();
-    assert_eq!(m.hparams.arch, powerinfer_engine::model::Arch::Opt);
+    let hp = engine.model().hparams();
+    assert_eq!(hp.arch, powerinfer_engine::model::Arch::Opt);
     // 512 positions in the preset: the file's context_length and position_embd have 514 rows.
-    assert_eq!(m.hparams.n_ctx_train, 512);
-    assert_eq!(m.pos_embd.as_ref().unwrap().rows, 514);
+    assert_eq!(hp.n_ctx_train, 512);
     let file = GgufFile::open(&f.sparse).unwrap();
     assert_eq!(file.metadata().get_uint("opt.context_length").unwrap(), 514);
+    assert_eq!(
+        file.tensor_info("position_embd.weight").unwrap().shape(),
+        [256, 514]
+    );
+    // No output.weight: the head is tied to token_embd, which the model reads.
     assert!(file.tensor_info("output.weight").is_none());
-    assert_eq!(m.output.name, "token_embd.weight");
-    assert!(m.layers.iter().all(|l| l.ffn.gate().is_none()));
+    assert!(engine.model().unused_tensors().is_empty());
+    assert!(file.tensor_info("blk.0.ffn_gate.weight").is_none());
 
     let f = make(Family::Falcon, GgmlType::F16, 4);
     let engine = Engine::load(&f.sparse, opts(false)).unwrap();
-    let hp = &engine.model().hparams;
+    let hp = engine.model().hparams();
     assert_eq!(hp.arch, powerinfer_engine::model::Arch::Falcon);
     assert_eq!((hp.n_head, hp.n_head_kv, hp.rms_eps), (4, 2, 1e-5));
     let file = GgufFile::open(&f.dense).unwrap();
@@ -425,7 +429,7 @@ fn sparse_equals_dense(arch: Family, seed: u64) {
     assert!(r <= 1e-3, "{arch:?} twin: {r}");
 
     // The observer sees ReLU(up (+ b)) and a predictor that misses nothing.
-    let hp = sparse.model().hparams.clone();
+    let hp = sparse.model().hparams().clone();
     let mut rec = Recall {
         n_ff: hp.n_ff,
         n_embd: hp.n_embd,
@@ -475,7 +479,7 @@ fn predictor_noise_lowers_recall() {
         cfg.predictor_noise = 0.3;
         let f = make_with(&cfg);
         let engine = Engine::load(&f.sparse, opts(false)).unwrap();
-        let hp = engine.model().hparams.clone();
+        let hp = engine.model().hparams().clone();
         let mut rec = Recall {
             n_ff: hp.n_ff,
             n_embd: hp.n_embd,
@@ -546,23 +550,19 @@ fn opt_positions_end_at_the_table() {
     cfg.shape.n_ctx = 16;
     let f = make_with(&cfg);
     // Default context = the table's positions.
-    let engine = Engine::load(
-        &f.sparse,
-        EngineOptions {
-            ctx_len: 0,
-            ..opts(false)
-        },
-    )
+    let engine = Engine::load(&f.sparse, {
+        let mut o = opts(false);
+        o.ctx_len = 0;
+        o
+    })
     .unwrap();
     assert_eq!(engine.ctx_len(), 16);
     // A larger KV cache does not make more positions.
-    let engine = Engine::load(
-        &f.sparse,
-        EngineOptions {
-            ctx_len: 64,
-            ..opts(false)
-        },
-    )
+    let engine = Engine::load(&f.sparse, {
+        let mut o = opts(false);
+        o.ctx_len = 64;
+        o
+    })
     .unwrap();
     let mut s = engine.session();
     s.eval(&[5; 16]).unwrap();

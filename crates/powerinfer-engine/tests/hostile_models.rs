@@ -11,10 +11,10 @@
 mod common;
 
 use common::{make_family, opts};
-use powerinfer_engine::engine::{Engine, EngineOptions};
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::Family;
 use powerinfer_engine::tokenizer::Tokenizer;
+use powerinfer_engine::Engine;
 use powerinfer_gguf::{Array, GgmlType, GgufFile, GgufWriter, Metadata, Value};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -306,10 +306,8 @@ fn write<B: AsRef<[u8]>>(src: &GgufFile<B>, md: &Metadata, tensors: &[Tensor], o
 
 /// Loads `path` and, if that works, tokenizes, evaluates and generates a little.
 fn exercise(path: &Path, dense: bool, ctx: usize) -> Result<(), String> {
-    let options = EngineOptions {
-        ctx_len: ctx,
-        ..opts(dense)
-    };
+    let mut options = opts(dense);
+    options.ctx_len = ctx;
     let engine = Engine::load(path, options).map_err(|e| e.to_string())?;
     let tok = engine.tokenizer();
     let ids = tok.encode("Hello world, <s> once upon a time\u{e9}!", true, true);

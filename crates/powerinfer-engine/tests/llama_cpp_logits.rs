@@ -10,8 +10,8 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
 use powerinfer_engine::synth::{self, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::{Engine, EngineOptions};
 use powerinfer_gguf::GgmlType;
 
 const TOKENS: [u32; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
@@ -82,18 +82,14 @@ fn compare(ours: &[f32], theirs: &[f32], n_vocab: usize) -> (f64, usize) {
 fn check(ty: GgmlType, file: &str, bound: f64, target: f64) {
     let dir = tempfile::tempdir().unwrap();
     let model = dense_twin(dir.path(), ty);
-    let engine = Engine::load(
-        &model,
-        EngineOptions {
-            threads: 2,
-            sparse_threshold: None,
-            dense: true,
-            ctx_len: 64,
-            batch: 64,
-            mmap: false,
-            repack: false,
-        },
-    )
+    let engine = Engine::load(&model, {
+        let mut o = EngineOptions::default();
+        o.threads = 2;
+        o.dense = true;
+        o.ctx_len = 64;
+        o.mmap = false;
+        o
+    })
     .unwrap();
     let ours = engine.session().eval_all(&TOKENS).unwrap();
     let theirs = golden(file);

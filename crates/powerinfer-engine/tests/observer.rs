@@ -1,8 +1,8 @@
 //! The FFN observer: what it reports, and that an observed evaluation is the dense forward pass.
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
-use powerinfer_engine::forward::FfnObserver;
 use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::FfnObserver;
+use powerinfer_engine::{Engine, EngineOptions};
 use powerinfer_gguf::GgmlType;
 
 #[derive(Default)]
@@ -60,23 +60,21 @@ fn observed_eval_reports_every_layer_and_equals_dense() {
     };
     synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
     let load = |dense| {
-        Engine::load(
-            &path,
-            EngineOptions {
-                threads: 2,
-                sparse_threshold: Some(0.0),
-                dense,
-                ctx_len: 128,
-                batch: 8,
-                mmap: false,
-                repack: false,
-            },
-        )
+        Engine::load(&path, {
+            let mut o = EngineOptions::default();
+            o.threads = 2;
+            o.sparse_threshold = Some(0.0);
+            o.dense = dense;
+            o.ctx_len = 128;
+            o.batch = 8;
+            o.mmap = false;
+            o
+        })
         .unwrap()
     };
     let sparse = load(false);
     let dense = load(true);
-    let hp = sparse.model().hparams.clone();
+    let hp = sparse.model().hparams().clone();
     let dims = Dims {
         n_embd: hp.n_embd,
         n_ff: hp.n_ff,

@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
-use powerinfer_engine::engine::Engine;
 use powerinfer_engine::profile::Op;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{Arch, Shape};
+use powerinfer_engine::Engine;
 use powerinfer_gguf::{GgmlType, GgufFile};
 
 mod common;
@@ -34,7 +34,7 @@ fn generate(
     profile: bool,
 ) -> (
     Vec<u32>,
-    powerinfer_engine::engine::Stats,
+    powerinfer_engine::Stats,
     Option<powerinfer_engine::profile::OpProfile>,
 ) {
     let mut s = engine.session();

@@ -5,10 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::engine::Engine;
-use powerinfer_engine::error::EngineError;
 use powerinfer_engine::reorder::{neuron_order, reorder_neurons};
 use powerinfer_engine::synth::{self, LnArch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::Engine;
+use powerinfer_engine::EngineError;
 use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_predictor::stats::ActivationStats;
 

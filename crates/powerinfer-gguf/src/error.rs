@@ -2,8 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::metadata::ValueType;
-use crate::types::GgmlType;
+use crate::types::{GgmlType, ValueType};
 
 /// Shorthand for results whose error is [`GgufError`].
 pub type Result<T, E = GgufError> = std::result::Result<T, E>;

@@ -17,6 +17,8 @@
 //!
 //! Malformed input never panics: every problem is a [`GgufError`] that names the byte offset.
 
+#![warn(missing_docs)]
+
 pub mod error;
 pub mod gpuidx;
 pub mod metadata;

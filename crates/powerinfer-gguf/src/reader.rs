@@ -226,9 +226,8 @@ impl GgufFile<Mmap> {
 
 /// Reads all of `out.len()` bytes of `file` into `out`, several threads reading their own parts
 /// (positioned reads) where the OS has them: the first touch of fresh memory costs more than
-/// the copy, and the threads fault their parts in side by side. A 7B-shaped Q4_0 file (3.8 GB,
-/// page cache warm) on a 2-vCPU Xeon VM: 8.9 s read by one thread into memory it touched
-/// first, 0.52–0.55 s by two (4.8 s in a first run after another process freed its memory).
+/// the copy, and the threads fault their parts in side by side (`docs/tuning.md`, "Reading a
+/// file into memory").
 fn copy_file(file: &mut File, out: &mut [u8]) -> std::io::Result<()> {
     #[cfg(unix)]
     {

@@ -1,4 +1,5 @@
-//! ggml tensor element types: ids as stored in GGUF files, block sizes and bytes per block.
+//! ggml tensor element types (ids as stored in GGUF files, block sizes, bytes per block) and
+//! GGUF metadata value types.
 
 use std::fmt;
 
@@ -270,5 +271,104 @@ mod tests {
         assert_eq!(GgmlType::F16.bytes_for(3), Some(6));
         assert_eq!(GgmlType::Q6_K.bytes_for(512), Some(420));
         assert_eq!(GgmlType::F64.bytes_for(u64::MAX), None);
+    }
+}
+
+/// A GGUF metadata value type, with its id as stored in files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum ValueType {
+    /// `u8`.
+    U8 = 0,
+    /// `i8`.
+    I8 = 1,
+    /// `u16`.
+    U16 = 2,
+    /// `i16`.
+    I16 = 3,
+    /// `u32`.
+    U32 = 4,
+    /// `i32`.
+    I32 = 5,
+    /// `f32`.
+    F32 = 6,
+    /// One byte, 0 or 1.
+    Bool = 7,
+    /// u64 length, then UTF-8 bytes.
+    String = 8,
+    /// u32 element type, u64 count, elements.
+    Array = 9,
+    /// `u64`.
+    U64 = 10,
+    /// `i64`.
+    I64 = 11,
+    /// `f64`.
+    F64 = 12,
+}
+
+impl ValueType {
+    /// The type with file id `id`, or `None` outside 0..=12.
+    pub fn from_id(id: u32) -> Option<ValueType> {
+        use ValueType::*;
+        Some(match id {
+            0 => U8,
+            1 => I8,
+            2 => U16,
+            3 => I16,
+            4 => U32,
+            5 => I32,
+            6 => F32,
+            7 => Bool,
+            8 => String,
+            9 => Array,
+            10 => U64,
+            11 => I64,
+            12 => F64,
+            _ => return None,
+        })
+    }
+
+    /// The id stored in files.
+    pub fn id(self) -> u32 {
+        self as u32
+    }
+
+    /// The fewest bytes one value of this type takes in a file (a string's length field,
+    /// an array's type and count).
+    pub fn min_size(self) -> u64 {
+        use ValueType::*;
+        match self {
+            U8 | I8 | Bool => 1,
+            U16 | I16 => 2,
+            U32 | I32 | F32 => 4,
+            U64 | I64 | F64 | String => 8,
+            Array => 12,
+        }
+    }
+
+    /// Lower-case name as used in error messages and `inspect` (`"u32"`, `"string"`, ...).
+    pub fn name(self) -> &'static str {
+        use ValueType::*;
+        match self {
+            U8 => "u8",
+            I8 => "i8",
+            U16 => "u16",
+            I16 => "i16",
+            U32 => "u32",
+            I32 => "i32",
+            F32 => "f32",
+            Bool => "bool",
+            String => "string",
+            Array => "array",
+            U64 => "u64",
+            I64 => "i64",
+            F64 => "f64",
+        }
+    }
+}
+
+impl fmt::Display for ValueType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }

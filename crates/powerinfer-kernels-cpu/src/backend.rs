@@ -2,6 +2,9 @@
 
 use std::sync::OnceLock;
 
+/// The answer of [`Backend::detect`], fixed at its first call (or by [`Backend::prefer`]).
+static DETECTED: OnceLock<Backend> = OnceLock::new();
+
 /// An instruction set the matrix kernels ([`crate::matmul`]) can use.
 ///
 /// [`Backend::Scalar`] is portable Rust, always compiled and available. The others are used only
@@ -41,19 +44,10 @@ impl Backend {
         }
     }
 
-    /// The best available backend of this CPU (cached).
-    ///
-    /// Setting the environment variable `POWERINFER_CPU_ISA=scalar` before the first call forces
-    /// [`Backend::Scalar`].
+    /// The best available backend of this CPU, or the one [`Backend::prefer`] chose before
+    /// the first call (cached for the process).
     pub fn detect() -> Backend {
-        static BEST: OnceLock<Backend> = OnceLock::new();
-        *BEST.get_or_init(|| {
-            let forced = std::env::var("POWERINFER_CPU_ISA")
-                .map(|v| v.eq_ignore_ascii_case("scalar"))
-                .unwrap_or(false);
-            if forced {
-                return Backend::Scalar;
-            }
+        *DETECTED.get_or_init(|| {
             if Backend::Avx512.is_available() {
                 Backend::Avx512
             } else if Backend::Avx2.is_available() {
@@ -64,6 +58,20 @@ impl Backend {
                 Backend::Scalar
             }
         })
+    }
+
+    /// Makes [`Backend::detect`] (and so every kernel that picks its own instruction set,
+    /// the layer operators included) use `self` for the rest of the process, e.g. the scalar
+    /// code for a comparison. Refused when `self` is not available on this CPU, or when
+    /// `detect` already answered another backend (its answer never changes once given).
+    pub fn prefer(self) -> Result<(), crate::KernelError> {
+        if !self.is_available() {
+            return Err(crate::KernelError::BackendUnavailable(self.name()));
+        }
+        match DETECTED.get_or_init(|| self) {
+            b if *b == self => Ok(()),
+            _ => Err(crate::KernelError::BackendUnavailable(self.name())),
+        }
     }
 
     /// Every backend this CPU can run, scalar first (what the tests iterate over).

@@ -33,6 +33,8 @@
 //! The engine (`powerinfer-engine`) feeds these from its forward pass through an observer
 //! (CLI: `powerinfer profile`, `powerinfer train-predictor`); this crate does not depend on it.
 
+#![warn(missing_docs)]
+
 pub mod predictor;
 pub mod profile;
 pub mod pt;

@@ -168,11 +168,46 @@ impl<'a> Predictor<'a> {
         if t == 0 {
             return Ok(());
         }
+        self.hidden(mm, h, t, hidden)?;
+        mm.gemm(&self.fc2, hidden, t, out)?;
+        Ok(())
+    }
+
+    /// The first layer alone: `hidden = ReLU(fc1 · h)` for `t` tokens (`t × rank` values,
+    /// resized), for callers that compute the scores of parts of the neurons separately
+    /// ([`scores_of_rows`](Self::scores_of_rows)).
+    pub fn hidden(
+        &self,
+        mm: &MatMul<'_>,
+        h: &[f32],
+        t: usize,
+        hidden: &mut Vec<f32>,
+    ) -> Result<()> {
+        if t.checked_mul(self.n_embd()) != Some(h.len()) {
+            return Err(PredictorError::Shape(format!(
+                "input has {} values, expected {t} tokens × {}",
+                h.len(),
+                self.n_embd()
+            )));
+        }
         hidden.clear();
         hidden.resize(t * self.rank(), 0.0);
         mm.gemm(&self.fc1, h, t, hidden)?;
         relu(hidden);
-        mm.gemm(&self.fc2, hidden, t, out)?;
+        Ok(())
+    }
+
+    /// The scores of the neurons `rows` for one token from its [`hidden`](Self::hidden)
+    /// values: `out[i] = fc2[rows.start + i] · hidden`, the same bits as those entries of
+    /// [`scores`](Self::scores) computed with the same backend.
+    pub fn scores_of_rows(
+        &self,
+        mm: &MatMul<'_>,
+        hidden: &[f32],
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        mm.gemv(&self.fc2.row_range(rows)?, hidden, out)?;
         Ok(())
     }
 

@@ -21,7 +21,7 @@
 //! tens of percent on a VM (see [`WeightsMemory`]), and this shows when it did.
 //!
 //! With `--batch B`, B sequences (the prompt with a different last token each) are decoded
-//! together, one token of each per step through [`Engine::decode`], and tok/s counts all their
+//! together, one token of each per step (one [`Engine::eval`] of a `Batch::decode`), and tok/s counts all their
 //! tokens; `--sequential` evaluates them one after the other instead, for comparison.
 //!
 //! With `--llama-bench PATH` (llama.cpp's `llama-bench`), each dense GGUF file is also run by
@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
+use powerinfer_engine::{Batch, Engine, EvalOptions};
 use powerinfer_gguf::{FileKind, GgufFile};
 use powerinfer_kernels_cpu::ThreadPool;
 use serde_json::json;
@@ -87,7 +87,7 @@ pub struct DecodeArgs {
     #[arg(long)]
     llama_bench: Option<PathBuf>,
     /// Sequences decoded together: each step evaluates one token of each of them in one
-    /// batch ([`Engine::decode`]); tok/s counts the tokens of all sequences.
+    /// batch ([`powerinfer_engine::Batch::decode`]); tok/s counts the tokens of all sequences.
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// With `--batch`: decode the sequences one after the other each step (one
@@ -117,12 +117,9 @@ struct Row {
     memory: WeightsMemory,
 }
 
-/// How fast the memory that holds a model's weights reads, and how it is mapped. The same
-/// file decoded 15–50% slower on a Xeon VM depending on its page-cache history: cached in
-/// small folios (360 of 605 MB of TinyLlama in 2 MiB pages: 37.4 tok/s; re-read in huge
-/// folios, 553 MB: 43.0), or in memory that reads slowly (an F16 file's cache at 20–22 GB/s
-/// against 34–35 for fresh anonymous huge pages: 20.5 tok/s mapped, 31 with `--no-mmap`).
-/// Printed beside each result so that such differences show.
+/// How fast the memory that holds a model's weights reads, and how it is mapped: the same file
+/// decodes at very different speeds depending on its page-cache history (`docs/tuning.md`,
+/// "Page-cache history"). Printed beside each result so that such differences show.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct WeightsMemory {
     /// Bytes/s of a read of the whole file image the engine decodes from (the benchmark's
@@ -282,15 +279,12 @@ impl ByteModel {
 }
 
 fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
-    let opts = EngineOptions {
-        threads: a.threads,
-        sparse_threshold: a.sparse_threshold,
-        dense,
-        ctx_len: (a.prompt + a.tokens + 8).max(64),
-        batch: 64,
-        mmap: !a.no_mmap,
-        repack: a.repack,
-    };
+    let mut opts = super::engine_options(a.threads, a.sparse_threshold);
+    opts.dense = dense;
+    opts.ctx_len = (a.prompt + a.tokens + 8).max(64);
+    opts.batch = 64;
+    opts.mmap = !a.no_mmap;
+    opts.repack = a.repack;
     let t0 = Instant::now();
     let engine = Engine::load(path, opts).map_err(|e| format!("{}: {e}", path.display()))?;
     engine
@@ -298,7 +292,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let memory = WeightsMemory::of(&engine, path, a.no_mmap);
-    let n_vocab = engine.model().hparams.n_vocab as u32;
+    let n_vocab = engine.model().hparams().n_vocab as u32;
     // A fixed prompt of ordinary token ids (BOS first).
     let prompt: Vec<u32> = std::iter::once(1)
         .chain((0..a.prompt.saturating_sub(1) as u32).map(|i| (100 + 37 * i) % n_vocab))
@@ -318,9 +312,9 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
                 *last = (*last + 7 * i as u32) % n_vocab;
             }
             let out = engine
-                .eval(&mut cache, seq, &p, false)
+                .eval(&mut cache, &Batch::one(seq, &p), EvalOptions::new())
                 .map_err(|e| e.to_string())?;
-            toks.push((seq, argmax(&out.logits)));
+            toks.push((seq, argmax(&out[0].logits)));
         }
         prompt_ms = prompt_ms.min(t.elapsed().as_secs_f64() * 1e3 / nb as f64);
         let mut density = 0.0;
@@ -328,10 +322,14 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         for _ in 0..a.tokens {
             let outs = if nb == 1 || a.sequential {
                 toks.iter()
-                    .map(|&(seq, tok)| engine.eval(&mut cache, seq, &[tok], false))
+                    .map(|&(seq, tok)| {
+                        let one = Batch::one(seq, std::slice::from_ref(&tok));
+                        engine.eval(&mut cache, &one, EvalOptions::new())
+                    })
                     .collect::<Result<Vec<_>, _>>()
+                    .map(|v| v.concat())
             } else {
-                engine.decode(&mut cache, &toks)
+                engine.eval(&mut cache, &Batch::decode(&toks), EvalOptions::new())
             }
             .map_err(|e| e.to_string())?;
             for (entry, out) in toks.iter_mut().zip(&outs) {

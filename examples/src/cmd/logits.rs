@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
+use powerinfer_engine::Engine;
 
 /// Arguments of `powerinfer logits`.
 #[derive(clap::Args)]
@@ -40,13 +40,9 @@ pub fn run(args: Args) -> Result<(), String> {
     if tokens.is_empty() {
         return Err("--tokens: no token ids".into());
     }
-    let options = EngineOptions {
-        threads: args.threads,
-        sparse_threshold: args.sparse_threshold,
-        dense: args.dense,
-        ctx_len: tokens.len().max(1),
-        ..Default::default()
-    };
+    let mut options = super::engine_options(args.threads, args.sparse_threshold);
+    options.dense = args.dense;
+    options.ctx_len = tokens.len().max(1);
     let engine =
         Engine::load(&args.model, options).map_err(|e| format!("{}: {e}", args.model.display()))?;
     let logits = engine
@@ -58,7 +54,7 @@ pub fn run(args: Args) -> Result<(), String> {
     eprintln!(
         "wrote {} rows of {} logits to {}",
         tokens.len(),
-        engine.model().hparams.n_vocab,
+        engine.model().hparams().n_vocab,
         args.out.display()
     );
     Ok(())

@@ -15,3 +15,27 @@ pub mod run;
 pub mod synth;
 pub mod tokenize;
 pub mod train_predictor;
+
+use powerinfer_engine::EngineOptions;
+
+/// Engine options with the environment variables PowerInfer and earlier versions of this tool
+/// read applied (the engine library reads none): `LLAMA_SPARSE_PRED_THRESHOLD` (predictor
+/// threshold, when no flag gave one), `POWERINFER_NOFUSE` (one dispatch per product) and
+/// `POWERINFER_CPU_ISA=scalar` (scalar kernels everywhere).
+pub fn engine_options(threads: usize, sparse_threshold: Option<f32>) -> EngineOptions {
+    let mut o = EngineOptions::default();
+    o.threads = threads;
+    o.sparse_threshold = sparse_threshold.or_else(|| {
+        std::env::var("LLAMA_SPARSE_PRED_THRESHOLD")
+            .ok()
+            .and_then(|s| s.trim().parse::<f32>().ok())
+    });
+    o.fuse = std::env::var_os("POWERINFER_NOFUSE").is_none();
+    if std::env::var("POWERINFER_CPU_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+        let b = powerinfer_kernels_cpu::Backend::Scalar;
+        // Fixed for the process before any kernel runs.
+        let _ = b.prefer();
+        o.backend = Some(b);
+    }
+    o
+}

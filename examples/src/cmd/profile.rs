@@ -11,8 +11,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use powerinfer_engine::engine::{Engine, EngineOptions};
-use powerinfer_engine::forward::FfnObserver;
+use powerinfer_engine::Engine;
+use powerinfer_engine::FfnObserver;
 use powerinfer_predictor::profile::{ActivationProfile, StatsKind};
 use powerinfer_predictor::quality::{Confusion, PredictorQuality};
 use powerinfer_predictor::stats::SAFETENSORS_FILE_NAME;
@@ -64,12 +64,8 @@ pub fn load(
         return Err("--ctx must be positive".into());
     }
     let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
-    let options = EngineOptions {
-        threads,
-        sparse_threshold,
-        ctx_len: ctx,
-        ..Default::default()
-    };
+    let mut options = super::engine_options(threads, sparse_threshold);
+    options.ctx_len = ctx;
     let engine = Engine::load(model, options).map_err(|e| format!("{}: {e}", model.display()))?;
     let mut tokens = engine.tokenizer().encode(&text, true, false);
     if max_tokens > 0 {
@@ -154,7 +150,7 @@ pub fn run(args: Args) -> Result<(), String> {
         args.max_tokens,
         args.sparse_threshold,
     )?;
-    let hp = &engine.model().hparams;
+    let hp = &engine.model().hparams();
     let (n_layer, n_ff) = (hp.n_layer, hp.n_ff);
     let theta = engine.threshold();
     if args.eval_predictor && !engine.is_sparse() {

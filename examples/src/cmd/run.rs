@@ -10,11 +10,11 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use powerinfer_engine::engine::{Engine, EngineOptions, Stats};
-use powerinfer_engine::profile::OpProfile;
 use powerinfer_engine::reorder::reorder_neurons;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::OpProfile;
+use powerinfer_engine::{Engine, EngineOptions, Stats};
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ThreadPool;
 use powerinfer_placement::{plan_model, IndexSource, PlanOptions};
@@ -142,15 +142,13 @@ impl Args {
     }
 
     fn options(&self, dense: bool) -> EngineOptions {
-        EngineOptions {
-            threads: self.threads,
-            sparse_threshold: self.sparse_threshold,
-            dense,
-            ctx_len: self.ctx_size,
-            batch: self.batch_size as usize,
-            mmap: !self.no_mmap,
-            repack: self.repack,
-        }
+        let mut o = super::engine_options(self.threads, self.sparse_threshold);
+        o.dense = dense;
+        o.ctx_len = self.ctx_size;
+        o.batch = self.batch_size as usize;
+        o.mmap = !self.no_mmap;
+        o.repack = self.repack;
+        o
     }
 }
 
@@ -416,7 +414,7 @@ pub(crate) fn warn_unused(engine: &Engine) {
     eprintln!(
         "warning: {} tensor(s) in the file are not used by the {} model: {}{}",
         unused.len(),
-        engine.model().hparams.arch.name(),
+        engine.model().hparams().arch.name(),
         shown.join(", "),
         if more > 0 {
             format!(" and {more} more")

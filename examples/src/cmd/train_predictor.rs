@@ -12,10 +12,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use powerinfer_engine::forward::FfnObserver;
-use powerinfer_engine::model::Ffn;
+use powerinfer_engine::FfnObserver;
 use powerinfer_kernels_cpu::{MatMul, ThreadPool};
-use powerinfer_predictor::predictor::{FileDtype, Predictor};
+use powerinfer_predictor::predictor::FileDtype;
 use powerinfer_predictor::quality::Confusion;
 use powerinfer_predictor::train::{
     evaluate, train_layer, write_predictor_dir, LayerSamples, TrainConfig,
@@ -118,7 +117,7 @@ pub fn run(args: Args) -> Result<(), String> {
         args.max_tokens,
         None,
     )?;
-    let hp = &engine.model().hparams;
+    let hp = &engine.model().hparams();
     let (n_layer, n_embd, n_ff) = (hp.n_layer, hp.n_embd, hp.n_ff);
     let mut c = Collector {
         layers: (0..n_layer)
@@ -169,17 +168,11 @@ pub fn run(args: Args) -> Result<(), String> {
         let t = train_layer(samples, &cfg, &mm).map_err(|e| format!("layer {l}: {e}"))?;
         let secs = start.elapsed().as_secs_f64();
         let (_, hold) = samples.split(args.holdout);
-        let file_q = match &engine.model().layers[l].ffn {
-            Ffn::Sparse { fc1, fc2, .. } => {
-                let m = engine.model();
-                let p = Predictor::new(
-                    m.weights(fc1).map_err(|e| e.to_string())?,
-                    m.weights(fc2).map_err(|e| e.to_string())?,
-                )
-                .map_err(|e| e.to_string())?;
+        let file_q = match engine.model().predictor(l).map_err(|e| e.to_string())? {
+            Some(p) => {
                 Some(evaluate(&p, &mm, samples, hold, file_theta).map_err(|e| e.to_string())?)
             }
-            Ffn::Dense { .. } => None,
+            None => None,
         };
         tot_new.merge(&t.holdout);
         match &file_q {

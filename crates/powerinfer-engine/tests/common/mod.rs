@@ -3,21 +3,19 @@
 
 use std::path::PathBuf;
 
-use powerinfer_engine::engine::EngineOptions;
 use powerinfer_engine::synth::{self, Arch, Family, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::EngineOptions;
 use powerinfer_gguf::GgmlType;
 
 /// Engine options of the tests: 2 threads, θ = 0, a 256-position context.
 pub fn opts(dense: bool) -> EngineOptions {
-    EngineOptions {
-        threads: 2,
-        sparse_threshold: Some(0.0),
-        dense,
-        ctx_len: 256,
-        batch: 64,
-        mmap: false,
-        repack: false,
-    }
+    let mut o = EngineOptions::default();
+    o.threads = 2;
+    o.sparse_threshold = Some(0.0);
+    o.dense = dense;
+    o.ctx_len = 256;
+    o.mmap = false;
+    o
 }
 
 /// A fixed prompt of ordinary token ids (BOS first).

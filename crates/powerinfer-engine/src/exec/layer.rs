@@ -1,0 +1,114 @@
+//! The attention half of a layer.
+//!
+//! `llama`/`bamboo`: RMSNorm → Q/K/V products → RoPE (mode 0) → append K/V to the F16 cache →
+//! causal attention (GQA) → `attn_output`. `opt`: LayerNorm, biases on every product, no RoPE.
+//! `falcon`: LayerNorm (`attn_norm_2` for the attention where the layer has one), fused QKV,
+//! NeoX RoPE.
+
+use powerinfer_kernels_cpu::ops::attention::attention_block;
+use powerinfer_kernels_cpu::ops::rope::rope_block;
+
+use super::step::{add_bias, norm, LayerRun, Step};
+use super::weights::{product, products_one_token, QkvMats};
+use crate::error::Result;
+use crate::kv_cache::KvCache;
+use crate::model::Qkv;
+use crate::profile::Op;
+
+/// The attention half of layer `l` over the batch: reads the layer input `x` and returns the
+/// attention's output (`attn_output` and its bias applied; the buffer is `step.buf.tmp`,
+/// handed back there by the caller). Leaves `attn_norm(x)` in `step.buf.cur` (`falcon`'s FFN
+/// reads it).
+pub(crate) fn attention(
+    step: &mut Step<'_>,
+    cache: &mut KvCache,
+    run: &LayerRun<'_, '_>,
+    x: &[f32],
+) -> Result<Vec<f32>> {
+    let (l, layer, mats) = (run.index, run.layer, run.mats);
+    let (t, hp, mm) = (step.t, step.hp, step.mm);
+    let laps = &mut step.laps;
+    let (ne, nkv, hd) = (hp.n_embd, hp.n_embd_kv(), hp.head_dim());
+    let b = &mut step.buf;
+    let fit = |v: &mut Vec<f32>, n: usize| {
+        v.clear();
+        v.resize(n, 0.0);
+    };
+    fit(&mut b.cur, t * ne);
+    fit(&mut b.q, t * ne);
+    fit(&mut b.k, t * nkv);
+    fit(&mut b.v, t * nkv);
+    fit(&mut b.heads, t * ne);
+    fit(&mut b.tmp, t * ne);
+    norm(x, &layer.attn_norm, hp.rms_eps, &mut b.cur)?;
+    let attn_in: &[f32] = match &layer.attn_norm_2 {
+        Some(n2) => {
+            fit(&mut b.cur2, t * ne);
+            norm(x, n2, hp.rms_eps, &mut b.cur2)?;
+            &b.cur2
+        }
+        None => &b.cur,
+    };
+    laps.lap(Op::Norm, || 0);
+    match (&mats.qkv, &layer.qkv) {
+        (QkvMats::Separate([wq, wk, wv]), Qkv::Separate { bq, bk, bv, .. }) => {
+            if t == 1 && step.opts.fuse {
+                // One token: the three products in one dispatch.
+                products_one_token(
+                    mm,
+                    &mut [
+                        (wq, attn_in, &mut b.q),
+                        (wk, attn_in, &mut b.k),
+                        (wv, attn_in, &mut b.v),
+                    ],
+                )?;
+            } else {
+                product(mm, wq, attn_in, t, &mut b.q)?;
+                product(mm, wk, attn_in, t, &mut b.k)?;
+                product(mm, wv, attn_in, t, &mut b.v)?;
+            }
+            add_bias(&mut b.q, bq.as_deref())?;
+            add_bias(&mut b.k, bk.as_deref())?;
+            add_bias(&mut b.v, bv.as_deref())?;
+            laps.lap(Op::Qkv, || wq.bytes() + wk.bytes() + wv.bytes());
+        }
+        (QkvMats::Fused(w), _) => {
+            let width = ne + 2 * nkv;
+            fit(&mut b.qkv, t * width);
+            product(mm, w, attn_in, t, &mut b.qkv)?;
+            for (i, row) in b.qkv.chunks_exact(width).enumerate() {
+                b.q[i * ne..(i + 1) * ne].copy_from_slice(&row[..ne]);
+                b.k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
+                b.v[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne + nkv..]);
+            }
+            laps.lap(Op::Qkv, || w.bytes());
+        }
+        (QkvMats::Separate(_), Qkv::Fused(_)) => unreachable!("views follow the model"),
+    }
+    if let Some(rope) = &step.rope {
+        rope_block(&mut b.q, hp.n_head, hd, &step.positions, rope)?;
+        rope_block(&mut b.k, hp.n_head_kv, hd, &step.positions, rope)?;
+    }
+    let mut kv_bytes = 0u64;
+    for (sg, &s0) in step.segments.iter().zip(&step.starts) {
+        let n = sg.tokens.len();
+        if n == 0 {
+            continue;
+        }
+        cache.append(
+            sg.seq,
+            l,
+            &b.k[s0 * nkv..][..n * nkv],
+            &b.v[s0 * nkv..][..n * nkv],
+        )?;
+        let (kc, vc) = cache.layer(sg.seq, l)?;
+        kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
+        let (q_s, out_s) = (&b.q[s0 * ne..][..n * ne], &mut b.heads[s0 * ne..][..n * ne]);
+        attention_block(mm.pool(), q_s, kc, vc, n, &step.ap, out_s)?;
+    }
+    laps.lap(Op::Attention, || kv_bytes);
+    product(mm, &mats.wo, &b.heads, t, &mut b.tmp)?;
+    add_bias(&mut b.tmp, layer.bo.as_deref())?;
+    laps.lap(Op::AttnOutput, || mats.wo.bytes());
+    Ok(std::mem::take(&mut b.tmp))
+}

@@ -1,0 +1,397 @@
+//! The executor: runs a batch of tokens through a model, layer by layer, on the CPU kernels.
+//!
+//! [`Executor`] holds everything about *how* a model is run (the predictor threshold, dense
+//! or sparse FFN, the repacked copies, the learned thread splits of the sparse FFN), while
+//! [`Model`] holds only what the file says. A decode step walks:
+//!
+//! 1. [`Executor::eval`] (this file): embeddings, then each layer, then the output head;
+//! 2. [`layer::attention`] (with the shared state of [`step::Step`]): norm, Q/K/V, RoPE, KV cache, attention, `attn_output`;
+//! 3. [`ffn::forward`]: the layer's FFN, where `ffn::sparse` divides a sparse layer's
+//!    neurons between the devices;
+//! 4. back here for the residual and the next layer.
+
+pub(crate) mod ffn;
+pub(crate) mod fused;
+pub(crate) mod layer;
+pub(crate) mod step;
+pub(crate) mod weights;
+
+use powerinfer_kernels_cpu::ops::activation::add;
+use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
+
+use crate::error::{EngineError, Result};
+use crate::kv_cache::{KvCache, SeqId};
+use crate::model::{Arch, Model, OPT_POSITION_OFFSET};
+use crate::observer::FfnObserver;
+use crate::profile::{Laps, Op, OpProfile};
+
+use fused::FusedSplit;
+use step::{norm, LayerRun, Step};
+use weights::{product, ModelMats, Repacked};
+
+/// A block of consecutive new tokens of one sequence: one entry of a [`Batch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment<'a> {
+    /// The sequence the tokens continue.
+    pub seq: SeqId,
+    /// The tokens, evaluated as the next positions of `seq`.
+    pub tokens: &'a [u32],
+}
+
+/// The work of one evaluation: new tokens of one or several sequences (prompt blocks and
+/// decode tokens side by side), each weight read once for all of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Batch<'a> {
+    segments: Vec<Segment<'a>>,
+}
+
+impl<'a> Batch<'a> {
+    /// An empty batch.
+    pub fn new() -> Batch<'a> {
+        Batch::default()
+    }
+
+    /// A batch of `tokens` of one sequence.
+    pub fn one(seq: SeqId, tokens: &'a [u32]) -> Batch<'a> {
+        Batch {
+            segments: vec![Segment { seq, tokens }],
+        }
+    }
+
+    /// One decode step: one token of each listed sequence.
+    pub fn decode(step: &'a [(SeqId, u32)]) -> Batch<'a> {
+        Batch {
+            segments: step
+                .iter()
+                .map(|(seq, tok)| Segment {
+                    seq: *seq,
+                    tokens: std::slice::from_ref(tok),
+                })
+                .collect(),
+        }
+    }
+
+    /// Adds `tokens` of sequence `seq`.
+    pub fn push(&mut self, seq: SeqId, tokens: &'a [u32]) -> &mut Self {
+        self.segments.push(Segment { seq, tokens });
+        self
+    }
+
+    /// The segments, in order.
+    pub fn segments(&self) -> &[Segment<'a>] {
+        &self.segments
+    }
+
+    /// Tokens in all segments.
+    pub fn n_tokens(&self) -> usize {
+        self.segments.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// Which logits an evaluation returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Logits {
+    /// Each segment's last token's (what sampling needs).
+    #[default]
+    Last,
+    /// Every token's (scoring a text, perplexity).
+    All,
+}
+
+/// How one evaluation runs and what it reports ([`Engine::eval`](crate::Engine::eval)).
+#[derive(Default)]
+#[non_exhaustive]
+pub struct EvalOptions<'a> {
+    /// Which logits to return.
+    pub logits: Logits,
+    /// Sees every layer's FFN (which is then computed densely): profiling activations,
+    /// training and evaluating predictors.
+    pub observer: Option<&'a mut dyn FfnObserver>,
+    /// Receives each operation's time, calls and bytes read.
+    pub profile: Option<&'a mut OpProfile>,
+}
+
+impl<'a> EvalOptions<'a> {
+    /// The defaults: the last token's logits, nothing observed or profiled.
+    pub fn new() -> EvalOptions<'a> {
+        EvalOptions::default()
+    }
+
+    /// Returns every token's logits.
+    pub fn all_logits(mut self) -> Self {
+        self.logits = Logits::All;
+        self
+    }
+
+    /// Reports every layer's FFN to `observer` (computed densely).
+    pub fn observe(mut self, observer: &'a mut dyn FfnObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Adds each operation's time, calls and bytes read to `profile`.
+    pub fn profile(mut self, profile: &'a mut OpProfile) -> Self {
+        self.profile = Some(profile);
+        self
+    }
+}
+
+impl std::fmt::Debug for EvalOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EvalOptions")
+            .field("logits", &self.logits)
+            .field("observer", &self.observer.is_some())
+            .field("profile", &self.profile.is_some())
+            .finish()
+    }
+}
+
+/// The result of evaluating one segment.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct EvalOutput {
+    /// Logits, `n_vocab` per row: one row per token of the segment, or only the last token's.
+    pub logits: Vec<f32>,
+    /// Per token, the mean over layers of the share of FFN neurons computed (1 for dense FFNs).
+    pub density: Vec<f32>,
+}
+
+/// How the executor computes the FFN.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ExecOptions {
+    /// Predictor threshold θ (a neuron is active when its score is ≥ θ).
+    pub(crate) threshold: f32,
+    /// Compute every neuron of a PowerInfer file (ignore the predictor).
+    pub(crate) dense: bool,
+    /// Put a token's several row-parallel products in one thread-pool dispatch.
+    pub(crate) fuse: bool,
+}
+
+/// Execution state of a model: options, repacked copies and learned splits.
+pub(crate) struct Executor {
+    opts: ExecOptions,
+    backend: Backend,
+    repacked: Repacked,
+    /// Per layer: where the one-token sparse FFN cuts its neurons among threads.
+    splits: Vec<FusedSplit>,
+}
+
+impl Executor {
+    /// An executor for `model` on `mm`'s backend; `repack`: make repacked copies of the dense
+    /// Q4_0 matrices of one-token products.
+    pub(crate) fn new(model: &Model, mm: &MatMul<'_>, opts: ExecOptions, repack: bool) -> Executor {
+        Executor {
+            opts,
+            backend: mm.backend(),
+            repacked: Repacked::new(model, mm, repack),
+            splits: model.layers.iter().map(|_| FusedSplit::default()).collect(),
+        }
+    }
+
+    /// The options.
+    pub(crate) fn options(&self) -> ExecOptions {
+        self.opts
+    }
+
+    /// Makes every repacked copy now.
+    pub(crate) fn repack_now(&self, model: &Model, pool: &ThreadPool) -> Result<()> {
+        let mm = MatMul::with_backend(pool, self.backend)?;
+        self.repacked
+            .make_all(&ModelMats::new(model, &self.repacked)?, &mm);
+        Ok(())
+    }
+
+    /// Bytes of repacked copies held.
+    pub(crate) fn packed_bytes(&self) -> usize {
+        self.repacked.bytes()
+    }
+
+    /// Evaluates `batch`: every weight product runs once over all its tokens, RoPE, the KV
+    /// cache and attention are per sequence. Returns one [`EvalOutput`] per segment, in order.
+    ///
+    /// A token's result equals that of evaluating its sequence alone up to rounding: for float
+    /// weights the products of several tokens sum in another order than one token's; for
+    /// quantized weights they are bit-identical.
+    ///
+    /// Errors: a sequence twice in the batch, an unknown sequence, or a segment that does not
+    /// fit its context; nothing is evaluated then. On a later error some layers may hold the
+    /// batch's K/V rows: clear its sequences before using them again.
+    pub(crate) fn eval(
+        &self,
+        model: &Model,
+        pool: &ThreadPool,
+        cache: &mut KvCache,
+        batch: &Batch<'_>,
+        opts: EvalOptions<'_>,
+    ) -> Result<Vec<EvalOutput>> {
+        let segments = batch.segments();
+        let hp = &model.hparams;
+        let mut starts = Vec::with_capacity(segments.len());
+        let mut positions = Vec::new();
+        let mut tokens = Vec::new();
+        for (i, sg) in segments.iter().enumerate() {
+            if segments[..i].iter().any(|o| o.seq == sg.seq) {
+                return Err(EngineError::Invalid(format!(
+                    "sequence {} appears twice in one batch",
+                    sg.seq
+                )));
+            }
+            cache.reserve(sg.seq, sg.tokens.len())?;
+            let p0 = cache.pos(sg.seq)?;
+            starts.push(tokens.len());
+            positions.extend(p0..p0 + sg.tokens.len());
+            tokens.extend_from_slice(sg.tokens);
+        }
+        let t = tokens.len();
+        let empty = || EvalOutput {
+            logits: Vec::new(),
+            density: Vec::new(),
+        };
+        if t == 0 {
+            return Ok(segments.iter().map(|_| empty()).collect());
+        }
+        let ne = hp.n_embd;
+        let mm = MatMul::with_backend(pool, self.backend)?;
+        let mats = ModelMats::new(model, &self.repacked)?;
+        let EvalOptions {
+            logits: which,
+            observer,
+            profile,
+        } = opts;
+        let mut step = Step::new(model, &mm, self.opts, t, positions, segments, starts);
+        step.laps = Laps::new(profile);
+        step.observer = observer.map(|o| o as &mut dyn FfnObserver);
+        step.laps.eval(t);
+
+        let mut x = vec![0f32; t * ne];
+        embed(model, &tokens, &step.positions, &mut x)?;
+        step.laps.lap(Op::Other, || 0);
+        for (l, (layer, lm)) in model.layers.iter().zip(&mats.layers).enumerate() {
+            let run = LayerRun {
+                index: l,
+                layer,
+                mats: lm,
+                split: &self.splits[l],
+            };
+            let attn = layer::attention(&mut step, cache, &run, &x)?;
+            if hp.arch == Arch::Falcon {
+                // Parallel block: the FFN reads attn_norm(x), the predictor the layer input x.
+                let mut out = std::mem::take(&mut step.buf.ffn_out);
+                out.resize(t * ne, 0.0);
+                let cur = std::mem::take(&mut step.buf.cur);
+                ffn::forward(&mut step, &run, &x, &cur, &mut out)?;
+                step.buf.cur = cur;
+                add(&mut out, &attn)?;
+                add(&mut x, &out)?;
+                step.buf.ffn_out = out;
+                step.buf.tmp = attn;
+            } else {
+                add(&mut x, &attn)?; // x = ffn_inp
+                step.laps.lap(Op::Other, || 0);
+                let mut cur = std::mem::take(&mut step.buf.cur);
+                if let Some(n) = &layer.ffn_norm {
+                    norm(&x, n, hp.rms_eps, &mut cur)?;
+                    step.laps.lap(Op::Norm, || 0);
+                }
+                let mut out = attn;
+                ffn::forward(&mut step, &run, &x, &cur, &mut out)?;
+                step.buf.cur = cur;
+                add(&mut x, &out)?;
+                step.buf.tmp = out;
+            }
+            step.laps.lap(Op::Other, || 0);
+        }
+        for sg in segments {
+            cache.advance(sg.seq, sg.tokens.len())?;
+        }
+
+        let n_layer = model.layers.len().max(1) as f32;
+        let mut density = std::mem::take(&mut step.density);
+        density.iter_mut().for_each(|d| *d /= n_layer);
+        // The rows whose logits are returned: every token, or each segment's last.
+        let all = which == Logits::All;
+        let rows: Vec<usize> = if all {
+            (0..t).collect()
+        } else {
+            segments
+                .iter()
+                .zip(&step.starts)
+                .filter(|(sg, _)| !sg.tokens.is_empty())
+                .map(|(sg, &s0)| s0 + sg.tokens.len() - 1)
+                .collect()
+        };
+        let n_out = rows.len();
+        let mut normed = vec![0f32; n_out * ne];
+        if n_out == t {
+            norm(&x, &model.output_norm, hp.rms_eps, &mut normed)?;
+        } else {
+            let mut picked = vec![0f32; n_out * ne];
+            for (dst, &r) in picked.chunks_exact_mut(ne).zip(&rows) {
+                dst.copy_from_slice(&x[r * ne..][..ne]);
+            }
+            norm(&picked, &model.output_norm, hp.rms_eps, &mut normed)?;
+        }
+        step.laps.lap(Op::Norm, || 0);
+        let nv = hp.n_vocab;
+        let mut logits = vec![0f32; n_out * nv];
+        product(&mm, &mats.output, &normed, n_out, &mut logits)?;
+        step.laps.lap(Op::OutputHead, || mats.output.bytes());
+        let mut outs = Vec::with_capacity(segments.len());
+        let mut row = 0;
+        for (sg, &s0) in segments.iter().zip(&step.starts) {
+            let n = sg.tokens.len();
+            if n == 0 {
+                outs.push(empty());
+                continue;
+            }
+            let k = if all { n } else { 1 };
+            outs.push(EvalOutput {
+                logits: logits[row * nv..(row + k) * nv].to_vec(),
+                density: density[s0..s0 + n].to_vec(),
+            });
+            row += k;
+        }
+        step.laps.lap(Op::Other, || 0);
+        Ok(outs)
+    }
+}
+
+/// The embeddings of `tokens` into `x` (`n_embd` each): rows of `token_embd`, plus, for `opt`,
+/// the learned position embedding of each token's position.
+fn embed(model: &Model, tokens: &[u32], positions: &[usize], x: &mut [f32]) -> Result<()> {
+    let ne = model.hparams.n_embd;
+    let file = model.file();
+    let row_of = |t: &crate::model::TensorRef, row: usize, out: &mut [f32]| -> Result<()> {
+        let data = file.data_of(&t.info);
+        let row_bytes = data.len() / t.rows;
+        let bytes = &data[row * row_bytes..][..row_bytes];
+        powerinfer_gguf::quants::dequantize(t.ty, bytes, out)?;
+        Ok(())
+    };
+    let te = &model.tok_embd;
+    for (out, &tok) in x.chunks_exact_mut(ne).zip(tokens) {
+        if tok as usize >= te.rows {
+            return Err(EngineError::InvalidToken {
+                id: tok,
+                n_vocab: te.rows,
+            });
+        }
+        row_of(te, tok as usize, out)?;
+    }
+    if let Some(pe) = &model.pos_embd {
+        let mut scratch = vec![0f32; ne];
+        for (out, &pos) in x.chunks_exact_mut(ne).zip(positions) {
+            let row = pos + OPT_POSITION_OFFSET;
+            if row >= pe.rows {
+                return Err(EngineError::ContextFull {
+                    needed: pos + 1,
+                    ctx_len: pe.rows - OPT_POSITION_OFFSET,
+                });
+            }
+            row_of(pe, row, &mut scratch)?;
+            add(out, &scratch)?;
+        }
+    }
+    Ok(())
+}

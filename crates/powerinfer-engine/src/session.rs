@@ -1,0 +1,360 @@
+//! [`Session`]: one sequence over an [`Engine`] with its own KV cache, text generation
+//! ([`Session::generate`]) and statistics ([`Stats`]).
+
+use std::time::{Duration, Instant};
+
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
+use crate::exec::{Batch, EvalOptions};
+use crate::kv_cache::{KvCache, SeqId};
+use crate::observer::FfnObserver;
+use crate::profile::OpProfile;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::StreamDecoder;
+
+/// Timings and sparsity of a session.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Model load time.
+    pub load_time: Duration,
+    /// Prompt tokens evaluated.
+    pub prompt_tokens: usize,
+    /// Time spent on prompt blocks.
+    pub prompt_time: Duration,
+    /// Single-token decode steps.
+    pub decode_tokens: usize,
+    /// Time spent on decode steps.
+    pub decode_time: Duration,
+    /// Sum over evaluated tokens of the mean FFN density (active / n_ff, averaged over layers).
+    pub density_sum: f64,
+    /// Tokens in `density_sum`.
+    pub density_tokens: usize,
+}
+
+impl Stats {
+    /// Prompt tokens per second.
+    pub fn prompt_tps(&self) -> f64 {
+        rate(self.prompt_tokens, self.prompt_time)
+    }
+
+    /// Decode tokens per second.
+    pub fn decode_tps(&self) -> f64 {
+        rate(self.decode_tokens, self.decode_time)
+    }
+
+    /// Mean FFN density over every evaluated token (1 for a dense FFN).
+    pub fn ffn_density(&self) -> f64 {
+        if self.density_tokens == 0 {
+            0.0
+        } else {
+            self.density_sum / self.density_tokens as f64
+        }
+    }
+
+    fn record(&mut self, density: &[f32]) {
+        self.density_sum += density.iter().map(|&d| d as f64).sum::<f64>();
+        self.density_tokens += density.len();
+    }
+}
+
+fn rate(n: usize, t: Duration) -> f64 {
+    let s = t.as_secs_f64();
+    if s > 0.0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Token {
+    /// Token id.
+    pub id: u32,
+    /// The text this token completes (may be empty while a multi-byte character is pending).
+    pub text: String,
+}
+
+/// One sequence of generation over an [`Engine`].
+#[derive(Debug)]
+pub struct Session<'e> {
+    engine: &'e Engine,
+    cache: KvCache,
+    seq: SeqId,
+    stats: Stats,
+    profile: Option<OpProfile>,
+    /// The last token [`Session::generate`] sampled and gave out, which no logits were needed
+    /// for yet: evaluated first by the session's next evaluation (so a generation that ends
+    /// spends no forward pass on its last token, and the sequence still holds it after).
+    unevaluated: Option<u32>,
+}
+
+impl Engine {
+    /// A new session (its own KV cache with one sequence).
+    pub fn session(&self) -> Session<'_> {
+        Session::new(self)
+    }
+}
+
+impl<'e> Session<'e> {
+    /// A session over `engine` with its own KV cache holding one empty sequence.
+    pub fn new(engine: &'e Engine) -> Session<'e> {
+        let mut cache = engine.new_cache();
+        let seq = cache.add_sequence();
+        Session {
+            engine,
+            cache,
+            seq,
+            stats: Stats {
+                load_time: engine.load_time(),
+                ..Stats::default()
+            },
+            profile: None,
+            unevaluated: None,
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &'e Engine {
+        self.engine
+    }
+
+    /// Statistics so far.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Starts (`true`, from an empty profile) or stops recording where the decode steps'
+    /// time goes ([`Session::profile`]). Only single-token decode steps (those of
+    /// [`Session::generate`] after the prompt) are recorded; the clock is read between
+    /// operations, which costs well under a microsecond per layer.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(OpProfile::new);
+    }
+
+    /// Time, calls and bytes read per operation over the decode steps since
+    /// [`set_profiling(true)`](Session::set_profiling); `None` when not recording.
+    pub fn profile(&self) -> Option<&OpProfile> {
+        self.profile.as_ref()
+    }
+
+    /// Tokens of the session's sequence: those in the KV cache, and a last generated token
+    /// that the next evaluation will put there.
+    pub fn n_past(&self) -> usize {
+        self.cache.pos(self.seq).unwrap_or(0) + usize::from(self.unevaluated.is_some())
+    }
+
+    /// Forgets every token (the statistics stay).
+    pub fn reset(&mut self) {
+        self.unevaluated = None;
+        // The sequence was created by `Engine::session` and is never removed.
+        let _ = self.cache.clear(self.seq);
+    }
+
+    /// Evaluates `tokens` (in blocks of [`EngineOptions::batch`](crate::EngineOptions::batch)) and returns the logits of the
+    /// last one (`n_vocab` values). Counted as prompt time. On an error the session is reset
+    /// (its KV cache could hold part of a block).
+    pub fn eval(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut last = Vec::new();
+        for block in tokens.chunks(self.engine.batch_size()) {
+            last = self.eval_block(block, false, true)?;
+        }
+        Ok(last)
+    }
+
+    /// Evaluates `tokens` and returns the logits of every position (`tokens.len() · n_vocab`
+    /// values, position after position). Counted as prompt time.
+    pub fn eval_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut all = Vec::with_capacity(tokens.len() * self.engine.model().hparams().n_vocab);
+        for block in tokens.chunks(self.engine.batch_size()) {
+            all.extend(self.eval_block(block, true, true)?);
+        }
+        Ok(all)
+    }
+
+    /// Evaluates `tokens` (in blocks of [`EngineOptions::batch`](crate::EngineOptions::batch)) with an observer of every
+    /// layer's FFN: the FFN is computed densely and the observer sees its input, true
+    /// activations and predictor scores (profiling, predictor training and evaluation).
+    /// Returns the logits of the last token. Counted as prompt time.
+    pub fn eval_observed(
+        &mut self,
+        tokens: &[u32],
+        observer: &mut dyn FfnObserver,
+    ) -> Result<Vec<f32>> {
+        let mut last = Vec::new();
+        for block in tokens.chunks(self.engine.batch_size()) {
+            last = self.eval_block_with(block, false, true, Some(&mut *observer))?;
+        }
+        Ok(last)
+    }
+
+    fn eval_block(&mut self, tokens: &[u32], all: bool, prompt: bool) -> Result<Vec<f32>> {
+        self.eval_block_with(tokens, all, prompt, None)
+    }
+
+    fn eval_block_with(
+        &mut self,
+        tokens: &[u32],
+        all: bool,
+        prompt: bool,
+        observer: Option<&mut dyn FfnObserver>,
+    ) -> Result<Vec<f32>> {
+        let start = Instant::now();
+        let e = self.engine;
+        let joined: Vec<u32>;
+        let first = self.unevaluated.take();
+        let tokens = match first {
+            Some(t) => {
+                joined = std::iter::once(t).chain(tokens.iter().copied()).collect();
+                &joined[..]
+            }
+            None => tokens,
+        };
+        let batch = Batch::one(self.seq, tokens);
+        let mut opts = EvalOptions::new();
+        if all {
+            opts = opts.all_logits();
+        }
+        if let Some(o) = observer {
+            opts = opts.observe(o);
+        } else if let (Some(p), false) = (self.profile.as_mut(), prompt) {
+            opts = opts.profile(p);
+        }
+        let out = e
+            .eval(&mut self.cache, &batch, opts)
+            .inspect_err(|_| self.reset())?
+            .pop()
+            .expect("one output per segment");
+        let dt = start.elapsed();
+        if prompt {
+            self.stats.prompt_tokens += tokens.len();
+            self.stats.prompt_time += dt;
+        } else {
+            self.stats.decode_tokens += tokens.len();
+            self.stats.decode_time += dt;
+        }
+        self.stats.record(&out.density);
+        let mut logits = out.logits;
+        if all && first.is_some() {
+            // The caller asked for the rows of its own tokens.
+            logits.drain(..e.model().hparams().n_vocab);
+        }
+        Ok(logits)
+    }
+
+    /// Generates text after `prompt` (tokenized with BOS and special tokens parsed), continuing
+    /// the session's sequence. The iterator evaluates the prompt on its first call and then
+    /// one token per call; it ends after `max_tokens` tokens, at an end-of-generation token
+    /// (not returned) if `stop_at_eog`, or after the token whose text completes a stop string.
+    pub fn generate<'s>(&'s mut self, prompt: &str, params: SamplingParams) -> Generate<'s, 'e> {
+        let engine = self.engine;
+        let add_bos = self.n_past() == 0;
+        let prompt_tokens = engine.tokenizer().encode(prompt, add_bos, true);
+        Generate {
+            decoder: engine.tokenizer().stream_decoder(false),
+            session: self,
+            sampler: Sampler::new(params),
+            prompt: Some(prompt_tokens),
+            logits: Vec::new(),
+            pending: None,
+            text: String::new(),
+            n_generated: 0,
+            done: false,
+        }
+    }
+}
+
+/// The iterator of [`Session::generate`].
+pub struct Generate<'s, 'e> {
+    session: &'s mut Session<'e>,
+    decoder: StreamDecoder<'e>,
+    sampler: Sampler,
+    prompt: Option<Vec<u32>>,
+    logits: Vec<f32>,
+    pending: Option<u32>,
+    text: String,
+    n_generated: usize,
+    done: bool,
+}
+
+impl Generate<'_, '_> {
+    /// The text generated so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The statistics of the session.
+    pub fn stats(&self) -> &Stats {
+        &self.session.stats
+    }
+
+    fn step(&mut self) -> Result<Option<Token>> {
+        if let Some(prompt) = self.prompt.take() {
+            if prompt.is_empty() {
+                return Err(EngineError::Invalid("the prompt has no tokens".into()));
+            }
+            prompt.iter().for_each(|&t| self.sampler.accept(t));
+            self.logits = self.session.eval(&prompt)?;
+        }
+        if self.n_generated >= self.sampler.params().max_tokens {
+            // The last token given out stays pending: `Drop` hands it to the session.
+            return Ok(None);
+        }
+        if let Some(tok) = self.pending.take() {
+            self.logits = self.session.eval_block(&[tok], false, false)?;
+        }
+        let id = self.sampler.sample(&mut self.logits);
+        self.sampler.accept(id);
+        let tokenizer = self.session.engine.tokenizer();
+        if self.sampler.params().stop_at_eog && tokenizer.is_eog(id) {
+            return Ok(None);
+        }
+        let text = self.decoder.push(id)?;
+        self.text.push_str(&text);
+        self.n_generated += 1;
+        if self
+            .sampler
+            .params()
+            .stop
+            .iter()
+            .any(|s| !s.is_empty() && self.text.contains(s.as_str()))
+        {
+            self.done = true;
+        }
+        self.pending = Some(id);
+        Ok(Some(Token { id, text }))
+    }
+}
+
+impl Drop for Generate<'_, '_> {
+    /// A sampled token that was given out but not evaluated (the generation ended, or the
+    /// caller stopped early) stays in the session's sequence: its next evaluation starts with
+    /// it.
+    fn drop(&mut self) {
+        if let Some(t) = self.pending.take() {
+            self.session.unevaluated = Some(t);
+        }
+    }
+}
+
+impl Iterator for Generate<'_, '_> {
+    type Item = Result<Token>;
+
+    fn next(&mut self) -> Option<Result<Token>> {
+        if self.done {
+            return None;
+        }
+        match self.step() {
+            Ok(Some(t)) => Some(Ok(t)),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! The README's "Use it as a library" program is `examples/library.rs` exactly, and it runs:
+//! it loads a synthetic model, generates and prints its speed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use powerinfer_engine::synth::{self, Shape, SynthConfig, SynthOutputs};
+
+/// The first ```rust block after the heading `## Use it as a library` in the README.
+fn readme_program() -> String {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .expect("README.md");
+    let section = readme
+        .split_once("## Use it as a library")
+        .expect("the README has a library section")
+        .1;
+    let code = section.split_once("```rust\n").expect("a rust block").1;
+    code.split_once("```")
+        .expect("the block ends")
+        .0
+        .to_string()
+}
+
+/// `target/<profile>/examples/library`, built by `cargo test` beside this test's binary.
+fn example_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().unwrap().parent().unwrap();
+    profile_dir
+        .join("examples")
+        .join(format!("library{}", std::env::consts::EXE_SUFFIX))
+}
+
+#[test]
+fn readme_program_is_the_example_and_runs() {
+    let file =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/library.rs"))
+            .unwrap();
+    assert_eq!(
+        readme_program(),
+        file,
+        "README.md and examples/library.rs differ"
+    );
+    assert!(
+        file.lines().count() <= 25,
+        "the library program stays short"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.powerinfer.gguf");
+    let cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
+    let out = SynthOutputs {
+        model: model.clone(),
+        dense: None,
+        activation_dir: None,
+        predictor_dir: None,
+    };
+    synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
+    let bin = example_binary();
+    assert!(
+        bin.exists(),
+        "{} not built (cargo test builds examples)",
+        bin.display()
+    );
+    let run = Command::new(&bin).arg(&model).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or("");
+    let (n, rest) = last.split_once(" tokens, ").expect("a speed line");
+    let tps = rest.strip_suffix(" tokens/s").expect("tokens/s");
+    assert!(
+        n.parse::<usize>().is_ok_and(|n| n <= 16),
+        "last line: {last:?}"
+    );
+    assert!(
+        tps.parse::<f64>().is_ok_and(|v| v >= 0.0),
+        "last line: {last:?}"
+    );
+}
