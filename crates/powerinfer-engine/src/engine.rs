@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 use powerinfer_gguf::GgufFile;
 use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
 
+use crate::device::placement::{self, Opened};
+use crate::device::{DeviceOptions, DeviceReport};
 use crate::error::Result;
 use crate::exec::{Batch, EvalOptions, EvalOutput, ExecOptions, Executor};
 use crate::kv_cache::KvCache;
@@ -44,6 +46,8 @@ pub struct EngineOptions {
     pub fuse: bool,
     /// The CPU kernels' instruction set; `None` = the best this CPU has.
     pub backend: Option<Backend>,
+    /// A device beside the CPU (a GPU, or the simulated one) and what it holds.
+    pub device: DeviceOptions,
 }
 
 impl Default for EngineOptions {
@@ -58,6 +62,7 @@ impl Default for EngineOptions {
             repack: false,
             fuse: true,
             backend: None,
+            device: DeviceOptions::default(),
         }
     }
 }
@@ -83,6 +88,8 @@ pub struct Engine {
     ctx_len: usize,
     batch: usize,
     load_time: Duration,
+    /// Why no device runs anything although one was asked for.
+    device_note: Option<String>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -134,12 +141,21 @@ impl Engine {
             dense: options.dense,
             fuse: options.fuse,
         };
-        let exec = Executor::new(&model, &mm, exec_opts, options.repack);
+        let batch = options.batch.max(1);
+        let (hybrid, device_note) = match placement::open(&options.device, &model, batch)? {
+            Opened::Device(d) => (
+                Some(placement::place(&model, path, &options.device, d, batch)?),
+                None,
+            ),
+            Opened::Cpu(note) => (None, note),
+        };
+        let exec = Executor::new(&model, &mm, exec_opts, options.repack, hybrid);
         Ok(Engine {
+            device_note,
             tokenizer,
             exec,
             ctx_len,
-            batch: options.batch.max(1),
+            batch,
             load_time: start.elapsed(),
             model,
             pool,
@@ -157,6 +173,16 @@ impl Engine {
     /// Bytes of repacked copies held ([`EngineOptions::repack`]).
     pub fn packed_bytes(&self) -> usize {
         self.exec.packed_bytes()
+    }
+
+    /// The device beside the CPU: what it holds and has computed (`kind` `none` without one,
+    /// with a `note` saying why when one was asked for).
+    pub fn device_report(&self) -> DeviceReport {
+        self.exec.device_report().unwrap_or_else(|| DeviceReport {
+            kind: "none".into(),
+            note: self.device_note.clone(),
+            ..DeviceReport::default()
+        })
     }
 
     /// The model.

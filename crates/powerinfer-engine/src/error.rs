@@ -65,6 +65,27 @@ pub enum EngineError {
     /// An invalid argument (empty prompt, bad option).
     #[error("{0}")]
     Invalid(String),
+    /// The device that was asked for cannot be used (no driver, no device, too old).
+    #[error("no GPU: {0}")]
+    NoGpu(String),
+    /// The device's memory budget refused an allocation; nothing was allocated.
+    #[error(
+        "device memory budget exceeded: {requested} bytes requested, {used} of {limit} in use"
+    )]
+    DeviceMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes in use.
+        used: u64,
+        /// The budget.
+        limit: u64,
+    },
+    /// The device failed.
+    #[error("device: {0}")]
+    Device(String),
+    /// The neuron placement could not be planned (statistics, GPU index, budget).
+    #[error("placement: {0}")]
+    Placement(#[from] powerinfer_placement::PlacementError),
 }
 
 /// `Result` with [`EngineError`].

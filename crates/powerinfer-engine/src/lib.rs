@@ -2,7 +2,8 @@
 //!
 //! The inference engine of powerinfer-rs: loads `llama`, `bamboo`, `falcon` and `opt` models
 //! from PowerInfer files (`PWRI`, sparse FFN with a predictor) and plain GGUF files, and
-//! generates text on the CPU kernels.
+//! generates text on the CPU kernels, with the hottest neurons of each layer on a device beside
+//! the CPU when one is asked for ([`DeviceOptions`]: a CUDA GPU, or the simulated GPU).
 //!
 //! ```no_run
 //! use powerinfer_engine::{Engine, EngineOptions, SamplingParams};
@@ -22,7 +23,8 @@
 //! - [`SamplingParams`] / [`Sampler`]: greedy, temperature, top-k/top-p/min-p, penalties;
 //! - [`Model`]: what the file says (hyper-parameters, tensors), no execution state;
 //! - [`tokenizer`]: SentencePiece and byte-level BPE tokenizers matching llama.cpp;
-//! - [`FfnObserver`], [`OpProfile`]: what each layer's FFN computed, where the time went.
+//! - [`FfnObserver`], [`OpProfile`]: what each layer's FFN computed, where the time went;
+//! - [`device`]: the device beside the CPU and what it holds ([`Engine::device_report`]).
 //!
 //! With the default feature `tools`: [`synth`] (synthetic models, quantization), [`convert`]
 //! (Hugging Face checkpoints to PowerInfer files) and [`reorder`] (neurons sorted by
@@ -32,6 +34,7 @@
 
 #[cfg(feature = "tools")]
 pub mod convert;
+pub mod device;
 mod engine;
 mod error;
 mod exec;
@@ -47,12 +50,13 @@ mod session;
 pub mod synth;
 pub mod tokenizer;
 
+pub use device::{DeviceChoice, DeviceOptions, DeviceReport, GpuIndexMode, SimOptions, SimSpeed};
 pub use engine::{Engine, EngineOptions};
 pub use error::{EngineError, Result};
 pub use exec::{Batch, EvalOptions, EvalOutput, Logits, Segment};
 pub use kv_cache::{KvCache, SeqId};
 pub use model::{Arch, Hparams, Model};
 pub use observer::FfnObserver;
-pub use profile::{Op, OpProfile};
+pub use profile::{LayerSplit, Op, OpProfile};
 pub use sampling::{Sampler, SamplingParams};
 pub use session::{Generate, Session, Stats, Token};

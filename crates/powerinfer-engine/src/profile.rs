@@ -35,6 +35,8 @@ pub enum Op {
     /// The FFN's down product (dense) or the axpy over the active rows of `ffn_down_t`, and its
     /// bias.
     FfnDown,
+    /// The CPU waiting for the device's part of a hybrid FFN, after finishing its own.
+    DeviceWait,
     /// The output head (logits).
     OutputHead,
     /// Everything else: embedding, residual additions, copying out logits.
@@ -43,7 +45,7 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in the order of a layer.
-    pub const ALL: [Op; 9] = [
+    pub const ALL: [Op; 10] = [
         Op::Norm,
         Op::Qkv,
         Op::Attention,
@@ -51,6 +53,7 @@ impl Op {
         Op::Predictor,
         Op::FfnUpGate,
         Op::FfnDown,
+        Op::DeviceWait,
         Op::OutputHead,
         Op::Other,
     ];
@@ -65,6 +68,7 @@ impl Op {
             Op::Predictor => "predictor",
             Op::FfnUpGate => "ffn_up_gate",
             Op::FfnDown => "ffn_down",
+            Op::DeviceWait => "device_wait",
             Op::OutputHead => "output_head",
             Op::Other => "other",
         }
@@ -98,6 +102,58 @@ impl OpTime {
     }
 }
 
+/// How one layer's hybrid FFN shared its work between the CPU and the device, summed over
+/// the evaluations recorded (see [`OpProfile::layers`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerSplit {
+    /// Evaluations of the layer.
+    pub calls: u64,
+    /// Tokens in them.
+    pub tokens: u64,
+    /// The CPU computing its neurons, from the device's job being queued to its own part
+    /// done.
+    pub cpu: Duration,
+    /// The CPU waiting for the device after its own part.
+    pub wait: Duration,
+    /// The device's job, from queued to done (copies included).
+    pub device: Duration,
+    /// Of which copies between host and device.
+    pub transfer: Duration,
+    /// Active neurons the CPU computed.
+    pub active_cpu: u64,
+    /// Active neurons the device computed.
+    pub active_device: u64,
+}
+
+impl LayerSplit {
+    /// The device idle while the CPU still worked: `cpu + wait − device` (0 when the device
+    /// took longer).
+    pub fn device_idle(&self) -> Duration {
+        (self.cpu + self.wait).saturating_sub(self.device)
+    }
+
+    /// Share of the active neurons the device computed.
+    pub fn device_share(&self) -> f64 {
+        let all = self.active_cpu + self.active_device;
+        if all == 0 {
+            0.0
+        } else {
+            self.active_device as f64 / all as f64
+        }
+    }
+
+    fn add(&mut self, o: &LayerSplit) {
+        self.calls += o.calls;
+        self.tokens += o.tokens;
+        self.cpu += o.cpu;
+        self.wait += o.wait;
+        self.device += o.device;
+        self.transfer += o.transfer;
+        self.active_cpu += o.active_cpu;
+        self.active_device += o.active_device;
+    }
+}
+
 /// Per-operation totals over the evaluations recorded into it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpProfile {
@@ -106,6 +162,7 @@ pub struct OpProfile {
     /// Tokens evaluated in them.
     pub tokens: u64,
     ops: [OpTime; Op::ALL.len()],
+    layers: Vec<LayerSplit>,
 }
 
 impl OpProfile {
@@ -134,6 +191,12 @@ impl OpProfile {
         self.ops.iter().map(|o| o.bytes).sum()
     }
 
+    /// Per layer, how its hybrid FFN shared the work between CPU and device (empty when no
+    /// device computed any of it).
+    pub fn layers(&self) -> &[LayerSplit] {
+        &self.layers
+    }
+
     /// Adds `other`'s counts to these.
     pub fn merge(&mut self, other: &OpProfile) {
         self.evals += other.evals;
@@ -143,6 +206,16 @@ impl OpProfile {
             a.calls += b.calls;
             a.bytes += b.bytes;
         }
+        for (l, s) in other.layers.iter().enumerate() {
+            self.split_mut(l).add(s);
+        }
+    }
+
+    fn split_mut(&mut self, layer: usize) -> &mut LayerSplit {
+        if self.layers.len() <= layer {
+            self.layers.resize(layer + 1, LayerSplit::default());
+        }
+        &mut self.layers[layer]
     }
 
     fn add(&mut self, op: Op, time: Duration, bytes: u64) {
@@ -174,6 +247,13 @@ impl<'p> Laps<'p> {
             let now = Instant::now();
             p.add(op, now - *last, bytes());
             *last = now;
+        }
+    }
+
+    /// Adds a hybrid FFN's split of layer `layer`.
+    pub(crate) fn split(&mut self, layer: usize, s: LayerSplit) {
+        if let Some(p) = self.prof.as_deref_mut() {
+            p.split_mut(layer).add(&s);
         }
     }
 

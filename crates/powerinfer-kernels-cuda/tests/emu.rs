@@ -416,6 +416,90 @@ proptest! {
         close(&format!("axpy {} m={m} T={t} k={} density={frac}", l.kernel, bucket.len()), &y, &want, &scale)?;
     }
 
+    /// The hybrid FFN's device chain, as the engine queues it, kernel after kernel on the
+    /// emulation: predictor (`fc1` product, `relu`, `fc2` product), the gate and up rows of the
+    /// layer's hot neurons (`sparse_matmul` over their slices), `relu_gate`, and the `sparse_axpy`
+    /// over their down rows. Added to the reference FFN of the other (cold) neurons it gives the
+    /// reference FFN of every active neuron.
+    #[test]
+    fn emulated_hybrid_ffn_chain_matches_reference(ti in 0usize..4, n in 1usize..96, cb in 1usize..5, rank in 1usize..40, t in 1usize..4, mode in 0u8..3, bamboo in any::<bool>(), seed in any::<u64>()) {
+        let Some(emu) = emu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let d = 32 * cb;
+        let mut rng = Rng::new(seed);
+        // Predictor in F32 (d -> rank -> n), FFN rows in `ty` (n rows of d).
+        let (fc1_b, fc1) = random_weight(&mut rng, GgmlType::F32, rank, d);
+        let (fc2_b, fc2) = random_weight(&mut rng, GgmlType::F32, n, rank);
+        let (gate_b, gate) = random_weight(&mut rng, ty, n, d);
+        let (up_b, up) = random_weight(&mut rng, ty, n, d);
+        let (down_b, down) = random_weight(&mut rng, ty, n, d);
+        let h = rng.vec(t * d);
+        let x = rng.vec(t * d);
+        // The predictor on the device.
+        let mut hid = vec![0.0f32; t * rank];
+        emu.rows(geometry::matmul(GgmlType::F32, rank, t).unwrap(), &fc1_b, 4 * d, rank, d, &h, t, None, None, 0.0, rank, &mut hid);
+        let mut hid_r = vec![0.0f32; t * rank];
+        type Relu = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *mut f32, i64);
+        let f: Relu = emu.sym("relu");
+        let l = geometry::per_element("relu", hid.len()).unwrap();
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: hid and hid_r hold t × rank floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, hid.as_ptr(), hid_r.as_mut_ptr(), hid.len() as i64) };
+        }
+        let mut p = vec![0.0f32; t * n];
+        emu.rows(geometry::matmul(GgmlType::F32, n, t).unwrap(), &fc2_b, 4 * rank, n, rank, &hid_r, t, None, None, 0.0, n, &mut p);
+        let h64: Vec<f64> = h.iter().map(|&v| v as f64).collect();
+        let relu64: Vec<f64> = rm::gemm(&fc1, rank, d, &h64, t).into_iter().map(ro::relu).collect();
+        let p_ref = rm::gemm(&fc2, n, rank, &relu64, t);
+        let p_scale = rm::gemm(&fc2.iter().map(|v| v.abs()).collect::<Vec<_>>(), n, rank, &relu64.iter().map(|v| v.abs()).collect::<Vec<_>>(), t);
+        close("predictor", &p, &p_ref, &p_scale)?;
+        // The hot neurons' gate and up, the activation, the down rows.
+        let bucket = random_bucket(&mut rng, n, [0u8, 1, 2][mode as usize]);
+        let rb = row_bytes(ty, d).unwrap();
+        let (xq, x64) = prepare_x(emu, ty, &x)?;
+        let l = geometry::matmul(ty, bucket.len(), t).unwrap();
+        let mut g = vec![0.0f32; t * n];
+        let mut u = vec![0.0f32; t * n];
+        emu.rows(l, &gather(&gate_b, rb, &bucket), rb, bucket.len(), d, &xq, t, Some(&p), Some(&bucket), 0.0, n, &mut g);
+        emu.rows(l, &gather(&up_b, rb, &bucket), rb, bucket.len(), d, &xq, t, Some(&p), Some(&bucket), 0.0, n, &mut u);
+        let mut a = vec![0.0f32; t * n];
+        let f: unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut f32, i64, i32) = emu.sym("relu_gate");
+        let l = geometry::per_element("relu_gate", a.len()).unwrap();
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: g, u and a hold t × n floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, g.as_ptr(), u.as_ptr(), a.as_mut_ptr(), a.len() as i64, i32::from(bamboo)) };
+        }
+        let mut y = vec![0.0f32; t * d];
+        let l = geometry::axpy(ty, d, bucket.len(), t).unwrap();
+        emu.rows(l, &gather(&down_b, rb, &bucket), rb, bucket.len(), d, &a, t, Some(&p), Some(&bucket), 0.0, n, &mut y);
+        // Reference: every neuron active by the device's scores, its FFN in f64; the device's
+        // part (hot neurons) plus the CPU's part (the rest) must give it.
+        let hot: Vec<bool> = { let mut v = vec![false; n]; for &b in &bucket { v[b as usize] = true; } v };
+        let gr = rm::gemm(&gate, n, d, &x64, t);
+        let ur = rm::gemm(&up, n, d, &x64, t);
+        let mut a_hot = vec![0.0f64; t * n];
+        let mut a_cold = vec![0.0f64; t * n];
+        for k in 0..t * n {
+            if p[k] < 0.0 { continue; }
+            let uv = if bamboo { ro::relu(ur[k]) } else { ur[k] };
+            let v = ro::relu(gr[k]) * uv;
+            if hot[k % n] { a_hot[k] = v } else { a_cold[k] = v }
+        }
+        let ones = vec![1.0f32; t * n];
+        let zero = vec![0.0f64; t * d];
+        let y_hot = rm::sparse_axpy(&down, n, d, &a_hot, t, &ones, 0.0, None, &zero);
+        let y_cold = rm::sparse_axpy(&down, n, d, &a_cold, t, &ones, 0.0, None, &zero);
+        let a_abs: Vec<f64> = gr.iter().zip(&ur).map(|(g, u)| g.abs() * u.abs() + 1.0).collect();
+        let wa: Vec<f64> = down.iter().map(|v| v.abs()).collect();
+        let scale = rm::sparse_axpy(&wa, n, d, &a_abs, t, &ones, 0.0, None, &zero);
+        close("device part", &y, &y_hot, &scale)?;
+        let total: Vec<f32> = y.iter().zip(&y_cold).map(|(a, b)| (*a as f64 + b) as f32).collect();
+        let want: Vec<f64> = y_hot.iter().zip(&y_cold).map(|(a, b)| a + b).collect();
+        close("device + CPU", &total, &want, &scale)?;
+    }
+
     #[test]
     fn emulated_norm_softmax_rope_gate_match_reference(rows in 1usize..4, n in 1usize..600, n_head in 1usize..4, half in 1usize..20, neox in any::<bool>(), seed in any::<u64>()) {
         let Some(emu) = emu() else { return Ok(()); };

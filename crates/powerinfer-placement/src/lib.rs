@@ -26,7 +26,7 @@ pub mod split;
 
 pub use budget::{DenseClass, DenseTensor, ModelShape, VramBudget, VramPlan};
 pub use error::{PlacementError, Result};
-pub use lifecycle::{plan_model, IndexSource, ModelPlan, PlanOptions};
+pub use lifecycle::{plan_model, plan_model_with, IndexSource, ModelPlan, PlanOptions};
 pub use solver::{solve, solve_balanced, Method, Problem, Solution};
 pub use split::{
     check_cached, fnv1a64, gpuidx_path, stats_digest, GpuSplit, LayerSplit, Provenance,

@@ -111,6 +111,15 @@ fn mode_string(o: &PlanOptions) -> String {
 
 /// Plans the model at `model` (see the module documentation).
 pub fn plan_model(model: &Path, o: &PlanOptions) -> Result<ModelPlan> {
+    let file = GgufFile::open(model)?;
+    let budget = VramBudget::from_gguf(&file)?;
+    drop(file);
+    plan_model_with(model, budget, o)
+}
+
+/// [`plan_model`] with the caller's accounting of what the device holds (an engine that keeps
+/// some dense tensors in host memory leaves them out of `budget.dense`).
+pub fn plan_model_with(model: &Path, budget: VramBudget, o: &PlanOptions) -> Result<ModelPlan> {
     if o.group == 0 || o.group % 32 != 0 {
         return Err(PlacementError::Invalid(format!(
             "group size {} is not a positive multiple of 32",
@@ -124,9 +133,6 @@ pub fn plan_model(model: &Path, o: &PlanOptions) -> Result<ModelPlan> {
             )));
         }
     }
-    let file = GgufFile::open(model)?;
-    let budget = VramBudget::from_gguf(&file)?;
-    drop(file);
     let vram = budget.plan(o.budget_bytes, o.n_ctx, o.scratch_bytes);
     let all_cpu = |source| ModelPlan {
         split: GpuSplit::all_cpu(&budget.shape.n_ff),

@@ -101,12 +101,31 @@ pub struct DecodeArgs {
     /// Print a JSON array of result objects instead of a table.
     #[arg(long)]
     json: bool,
+    /// PowerInfer files: also decode with these shares of the FFN's bytes resident on the
+    /// device (`--gpu`), e.g. `0,0.1,0.25,0.5,1`, each a `hybrid` row beside the CPU's `sparse`
+    /// row (the dense parts go to the device first, as the placement orders them).
+    #[arg(long = "ffn-resident", value_delimiter = ',')]
+    ffn_resident: Vec<f64>,
+    /// The device beside the CPU (sparse rows; with `--ffn-resident`, the hybrid rows).
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
+}
+
+/// What a row measures.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// Every neuron computed (a dense file, or a PowerInfer file through its axpy).
+    Dense,
+    /// The predictor-driven FFN (on the device of `--gpu`, without `--ffn-resident`).
+    Sparse,
+    /// The sparse FFN with this share of the FFN's bytes on the device.
+    Hybrid(f64),
 }
 
 /// One measured configuration.
 struct Row {
     model: String,
-    mode: &'static str,
+    mode: String,
     tps: f64,
     density: f64,
     bytes_per_token: f64,
@@ -115,6 +134,11 @@ struct Row {
     prompt_ms: f64,
     /// How the engine's copy of the file reads (see [`WeightsMemory`]).
     memory: WeightsMemory,
+    /// The device's report and the timed steps' profile, when a device computed a part.
+    hybrid: Option<(
+        powerinfer_engine::DeviceReport,
+        powerinfer_engine::OpProfile,
+    )>,
 }
 
 /// How fast the memory that holds a model's weights reads, and how it is mapped: the same file
@@ -278,9 +302,51 @@ impl ByteModel {
     }
 }
 
-fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
+/// The device budget that holds everything but `1 − frac` of the FFN's bytes of `path`: the
+/// memory the device used holding everything, less that share of the FFN rows.
+fn budget_for(path: &Path, a: &DecodeArgs, frac: f64) -> Result<u64, String> {
+    let mut o = super::engine_options(a.threads, a.sparse_threshold);
+    a.device.apply(&mut o)?;
+    o.ctx_len = (a.prompt + a.tokens + 8).max(64);
+    o.device.vram_budget = None;
+    let e = Engine::load(path, o).map_err(|e| format!("{}: {e}", path.display()))?;
+    let r = e.device_report();
+    if r.kind == "none" {
+        return Err(format!(
+            "--ffn-resident needs a device (--gpu sim or a GPU): {}",
+            r.note.unwrap_or_default()
+        ));
+    }
+    let file = GgufFile::open(path).map_err(|e| e.to_string())?;
+    let ffn: u64 = file
+        .tensors()
+        .iter()
+        .filter(|t| {
+            let n = t.name();
+            n.ends_with("ffn_up.weight")
+                || n.ends_with("ffn_gate.weight")
+                || n.ends_with("ffn_down_t.weight")
+        })
+        .map(|t| t.n_bytes())
+        .sum();
+    let held_ffn = (ffn as f64 * r.resident_share()) as u64;
+    let base = r.peak_bytes.saturating_sub(held_ffn);
+    Ok(base + (ffn as f64 * frac.clamp(0.0, 1.0)) as u64)
+}
+
+fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
+    let dense = mode == Mode::Dense;
     let mut opts = super::engine_options(a.threads, a.sparse_threshold);
     opts.dense = dense;
+    match mode {
+        Mode::Dense => {}
+        Mode::Sparse if a.ffn_resident.is_empty() => a.device.apply(&mut opts)?,
+        Mode::Sparse => {}
+        Mode::Hybrid(frac) => {
+            a.device.apply(&mut opts)?;
+            opts.device.vram_budget = Some(budget_for(path, a, frac)?);
+        }
+    }
     opts.ctx_len = (a.prompt + a.tokens + 8).max(64);
     opts.batch = 64;
     opts.mmap = !a.no_mmap;
@@ -298,7 +364,7 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         .chain((0..a.prompt.saturating_sub(1) as u32).map(|i| (100 + 37 * i) % n_vocab))
         .collect();
     let nb = a.batch.max(1);
-    let mut best: Option<(f64, f64)> = None;
+    let mut best: Option<(f64, f64, powerinfer_engine::OpProfile)> = None;
     let mut prompt_ms = f64::INFINITY;
     for _ in 0..a.repeats.max(1) {
         let mut cache = engine.new_cache();
@@ -318,18 +384,32 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         }
         prompt_ms = prompt_ms.min(t.elapsed().as_secs_f64() * 1e3 / nb as f64);
         let mut density = 0.0;
+        let mut prof = powerinfer_engine::OpProfile::new();
+        let device = engine.device_report().kind != "none";
+        // The hybrid split's clocks cost well under a microsecond per layer.
+        fn eval_opts(p: &mut powerinfer_engine::OpProfile, on: bool) -> EvalOptions<'_> {
+            if on {
+                EvalOptions::new().profile(p)
+            } else {
+                EvalOptions::new()
+            }
+        }
         let t = Instant::now();
         for _ in 0..a.tokens {
             let outs = if nb == 1 || a.sequential {
                 toks.iter()
                     .map(|&(seq, tok)| {
                         let one = Batch::one(seq, std::slice::from_ref(&tok));
-                        engine.eval(&mut cache, &one, EvalOptions::new())
+                        engine.eval(&mut cache, &one, eval_opts(&mut prof, device))
                     })
                     .collect::<Result<Vec<_>, _>>()
                     .map(|v| v.concat())
             } else {
-                engine.eval(&mut cache, &Batch::decode(&toks), EvalOptions::new())
+                engine.eval(
+                    &mut cache,
+                    &Batch::decode(&toks),
+                    eval_opts(&mut prof, device),
+                )
             }
             .map_err(|e| e.to_string())?;
             for (entry, out) in toks.iter_mut().zip(&outs) {
@@ -339,23 +419,43 @@ fn measure(path: &Path, a: &DecodeArgs, dense: bool) -> Result<Row, String> {
         }
         let tps = (a.tokens * nb) as f64 / t.elapsed().as_secs_f64();
         let density = density / (a.tokens * nb).max(1) as f64;
-        if best.is_none_or(|b| tps > b.0) {
-            best = Some((tps, density));
+        if best.as_ref().is_none_or(|b| tps > b.0) {
+            best = Some((tps, density, prof));
         }
     }
-    let (tps, density) = best.expect("at least one run");
+    let (tps, density, prof) = best.expect("at least one run");
+    let report = engine.device_report();
+    let hybrid = (report.kind != "none").then_some((report, prof));
     let bm = byte_model(path)?;
     let sparse = bm.is_powerinfer && !dense;
     let mean_pos = a.prompt as f64 + a.tokens as f64 / 2.0;
     Ok(Row {
         model: path.display().to_string(),
-        mode: if sparse { "sparse" } else { "dense" },
+        mode: match mode {
+            Mode::Hybrid(f) => format!("hybrid{:.0}%", 100.0 * f),
+            _ if sparse => "sparse".into(),
+            _ => "dense".into(),
+        },
         tps,
         density,
         bytes_per_token: bm.per_token(sparse, density, mean_pos, if a.sequential { 1 } else { nb }),
         load_ms,
         prompt_ms,
         memory,
+        hybrid,
+    })
+}
+
+/// The hybrid split summed over layers, per token (ms), and the device's share of actives.
+fn hybrid_totals(p: &powerinfer_engine::OpProfile) -> serde_json::Value {
+    let rows = super::device::split_rows(p);
+    let sum = |i: usize| rows.iter().map(|r| r.1[i]).sum::<f64>();
+    let (cpu, dev) = p.layers().iter().fold((0u64, 0u64), |a, s| {
+        (a.0 + s.active_cpu, a.1 + s.active_device)
+    });
+    json!({
+        "cpu_ms": sum(0), "device_ms": sum(1), "transfer_ms": sum(2), "cpu_wait_ms": sum(3),
+        "device_idle_ms": sum(4), "device_active_share": dev as f64 / (cpu + dev).max(1) as f64,
     })
 }
 
@@ -475,16 +575,19 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             bw / 1e9
         );
     }
-    // Configurations in the order of the command line: (file, dense mode?).
-    let mut configs: Vec<(PathBuf, bool)> = Vec::new();
+    // Configurations in the order of the command line: (file, mode).
+    let mut configs: Vec<(PathBuf, Mode)> = Vec::new();
     for path in &models {
         if byte_model(path)?.is_powerinfer {
-            configs.push((path.clone(), false));
+            configs.push((path.clone(), Mode::Sparse));
+            for &f in &a.ffn_resident {
+                configs.push((path.clone(), Mode::Hybrid(f)));
+            }
             if !a.sparse_only {
-                configs.push((path.clone(), true));
+                configs.push((path.clone(), Mode::Dense));
             }
         } else {
-            configs.push((path.clone(), true));
+            configs.push((path.clone(), Mode::Dense));
         }
     }
     let llama_files: Vec<&PathBuf> = match &a.llama_bench {
@@ -530,8 +633,8 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 llama[i].push(run.tg);
                 llama_pp[i].push(run.pp);
             } else {
-                let (path, dense) = &configs[i];
-                let r = measure(path, &a, *dense)?;
+                let (path, mode) = &configs[i];
+                let r = measure(path, &a, *mode)?;
                 if !a.json {
                     eprintln!(
                         "round {}: measured {} ({}): {:.2} tok/s",
@@ -605,6 +708,11 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "weights_read_gbps": r.memory.read_bps / 1e9,
                 "weights_huge_page_share": r.memory.huge_share,
             });
+            if let Some((report, prof)) = &r.hybrid {
+                o["device"] = super::device::json(report);
+                o["hybrid_per_layer"] = super::device::split_json(prof);
+                o["hybrid_per_token"] = hybrid_totals(prof);
+            }
             let ratios = |f: usize| -> Vec<f64> {
                 tps_rounds
                     .iter()
@@ -701,6 +809,22 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             huge_share: o["weights_huge_page_share"].as_f64(),
         };
         println!("    {}", memory.describe(bw));
+        if let Some(h) = o.get("hybrid_per_token") {
+            let f = |k: &str| h[k].as_f64().unwrap_or(0.0);
+            println!(
+                "    device {}: {:.1}% of FFN rows resident, {:.1}% of active neurons there; per \
+                 token: CPU {:.3} ms, device {:.3} ms (copies {:.3}), CPU waiting {:.3}, device \
+                 idle {:.3}",
+                o["device"]["kind"].as_str().unwrap_or(""),
+                100.0 * o["device"]["resident_share"].as_f64().unwrap_or(0.0),
+                100.0 * f("device_active_share"),
+                f("cpu_ms"),
+                f("device_ms"),
+                f("transfer_ms"),
+                f("cpu_wait_ms"),
+                f("device_idle_ms")
+            );
+        }
         let prompt_vs = match (o.get("llama_cpp_prompt_tps"), o.get("prompt_vs_llama_twin")) {
             (Some(l), _) => format!(
                 "; llama.cpp {:.1} tok/s ({:.2}x)",

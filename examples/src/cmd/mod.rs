@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod bench_decode;
 pub mod convert;
+pub mod device;
 pub mod inspect;
 pub mod logits;
 pub mod plan;

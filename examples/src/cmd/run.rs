@@ -1,4 +1,4 @@
-//! `powerinfer run`: generate text with the CPU engine.
+//! `powerinfer run`: generate text with the engine (the CPU, and a device beside it: `--gpu`).
 //!
 //! With `-m MODEL` it streams the generated text to stdout and prints a timing summary to
 //! stderr (or, with `--json`, one JSON object to stdout). Without `-m` it runs a built-in demo:
@@ -17,7 +17,6 @@ use powerinfer_engine::OpProfile;
 use powerinfer_engine::{Engine, EngineOptions, Stats};
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ThreadPool;
-use powerinfer_placement::{plan_model, IndexSource, PlanOptions};
 use powerinfer_predictor::stats::ActivationStats;
 
 /// Arguments of `powerinfer run`.
@@ -86,13 +85,6 @@ pub struct Args {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
-    /// VRAM budget in GiB: plan the GPU split and write or reuse `<model>.generated.gpuidx`
-    /// (reported; this build computes every neuron on the CPU).
-    #[arg(long = "vram-budget")]
-    pub vram_budget: Option<f64>,
-    /// Rebuild the GPU index even if a cached one is valid.
-    #[arg(long = "reset-gpu-index")]
-    pub reset_gpu_index: bool,
     /// Read the model into memory (huge pages requested) instead of mapping it: slower load;
     /// faster decode only where the page cache holds the file in small pages (see
     /// `EngineOptions::mmap`).
@@ -103,15 +95,15 @@ pub struct Args {
     /// memory; see `EngineOptions::repack`).
     #[arg(long)]
     pub repack: bool,
-    /// Do not read or write a GPU index (all FFN neurons on the CPU).
-    #[arg(long = "disable-gpu-index")]
-    pub disable_gpu_index: bool,
     /// Record where decode time goes: per operation (norms, Q/K/V, attention, predictor, FFN
     /// up/gate, FFN down, output head) its time, bytes read per token and read bandwidth,
     /// against this machine's measured read bandwidth (a table on stderr; with `--json`, a
     /// `profile` array).
     #[arg(long)]
     pub profile: bool,
+    /// The device beside the CPU.
+    #[command(flatten)]
+    pub device: super::device::DeviceArgs,
 }
 
 impl Args {
@@ -141,14 +133,15 @@ impl Args {
         }
     }
 
-    fn options(&self, dense: bool) -> EngineOptions {
+    fn options(&self, dense: bool) -> Result<EngineOptions, String> {
         let mut o = super::engine_options(self.threads, self.sparse_threshold);
+        self.device.apply(&mut o)?;
         o.dense = dense;
         o.ctx_len = self.ctx_size;
         o.batch = self.batch_size as usize;
         o.mmap = !self.no_mmap;
         o.repack = self.repack;
-        o
+        Ok(o)
     }
 }
 
@@ -302,77 +295,18 @@ fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
     v.to_string()
 }
 
-/// PowerInfer's GPU-index lifecycle for `--vram-budget` / `--reset-gpu-index` /
-/// `--disable-gpu-index`: the split is planned (the cached `<model>.generated.gpuidx` reused,
-/// or rebuilt from `activation/` and written) and reported. This build has no GPU backend, so
-/// every neuron is still computed on the CPU; the flags never change the generated text.
-fn gpu_index(model: &std::path::Path, args: &Args, n_ctx: usize) -> Result<(), String> {
-    if args.disable_gpu_index {
-        eprintln!("GPU index: disabled; all FFN neurons on the CPU");
-        return Ok(());
-    }
-    let Some(gib) = args.vram_budget else {
-        if args.reset_gpu_index {
-            eprintln!("note: --reset-gpu-index needs --vram-budget here (no GPU to size it from)");
-        }
-        return Ok(());
-    };
-    let budget = gib * (1u64 << 30) as f64;
-    if !(budget.is_finite() && budget >= 0.0) {
-        return Err(format!("--vram-budget {gib} is not a usable size"));
-    }
-    let opts = PlanOptions {
-        budget_bytes: budget as u64,
-        n_ctx: n_ctx as u64,
-        scratch_bytes: 0,
-        group: 256,
-        balanced: None,
-        min_neurons: 0,
-        cap_neurons: None,
-        activation: None,
-        reset: args.reset_gpu_index,
-        disable: false,
-    };
-    let plan = plan_model(model, &opts).map_err(|e| format!("{}: {e}", model.display()))?;
-    let gpu: usize = plan.split.layers.iter().map(|l| l.bucket.len()).sum();
-    let mass: f64 = plan.split.layers.iter().map(|l| l.gpu_mass).sum();
-    let total_mass: f64 = plan.split.layers.iter().map(|l| l.total_mass).sum();
-    let total: usize = plan.split.layers.iter().map(|l| l.n_ff).sum();
-    let how = match &plan.source {
-        IndexSource::Reused => "reused".to_string(),
-        IndexSource::Built { reason, .. } => format!("built ({reason})"),
-        IndexSource::Disabled => "disabled".to_string(),
-        IndexSource::NoStatistics { looked_in } => format!(
-            "no activation statistics in {}: all FFN neurons on the CPU",
-            looked_in.display()
-        ),
-    };
-    eprintln!(
-        "GPU index: {how}{}; {gpu} of {total} FFN neurons placed on the GPU ({:.1}% of the activation mass)",
-        plan.gpuidx
-            .as_ref()
-            .map_or(String::new(), |p| format!(", {}", p.display())),
-        100.0 * mass / total_mass.max(f64::MIN_POSITIVE)
-    );
-    eprintln!("note: this build has no GPU backend: every neuron is computed on the CPU");
-    Ok(())
-}
-
 /// Runs `powerinfer run`.
 pub fn run(args: Args) -> Result<(), String> {
     // Read before the model loads, so that a wrong path fails at once.
     let prompt = args.prompt_text()?;
     let Some(model) = &args.model else {
-        if args.vram_budget.is_some() || args.reset_gpu_index || args.disable_gpu_index {
-            eprintln!("note: the GPU-index flags apply to a model given with -m; ignored");
-        }
         return demo(&args, &prompt);
     };
-    let engine = Engine::load(model, args.options(args.dense))
+    let engine = Engine::load(model, args.options(args.dense)?)
         .map_err(|e| format!("{}: {e}", model.display()))?;
     warn_unused(&engine);
-    if engine.is_sparse() {
-        gpu_index(model, &args, engine.ctx_len())?;
+    for line in super::device::describe(&engine) {
+        eprintln!("{line}");
     }
     let run = generate(&engine, &args, &prompt, !args.json)?;
     let bw = run.profile.as_ref().map(|_| bandwidth(&engine));
@@ -381,19 +315,22 @@ pub fn run(args: Args) -> Result<(), String> {
         .as_ref()
         .map(|_| super::bench_decode::WeightsMemory::of(&engine, model, args.no_mmap));
     if args.json {
-        let extra: Vec<(&str, serde_json::Value)> = match (&run.profile, bw, memory) {
+        let mut extra: Vec<(&str, serde_json::Value)> = match (&run.profile, bw, memory) {
             (Some(p), Some(bw), Some(m)) => vec![
                 ("profile", profile_json(p, bw)),
+                ("hybrid_profile", super::device::split_json(p)),
                 ("weights_read_gbps", (m.read_bps / 1e9).into()),
                 ("weights_huge_page_share", m.huge_share.into()),
             ],
             _ => Vec::new(),
         };
+        extra.push(("device", super::device::json(&engine.device_report())));
         println!("{}", json(&run, &extra));
     } else {
         summary("", &engine, &run.stats);
         if let (Some(p), Some(bw)) = (&run.profile, bw) {
             print_profile(p, bw);
+            super::device::print_split(p);
             if let Some(m) = memory {
                 eprintln!("{}", m.describe(bw));
             }
@@ -494,10 +431,15 @@ fn demo(args: &Args, prompt: &str) -> Result<(), String> {
     eprintln!(" model: {}", path.display());
     eprintln!(" Use `powerinfer run -m MODEL -p PROMPT` for a real model.");
     eprintln!("================================================================");
-    let sparse = Engine::load(&path, args.options(false)).map_err(|e| e.to_string())?;
+    let sparse = Engine::load(&path, args.options(false)?).map_err(|e| e.to_string())?;
+    for line in super::device::describe(&sparse) {
+        eprintln!("{line}");
+    }
     // The dense baseline is the dense twin (llama.cpp's layout: full GEMVs over every neuron),
-    // the fastest way to compute every neuron.
-    let dense = Engine::load(&twin, args.options(false)).map_err(|e| e.to_string())?;
+    // the fastest way to compute every neuron, on the CPU.
+    let mut cpu = args.options(false)?;
+    cpu.device = Default::default();
+    let dense = Engine::load(&twin, cpu).map_err(|e| e.to_string())?;
     eprintln!("--- dense FFN (dense twin, every neuron) ---");
     let d = generate(&dense, args, prompt, false)?;
     summary("dense  ", &dense, &d.stats);

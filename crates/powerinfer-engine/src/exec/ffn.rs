@@ -5,23 +5,25 @@
 //! (on the pre-norm residual), neuron `i` is active for a token when `p_i ≥ θ`; `up` and `gate`
 //! are row-sparse products over the normalized input, then the activation, then the sparse
 //! axpy over `ffn_down_t` restricted to the active neurons. [`sparse`] is where a layer's
-//! neurons are divided between devices.
+//! neurons are divided between the CPU and a device.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
-use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul, Weights};
+use powerinfer_kernels_cpu::ops::activation::relu;
+use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::fused::{run_threads, FusedSplit};
+use super::neurons::{activate, hidden, nonzero, token_ffn, NeuronRows, TokenBufs};
 use super::step::{add_bias, FfnScratch, LayerRun, Step};
-use super::weights::{product, products_one_token, FfnMats};
+use super::weights::{product, products_one_token, FfnMats, HotRef};
+use crate::device::{HotJob, MatId};
 use crate::error::Result;
 use crate::model::{FfnAct, Layer};
-use crate::profile::Op;
+use crate::profile::{LayerSplit, Op};
 
 /// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
 /// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
@@ -32,17 +34,6 @@ const DENSE_TOUCH: f32 = 1e-30;
 fn resize(v: &mut Vec<f32>, n: usize) {
     v.clear();
     v.resize(n, 0.0);
-}
-
-fn activate(act: FfnAct, gate: &mut [f32], up: &[f32]) -> std::result::Result<(), KernelError> {
-    match act {
-        FfnAct::Reglu => reglu(gate, up)?,
-        FfnAct::Drelu => drelu(gate, up)?,
-        FfnAct::Swiglu => swiglu(gate, up)?,
-        // Gate-less FFNs are activated in place by their callers.
-        FfnAct::Relu => relu(gate),
-    }
-    Ok(())
 }
 
 /// `out = FFN(cur)` for the batch's tokens (`h` = the predictor input: `ffn_inp`, or for
@@ -56,10 +47,10 @@ pub(crate) fn forward(
     out: &mut [f32],
 ) -> Result<()> {
     let (index, layer, mats) = (run.index, run.layer, &run.mats.ffn);
-    let s = &mut step.buf.ffn;
-    let laps = &mut step.laps;
     let t = step.t;
     let nff = step.hp.n_ff;
+    let s = &mut step.buf.ffn;
+    let laps = &mut step.laps;
     if let Some(obs) = step.observer.as_deref_mut() {
         let scores = match mats {
             FfnMats::Sparse { predictor, .. } => {
@@ -70,20 +61,23 @@ pub(crate) fn forward(
             }
             FfnMats::Dense { .. } => None,
         };
+        let d = step.device;
+        let (g, u) = (&mut s.gate, &mut s.up);
         hidden_dense(
             step.mm,
+            d,
             step.act,
             step.opts.fuse,
             layer,
             mats,
             cur,
             t,
-            &mut s.gate,
-            &mut s.up,
+            g,
+            u,
         )?;
         obs.observe(index, t, h, &s.gate, scores);
         laps.lap(Op::FfnUpGate, || mats.gate_up_bytes());
-        down_dense(step.mm, layer, mats, nff, &mut s.gate, t, out)?;
+        down_dense(step.mm, d, layer, mats, nff, &mut s.gate, t, out)?;
         laps.lap(Op::FfnDown, || mats.down_bytes());
         step.density.iter_mut().for_each(|d| *d += 1.0);
         return Ok(());
@@ -94,20 +88,39 @@ pub(crate) fn forward(
             up,
             down_t,
             predictor,
+            predictor_dev,
+            hot,
         } if !step.opts.dense => {
             let w = SparseMats {
-                gate: gate.as_ref(),
-                up,
-                down_t,
+                rows: NeuronRows {
+                    gate: gate.as_ref(),
+                    up,
+                    down: down_t,
+                    up_bias: layer.up_b.as_deref(),
+                    act: step.act,
+                },
                 predictor,
+                predictor_dev: *predictor_dev,
+                hot: *hot,
             };
-            sparse(step, layer, &w, run.split, h, cur, out)
+            sparse(step, index, layer, &w, run.split, h, cur, out)
         }
         _ => {
-            let (mm, act, fuse) = (step.mm, step.act, step.opts.fuse);
-            hidden_dense(mm, act, fuse, layer, mats, cur, t, &mut s.gate, &mut s.up)?;
+            let (mm, d, act, fuse) = (step.mm, step.device, step.act, step.opts.fuse);
+            hidden_dense(
+                mm,
+                d,
+                act,
+                fuse,
+                layer,
+                mats,
+                cur,
+                t,
+                &mut s.gate,
+                &mut s.up,
+            )?;
             laps.lap(Op::FfnUpGate, || mats.gate_up_bytes());
-            down_dense(mm, layer, mats, nff, &mut s.gate, t, out)?;
+            down_dense(mm, d, layer, mats, nff, &mut s.gate, t, out)?;
             laps.lap(Op::FfnDown, || mats.down_bytes());
             step.density.iter_mut().for_each(|d| *d += 1.0);
             Ok(())
@@ -115,20 +128,32 @@ pub(crate) fn forward(
     }
 }
 
-/// A sparse layer's matrices.
+/// A sparse layer's matrices, and what of it the device holds.
 struct SparseMats<'a, 'm> {
-    gate: Option<&'a Weights<'m>>,
-    up: &'a Weights<'m>,
-    down_t: &'a Weights<'m>,
+    rows: NeuronRows<'a>,
     predictor: &'a Predictor<'m>,
+    predictor_dev: Option<(MatId, MatId)>,
+    hot: Option<HotRef<'a>>,
+}
+
+/// How the fused one-token dispatch gets the scores.
+#[derive(Clone, Copy)]
+enum Scores<'a> {
+    /// Each thread computes `fc2` for its neurons from the predictor's hidden layer.
+    Compute(&'a Predictor<'a>),
+    /// Already in `s.scores`.
+    Given,
 }
 
 /// The sparse FFN of one layer: the one place where its neurons are divided between the
-/// devices that compute them. Today every neuron runs on the CPU: one token in one fused
-/// dispatch ([`sparse_hidden_fused`]), a block token by token over each token's active list
-/// (the predictor runs once for the block).
+/// devices that compute them. The device's hot neurons (if it holds any) run there while the
+/// CPU computes the other active neurons, and the two partial sums are added; only
+/// activations cross. On the CPU, one token runs in one fused dispatch
+/// ([`sparse_hidden_fused`]), a block token by token over each token's active list.
+#[allow(clippy::too_many_arguments)]
 fn sparse(
     step: &mut Step<'_>,
+    index: usize,
     layer: &Layer,
     w: &SparseMats<'_, '_>,
     split: &FusedSplit,
@@ -136,91 +161,164 @@ fn sparse(
     cur: &[f32],
     out: &mut [f32],
 ) -> Result<()> {
-    let s = &mut step.buf.ffn;
-    let laps = &mut step.laps;
-    let (t, mm, act, theta) = (step.t, step.mm, step.act, step.opts.threshold);
+    let (t, mm, theta) = (step.t, step.mm, step.opts.threshold);
     let nff = step.hp.n_ff;
     let ne = step.hp.n_embd;
-    let (gate_row, up_row) = (
-        w.gate.map_or(0, |g| g.row_bytes() as u64),
-        w.up.row_bytes() as u64,
-    );
-    let down_row = w.down_t.row_bytes() as u64;
+    let device = step.device;
+    let s = &mut step.buf.ffn;
+    let laps = &mut step.laps;
+    let gate_row = w.rows.gate.map_or(0, |g| g.row_bytes() as u64);
+    let up_row = w.rows.up.row_bytes() as u64;
+    let down_row = w.rows.down.row_bytes() as u64;
     let fc1_bytes = w.predictor.fc1().data().len() as u64;
     let fc2_bytes = w.predictor.fc2().data().len() as u64;
-    if t == 1 && step.opts.fuse {
-        // One token: fc1, then fc2 + the active list + gate/up + activation in one dispatch
-        // (each thread its own range of neurons), then the axpy.
-        w.predictor.hidden(mm, h, 1, &mut s.hidden)?;
-        laps.lap(Op::Predictor, || fc1_bytes);
-        let n_up = sparse_hidden_fused(mm, w, layer.up_b.as_deref(), act, theta, cur, split, s)?;
+    let fuse = t == 1 && step.opts.fuse;
+    // 1. Scores: on the device when it holds the predictor, else on the CPU (for one token
+    //    the CPU computes `fc2` inside the fused dispatch, unless a device needs the scores).
+    let dev_part = device.zip(w.hot);
+    let scores_ready = match (w.predictor_dev, device) {
+        (Some((fc1, fc2)), Some(d)) => {
+            resize(&mut s.scores, t * nff);
+            d.scores(fc1, fc2, h, t, &mut s.scores)?;
+            true
+        }
+        _ if !fuse || dev_part.is_some() => {
+            resize(&mut s.scores, t * nff);
+            w.predictor
+                .scores_with(mm, h, t, &mut s.hidden, &mut s.scores)?;
+            true
+        }
+        _ => {
+            w.predictor.hidden(mm, h, 1, &mut s.hidden)?;
+            false
+        }
+    };
+    laps.lap(Op::Predictor, || {
+        if w.predictor_dev.is_some() {
+            0
+        } else if scores_ready {
+            fc1_bytes + fc2_bytes
+        } else {
+            fc1_bytes
+        }
+    });
+    // 2. The device's hot neurons, queued; the CPU goes on at once.
+    let queued = match dev_part {
+        Some((d, hot)) => {
+            let job = HotJob {
+                hot: hot.id,
+                x: cur,
+                scores: &s.scores,
+                t,
+                threshold: theta,
+            };
+            Some((d, d.submit(&job)?, Instant::now()))
+        }
+        None => None,
+    };
+    let skip = w.hot.map(|h| h.on_device);
+    // 3. The CPU's active neurons.
+    let mut cpu_active = 0u64;
+    if fuse {
+        let given = if scores_ready {
+            Scores::Given
+        } else {
+            Scores::Compute(w.predictor)
+        };
+        let n_up = sparse_hidden_fused(mm, &w.rows, theta, cur, split, s, given, skip)?;
         let n_active = s.active.len() as u64;
         laps.lap(Op::FfnUpGate, || {
-            fc2_bytes + n_active * gate_row + n_up as u64 * up_row
+            let fc2 = if scores_ready { 0 } else { fc2_bytes };
+            fc2 + n_active * gate_row + n_up as u64 * up_row
         });
         out.fill(0.0);
-        mm.sparse_axpy_indexed(w.down_t, &s.gate, &s.active, out)?;
-        step.density[0] += s.active.len() as f32 / nff as f32;
-        add_bias(out, layer.down_b.as_deref())?;
-        // The axpy reads the rows of the active neurons whose activation is not zero.
+        mm.sparse_axpy_indexed(w.rows.down, &s.gate, &s.active, out)?;
+        cpu_active = n_active;
         laps.lap(Op::FfnDown, || nonzero(&s.gate, &s.active) * down_row);
-        return Ok(());
-    }
-    resize(&mut s.scores, t * nff);
-    w.predictor
-        .scores_with(mm, h, t, &mut s.hidden, &mut s.scores)?;
-    laps.lap(Op::Predictor, || fc1_bytes + fc2_bytes);
-    resize(&mut s.gate, t * nff);
-    if w.gate.is_some() {
-        resize(&mut s.up, t * nff);
-    }
-    out.fill(0.0);
-    // Token by token: the active list once, then the indexed kernels (the axpy's four-row
-    // fast path); the predictor above ran once for all tokens.
-    for i in 0..t {
-        let scores = &s.scores[i * nff..][..nff];
-        s.active.clear();
-        s.active
-            .extend((0..nff as u32).filter(|&j| scores[j as usize] >= theta));
-        let x = &cur[i * ne..][..ne];
-        let g = &mut s.gate[i * nff..][..nff];
-        let y = &mut out[i * ne..][..ne];
-        let n_up = match w.gate {
-            Some(gate_w) => {
-                let u = &mut s.up[i * nff..][..nff];
-                mm.sparse_gemv_indexed(gate_w, x, &s.active, g)?;
-                if s.fired.is_empty() {
-                    s.fired.push(Mutex::new(Vec::new()));
-                }
-                let fired = s.fired[0].get_mut().unwrap_or_else(|e| e.into_inner());
-                let up_rows = gate_fired(act, g, &s.active, fired);
-                mm.sparse_gemv_indexed(w.up, x, up_rows, u)?;
-                activate(act, g, u)?;
-                up_rows.len() as u64
+    } else {
+        resize(&mut s.gate, t * nff);
+        if w.rows.gate.is_some() {
+            resize(&mut s.up, t * nff);
+        }
+        out.fill(0.0);
+        if s.fired.is_empty() {
+            s.fired.push(Mutex::new(Vec::new()));
+        }
+        // Token by token: the active list once, then the indexed kernels (the axpy's four-row
+        // fast path); the predictor above ran once for all tokens.
+        for i in 0..t {
+            let scores = &s.scores[i * nff..][..nff];
+            s.active.clear();
+            match skip {
+                Some(on_dev) => s.active.extend(
+                    (0..nff as u32).filter(|&j| scores[j as usize] >= theta && !on_dev[j as usize]),
+                ),
+                None => s
+                    .active
+                    .extend((0..nff as u32).filter(|&j| scores[j as usize] >= theta)),
             }
-            None => {
-                // ReLU(up + b) on the active neurons (the axpy reads no other).
-                mm.sparse_gemv_indexed(w.up, x, &s.active, g)?;
-                relu_bias_active(g, &s.active, layer.up_b.as_deref());
-                s.active.len() as u64
-            }
-        };
-        let n_active = s.active.len() as u64;
-        laps.lap(Op::FfnUpGate, || n_active * gate_row + n_up * up_row);
-        mm.sparse_axpy_indexed(w.down_t, g, &s.active, y)?;
-        step.density[i] += s.active.len() as f32 / nff as f32;
-        laps.lap(Op::FfnDown, || nonzero(g, &s.active) * down_row);
+            let g = &mut s.gate[i * nff..][..nff];
+            let u: &mut [f32] = if w.rows.gate.is_some() {
+                &mut s.up[i * nff..][..nff]
+            } else {
+                &mut []
+            };
+            let fired = s.fired[0].get_mut().unwrap_or_else(|e| e.into_inner());
+            let x = &cur[i * ne..][..ne];
+            let y = &mut out[i * ne..][..ne];
+            let mut bufs = TokenBufs { g, u, fired };
+            let n_up = token_ffn(mm, &w.rows, x, &s.active, &mut bufs, y)? as u64;
+            let g = &*bufs.g;
+            let n_active = s.active.len() as u64;
+            cpu_active += n_active;
+            step.density[i] += n_active as f32 / nff as f32;
+            laps.lap(Op::FfnUpGate, || n_active * gate_row + n_up * up_row);
+            laps.lap(Op::FfnDown, || nonzero(g, &s.active) * down_row);
+        }
+    }
+    if fuse {
+        step.density[0] += cpu_active as f32 / nff as f32;
+    }
+    // 4. The device's part added to the CPU's.
+    if let Some((d, ticket, since)) = queued {
+        let cpu_time = since.elapsed();
+        let waited = Instant::now();
+        let done = d.finish(ticket, out)?;
+        let wait = waited.elapsed();
+        laps.lap(Op::DeviceWait, || 0);
+        let per_token = done.active as f32 / (t * nff) as f32;
+        step.density.iter_mut().for_each(|x| *x += per_token);
+        if let Some(c) = step.counters {
+            c.0.fetch_add(done.active, Ordering::Relaxed);
+            c.1.fetch_add(cpu_active, Ordering::Relaxed);
+        }
+        laps.split(
+            index,
+            LayerSplit {
+                calls: 1,
+                tokens: t as u64,
+                cpu: cpu_time,
+                wait,
+                device: done.busy,
+                transfer: done.transfer,
+                active_cpu: cpu_active,
+                active_device: done.active,
+            },
+        );
+    } else if let Some(c) = step.counters {
+        c.1.fetch_add(cpu_active, Ordering::Relaxed);
     }
     add_bias(out, layer.down_b.as_deref())?;
     laps.lap(Op::Other, || 0);
     Ok(())
 }
 
-/// The FFN hidden values of every neuron into `gate`: `act(gate·x, up·x)` for a gated FFN,
+/// The FFN hidden values of every neuron into `s.gate`: `act(gate·x, up·x)` for a gated FFN,
 /// `ReLU(up·x + b)` for a gate-less one.
 #[allow(clippy::too_many_arguments)]
 fn hidden_dense(
     mm: &MatMul<'_>,
+    device: Option<&dyn crate::device::Device>,
     act: FfnAct,
     fuse: bool,
     layer: &Layer,
@@ -243,10 +341,10 @@ fn hidden_dense(
         } => {
             resize(up, t * n);
             if t == 1 && fuse {
-                products_one_token(mm, &mut [(g, cur, gate), (u, cur, up)])?;
+                products_one_token(mm, device, &mut [(g, cur, gate), (u, cur, up)])?;
             } else {
-                product(mm, g, cur, t, gate)?;
-                product(mm, u, cur, t, up)?;
+                product(mm, device, g, cur, t, gate)?;
+                product(mm, device, u, cur, t, up)?;
             }
             activate(act, gate, up)?;
         }
@@ -276,7 +374,7 @@ fn hidden_dense(
             activate(act, gate, up)?;
         }
         FfnMats::Dense { gate: None, up, .. } => {
-            product(mm, up, cur, t, gate)?;
+            product(mm, device, up, cur, t, gate)?;
             add_bias(gate, layer.up_b.as_deref())?;
             relu(gate);
         }
@@ -292,8 +390,10 @@ fn hidden_dense(
 /// `out = down · act + b` for `t` tokens over every neuron: a GEMM for a dense file's
 /// `ffn_down`, an axpy walking all `n_ff` rows of a PowerInfer file's `ffn_down_t` (zeros
 /// touched, see [`DENSE_TOUCH`]). `act` is clobbered.
+#[allow(clippy::too_many_arguments)]
 fn down_dense(
     mm: &MatMul<'_>,
+    device: Option<&dyn crate::device::Device>,
     layer: &Layer,
     mats: &FfnMats<'_>,
     nff: usize,
@@ -302,7 +402,7 @@ fn down_dense(
     out: &mut [f32],
 ) -> Result<()> {
     match mats {
-        FfnMats::Dense { down, .. } => product(mm, down, act, t, out)?,
+        FfnMats::Dense { down, .. } => product(mm, device, down, act, t, out)?,
         FfnMats::Sparse { down_t, .. } => {
             let ne = down_t.cols();
             let all: Vec<u32> = (0..nff as u32).collect();
@@ -318,25 +418,26 @@ fn down_dense(
     add_bias(out, layer.down_b.as_deref())
 }
 
-/// One token of a sparse FFN, in one dispatch: each thread takes a contiguous range of neurons
-/// (cut where `split` says, see [`FusedSplit`]), computes their predictor scores (`fc2 ·
-/// hidden` into `s.scores`), lists its active ones (`score ≥ threshold`), computes `gate` for
-/// them and `up` for those that need it ([`gate_fired`]) and applies the activation
-/// (gate-less: `ReLU(up + b)`) into `s.gate`. Afterwards `s.active` holds all active neurons,
+/// One token of a sparse FFN's CPU part, in one dispatch: each thread takes a contiguous
+/// range of neurons (cut where `split` says, see [`FusedSplit`]), computes their predictor
+/// scores (`fc2 · hidden` into `s.scores`) unless they are [`Scores::Given`], lists its
+/// active ones (`score ≥ threshold`, not held by the device: `skip`), computes `gate` for
+/// them and `up` for those that need it and applies the activation (gate-less:
+/// `ReLU(up + b)`) into `s.gate`. Afterwards `s.active` holds the CPU's active neurons,
 /// increasing. Returns the number of `up` rows read. Only the active entries of `s.gate` are
 /// meaningful (the axpy reads no other).
 #[allow(clippy::too_many_arguments)]
 fn sparse_hidden_fused(
     mm: &MatMul<'_>,
-    w: &SparseMats<'_, '_>,
-    up_b: Option<&[f32]>,
-    act: FfnAct,
+    rows: &NeuronRows<'_>,
     threshold: f32,
     cur: &[f32],
     split: &FusedSplit,
     s: &mut FfnScratch,
+    scores: Scores<'_>,
+    skip: Option<&[bool]>,
 ) -> Result<usize> {
-    let nff = w.predictor.n_ff();
+    let nff = rows.up.rows();
     let n = mm.pool().n_threads();
     let ranges = split.ranges(nff, n);
     if s.scores.len() != nff {
@@ -345,7 +446,7 @@ fn sparse_hidden_fused(
     if s.gate.len() != nff {
         resize(&mut s.gate, nff);
     }
-    if w.gate.is_some() && s.up.len() != nff {
+    if rows.gate.is_some() && s.up.len() != nff {
         resize(&mut s.up, nff);
     }
     if s.parts.len() != n {
@@ -371,7 +472,7 @@ fn sparse_hidden_fused(
             parts.push(Mutex::new((r, a, b, c)));
         }
     }
-    let hidden = &s.hidden[..];
+    let predictor_hidden = &s.hidden[..];
     let lists = &s.parts;
     let fired_lists = &s.fired;
     // Each thread's part: fc2 scores of its neurons, its active list, gate/up, activation.
@@ -385,24 +486,33 @@ fn sparse_hidden_fused(
         if r.start == r.end {
             return Ok(());
         }
-        m.gemv(&w.predictor.fc2().row_range(r.clone())?, hidden, sc)?;
-        list.extend((0..r.len() as u32).filter(|&i| sc[i as usize] >= threshold));
-        match w.gate {
-            Some(gw) => {
-                m.sparse_gemv_indexed(&gw.row_range(r.clone())?, cur, &list, g)?;
-                let up_rows = gate_fired(act, g, &list, &mut fired);
-                m.sparse_gemv_indexed(&w.up.row_range(r.clone())?, cur, up_rows, u)?;
-                for &i in up_rows {
-                    let i = i as usize;
-                    activate(act, &mut g[i..i + 1], &u[i..i + 1])?;
-                }
-            }
-            None => {
-                // ReLU(up + b) on the active neurons.
-                m.sparse_gemv_indexed(&w.up.row_range(r.clone())?, cur, &list, g)?;
-                relu_bias_active(g, &list, up_b.map(|b| &b[r.clone()]));
-            }
+        if let Scores::Compute(p) = scores {
+            m.gemv(&p.fc2().row_range(r.clone())?, predictor_hidden, sc)?;
         }
+        match skip {
+            Some(on_dev) => {
+                let on_dev = &on_dev[r.clone()];
+                list.extend(
+                    (0..r.len() as u32)
+                        .filter(|&i| sc[i as usize] >= threshold && !on_dev[i as usize]),
+                );
+            }
+            None => list.extend((0..r.len() as u32).filter(|&i| sc[i as usize] >= threshold)),
+        }
+        let gate = rows.gate.map(|g| g.row_range(r.clone())).transpose()?;
+        let up = rows.up.row_range(r.clone())?;
+        let part = NeuronRows {
+            gate: gate.as_ref(),
+            up: &up,
+            up_bias: rows.up_bias.map(|b| &b[r.clone()]),
+            ..*rows
+        };
+        let mut bufs = TokenBufs {
+            g,
+            u,
+            fired: &mut fired,
+        };
+        hidden(m, &part, cur, &list, &mut bufs)?;
         Ok(())
     };
     // Each thread's time, from which the split of the next token is learned.
@@ -423,56 +533,12 @@ fn sparse_hidden_fused(
         s.active.extend(list.iter().map(|&i| i + start));
     }
     // The up rows read: the listed ones, or those whose gate fired.
-    Ok(match w.gate {
-        Some(_) if matches!(act, FfnAct::Reglu | FfnAct::Drelu) => s
+    Ok(match rows.gate {
+        Some(_) if matches!(rows.act, FfnAct::Reglu | FfnAct::Drelu) => s
             .fired
             .iter()
             .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()).len())
             .sum(),
         _ => s.active.len(),
     })
-}
-
-/// The rows of `active` whose `up` product is needed once `gate` holds their gate products.
-/// Where the activation is ReLU on the gate (ReGLU, dReLU), a neuron whose gate is not
-/// positive has output 0 whatever its `up`: its gate value becomes 0 here, and only the others
-/// are returned (collected in `fired`), so the `up` rows of the predictor's false positives
-/// are never read. The outputs are those of computing every listed `up` row, but for the sign
-/// of a zero (which no later step reads: the axpy skips zeros) and for a non-finite `up`
-/// product of a neuron whose gate did not fire (0 here, NaN from the full product). Other
-/// activations need every listed row: `active` itself.
-fn gate_fired<'a>(
-    act: FfnAct,
-    gate: &mut [f32],
-    active: &'a [u32],
-    fired: &'a mut Vec<u32>,
-) -> &'a [u32] {
-    if !matches!(act, FfnAct::Reglu | FfnAct::Drelu) {
-        return active;
-    }
-    fired.clear();
-    for &i in active {
-        let g = &mut gate[i as usize];
-        if *g > 0.0 {
-            fired.push(i);
-        } else {
-            *g = 0.0;
-        }
-    }
-    fired
-}
-
-/// How many of the listed neurons have a non-zero activation (the rows the axpy reads).
-fn nonzero(act: &[f32], active: &[u32]) -> u64 {
-    active.iter().filter(|&&i| act[i as usize] != 0.0).count() as u64
-}
-
-/// `h[i] = ReLU(h[i] + b[i])` for the listed neurons (the gate-less FFN's activation; `bias`
-/// indexed like `h`).
-fn relu_bias_active(h: &mut [f32], active: &[u32], bias: Option<&[f32]>) {
-    for &i in active {
-        let i = i as usize;
-        let v = h[i] + bias.map_or(0.0, |b| b[i]);
-        h[i] = if v > 0.0 { v } else { 0.0 };
-    }
 }

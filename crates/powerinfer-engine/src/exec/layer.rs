@@ -26,7 +26,7 @@ pub(crate) fn attention(
     x: &[f32],
 ) -> Result<Vec<f32>> {
     let (l, layer, mats) = (run.index, run.layer, run.mats);
-    let (t, hp, mm) = (step.t, step.hp, step.mm);
+    let (t, hp, mm, dev) = (step.t, step.hp, step.mm, step.device);
     let laps = &mut step.laps;
     let (ne, nkv, hd) = (hp.n_embd, hp.n_embd_kv(), hp.head_dim());
     let b = &mut step.buf;
@@ -56,6 +56,7 @@ pub(crate) fn attention(
                 // One token: the three products in one dispatch.
                 products_one_token(
                     mm,
+                    dev,
                     &mut [
                         (wq, attn_in, &mut b.q),
                         (wk, attn_in, &mut b.k),
@@ -63,9 +64,9 @@ pub(crate) fn attention(
                     ],
                 )?;
             } else {
-                product(mm, wq, attn_in, t, &mut b.q)?;
-                product(mm, wk, attn_in, t, &mut b.k)?;
-                product(mm, wv, attn_in, t, &mut b.v)?;
+                product(mm, dev, wq, attn_in, t, &mut b.q)?;
+                product(mm, dev, wk, attn_in, t, &mut b.k)?;
+                product(mm, dev, wv, attn_in, t, &mut b.v)?;
             }
             add_bias(&mut b.q, bq.as_deref())?;
             add_bias(&mut b.k, bk.as_deref())?;
@@ -75,7 +76,7 @@ pub(crate) fn attention(
         (QkvMats::Fused(w), _) => {
             let width = ne + 2 * nkv;
             fit(&mut b.qkv, t * width);
-            product(mm, w, attn_in, t, &mut b.qkv)?;
+            product(mm, dev, w, attn_in, t, &mut b.qkv)?;
             for (i, row) in b.qkv.chunks_exact(width).enumerate() {
                 b.q[i * ne..(i + 1) * ne].copy_from_slice(&row[..ne]);
                 b.k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
@@ -107,7 +108,7 @@ pub(crate) fn attention(
         attention_block(mm.pool(), q_s, kc, vc, n, &step.ap, out_s)?;
     }
     laps.lap(Op::Attention, || kv_bytes);
-    product(mm, &mats.wo, &b.heads, t, &mut b.tmp)?;
+    product(mm, dev, &mats.wo, &b.heads, t, &mut b.tmp)?;
     add_bias(&mut b.tmp, layer.bo.as_deref())?;
     laps.lap(Op::AttnOutput, || mats.wo.bytes());
     Ok(std::mem::take(&mut b.tmp))

@@ -13,12 +13,15 @@
 pub(crate) mod ffn;
 pub(crate) mod fused;
 pub(crate) mod layer;
+pub(crate) mod neurons;
 pub(crate) mod step;
 pub(crate) mod weights;
 
 use powerinfer_kernels_cpu::ops::activation::add;
 use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
 
+use crate::device::placement::Hybrid;
+use crate::device::DeviceReport;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{Arch, Model, OPT_POSITION_OFFSET};
@@ -168,25 +171,39 @@ pub(crate) struct ExecOptions {
     pub(crate) fuse: bool,
 }
 
-/// Execution state of a model: options, repacked copies and learned splits.
+/// Execution state of a model: options, repacked copies, learned splits, and the device
+/// with what it holds.
 pub(crate) struct Executor {
     opts: ExecOptions,
     backend: Backend,
     repacked: Repacked,
     /// Per layer: where the one-token sparse FFN cuts its neurons among threads.
     splits: Vec<FusedSplit>,
+    hybrid: Option<Hybrid>,
 }
 
 impl Executor {
     /// An executor for `model` on `mm`'s backend; `repack`: make repacked copies of the dense
-    /// Q4_0 matrices of one-token products.
-    pub(crate) fn new(model: &Model, mm: &MatMul<'_>, opts: ExecOptions, repack: bool) -> Executor {
+    /// Q4_0 matrices of one-token products; `hybrid`: a device and what it holds.
+    pub(crate) fn new(
+        model: &Model,
+        mm: &MatMul<'_>,
+        opts: ExecOptions,
+        repack: bool,
+        hybrid: Option<Hybrid>,
+    ) -> Executor {
         Executor {
             opts,
             backend: mm.backend(),
             repacked: Repacked::new(model, mm, repack),
             splits: model.layers.iter().map(|_| FusedSplit::default()).collect(),
+            hybrid,
         }
+    }
+
+    /// What the device holds and did (`None` without a device).
+    pub(crate) fn device_report(&self) -> Option<DeviceReport> {
+        self.hybrid.as_ref().map(Hybrid::report)
     }
 
     /// The options.
@@ -197,8 +214,8 @@ impl Executor {
     /// Makes every repacked copy now.
     pub(crate) fn repack_now(&self, model: &Model, pool: &ThreadPool) -> Result<()> {
         let mm = MatMul::with_backend(pool, self.backend)?;
-        self.repacked
-            .make_all(&ModelMats::new(model, &self.repacked)?, &mm);
+        let mats = ModelMats::new(model, &self.repacked, self.hybrid.as_ref())?;
+        self.repacked.make_all(&mats, &mm);
         Ok(())
     }
 
@@ -253,7 +270,7 @@ impl Executor {
         }
         let ne = hp.n_embd;
         let mm = MatMul::with_backend(pool, self.backend)?;
-        let mats = ModelMats::new(model, &self.repacked)?;
+        let mats = ModelMats::new(model, &self.repacked, self.hybrid.as_ref())?;
         let EvalOptions {
             logits: which,
             observer,
@@ -262,6 +279,10 @@ impl Executor {
         let mut step = Step::new(model, &mm, self.opts, t, positions, segments, starts);
         step.laps = Laps::new(profile);
         step.observer = observer.map(|o| o as &mut dyn FfnObserver);
+        if let Some(h) = &self.hybrid {
+            step.device = Some(h.device.as_ref());
+            step.counters = Some(&h.counters);
+        }
         step.laps.eval(t);
 
         let mut x = vec![0f32; t * ne];
@@ -335,7 +356,7 @@ impl Executor {
         step.laps.lap(Op::Norm, || 0);
         let nv = hp.n_vocab;
         let mut logits = vec![0f32; n_out * nv];
-        product(&mm, &mats.output, &normed, n_out, &mut logits)?;
+        product(&mm, step.device, &mats.output, &normed, n_out, &mut logits)?;
         step.laps.lap(Op::OutputHead, || mats.output.bytes());
         let mut outs = Vec::with_capacity(segments.len());
         let mut row = 0;

@@ -7,11 +7,13 @@ use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::{RopeMode, RopeParams};
 use powerinfer_kernels_cpu::MatMul;
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use super::fused::FusedSplit;
 use super::weights::LayerMats;
 use super::{ExecOptions, Segment};
+use crate::device::Device;
 use crate::error::Result;
 use crate::model::{Arch, FfnAct, Hparams, Layer, Model, Norm};
 use crate::observer::FfnObserver;
@@ -83,6 +85,10 @@ pub(crate) struct Step<'a> {
     pub(crate) observer: Option<&'a mut dyn FfnObserver>,
     /// Where the time goes, when profiling.
     pub(crate) laps: Laps<'a>,
+    /// The device beside the CPU, if any.
+    pub(crate) device: Option<&'a dyn Device>,
+    /// Active neurons computed on the device and on the CPU (the engine's running totals).
+    pub(crate) counters: Option<&'a (AtomicU64, AtomicU64)>,
     /// Buffers.
     pub(crate) buf: Buffers,
 }
@@ -124,6 +130,8 @@ impl<'a> Step<'a> {
             density: vec![0.0; t],
             observer: None,
             laps: Laps::new(None),
+            device: None,
+            counters: None,
             buf: Buffers::default(),
         }
     }

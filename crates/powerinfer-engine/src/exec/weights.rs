@@ -7,15 +7,28 @@ use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_kernels_cpu::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
 use powerinfer_predictor::predictor::Predictor;
 
+use crate::device::placement::{Hybrid, HybridLayer};
+use crate::device::{Device, HotId, MatId};
 use crate::error::Result;
 use crate::model::{Ffn, Model, Qkv, TensorRef};
 
 /// A kernel view of one matrix, with the cell of its repacked copy when it is marked for
-/// repacking.
+/// repacking, and its copy on the device when it has one (products then run there).
 pub(crate) struct Mat<'m> {
     /// The file's bytes.
     pub(crate) w: Weights<'m>,
     packed: Option<&'m OnceLock<Option<PackedQ4_0>>>,
+    /// The device's copy.
+    pub(crate) dev: Option<MatId>,
+}
+
+/// A layer's hot neurons on the device.
+#[derive(Clone, Copy)]
+pub(crate) struct HotRef<'m> {
+    /// The device's slice.
+    pub(crate) id: HotId,
+    /// Per neuron, whether the device holds it (the CPU skips those).
+    pub(crate) on_device: &'m [bool],
 }
 
 impl Mat<'_> {
@@ -54,6 +67,10 @@ pub(crate) enum FfnMats<'m> {
         down_t: Weights<'m>,
         /// `fc2 · ReLU(fc1 · h)`.
         predictor: Predictor<'m>,
+        /// The device's copies of `fc1` and `fc2`, when it holds them.
+        predictor_dev: Option<(MatId, MatId)>,
+        /// The hot neurons the device holds, if any.
+        hot: Option<HotRef<'m>>,
     },
 }
 
@@ -94,9 +111,10 @@ pub(crate) struct ModelMats<'m> {
     pub(crate) output: Mat<'m>,
 }
 
-/// A matrix of a layer that one-token products may read repacked.
+/// A dense matrix of a layer: the ones one-token products may read repacked, and the ones
+/// a device may hold.
 #[derive(Clone, Copy)]
-enum Slot {
+pub(crate) enum Slot {
     Q,
     K,
     V,
@@ -107,7 +125,8 @@ enum Slot {
     Down,
 }
 
-const SLOTS: usize = 8;
+/// Number of [`Slot`]s.
+pub(crate) const SLOTS: usize = 8;
 
 /// Repacked copies of the dense Q4_0 matrices of one-token products (`EngineOptions::repack`):
 /// each is made at the matrix's first one-token product (so loading and prompts, which read
@@ -182,30 +201,35 @@ fn view<'m>(file: &'m GgufFile, t: &TensorRef) -> Result<Weights<'m>> {
 }
 
 impl<'m> ModelMats<'m> {
-    /// Views of every matrix of `model`, with `repacked`'s cells.
-    pub(crate) fn new(model: &'m Model, repacked: &'m Repacked) -> Result<ModelMats<'m>> {
+    /// Views of every matrix of `model`, with `repacked`'s cells and the device copies
+    /// `hybrid` placed.
+    pub(crate) fn new(
+        model: &'m Model,
+        repacked: &'m Repacked,
+        hybrid: Option<&'m Hybrid>,
+    ) -> Result<ModelMats<'m>> {
         let file = model.file();
-        let mat = |layer: usize, slot: Slot, t: &TensorRef| -> Result<Mat<'m>> {
-            Ok(Mat {
-                w: view(file, t)?,
-                packed: repacked.cell(layer, slot, t),
-            })
-        };
         let mut layers = Vec::with_capacity(model.layers.len());
         for (l, layer) in model.layers.iter().enumerate() {
+            let hl: Option<&'m HybridLayer> = hybrid.map(|h| &h.layers[l]);
+            let mat = |slot: Slot, t: &TensorRef| -> Result<Mat<'m>> {
+                Ok(Mat {
+                    w: view(file, t)?,
+                    packed: repacked.cell(l, slot, t),
+                    dev: hl.and_then(|h| h.mats[slot as usize]),
+                })
+            };
             let qkv = match &layer.qkv {
-                Qkv::Separate { wq, wk, wv, .. } => QkvMats::Separate([
-                    mat(l, Slot::Q, wq)?,
-                    mat(l, Slot::K, wk)?,
-                    mat(l, Slot::V, wv)?,
-                ]),
-                Qkv::Fused(w) => QkvMats::Fused(mat(l, Slot::Qkv, w)?),
+                Qkv::Separate { wq, wk, wv, .. } => {
+                    QkvMats::Separate([mat(Slot::Q, wq)?, mat(Slot::K, wk)?, mat(Slot::V, wv)?])
+                }
+                Qkv::Fused(w) => QkvMats::Fused(mat(Slot::Qkv, w)?),
             };
             let ffn = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => FfnMats::Dense {
-                    gate: gate.as_ref().map(|g| mat(l, Slot::Gate, g)).transpose()?,
-                    up: mat(l, Slot::Up, up)?,
-                    down: mat(l, Slot::Down, down)?,
+                    gate: gate.as_ref().map(|g| mat(Slot::Gate, g)).transpose()?,
+                    up: mat(Slot::Up, up)?,
+                    down: mat(Slot::Down, down)?,
                 },
                 Ffn::Sparse {
                     gate,
@@ -218,31 +242,42 @@ impl<'m> ModelMats<'m> {
                     up: view(file, up)?,
                     down_t: view(file, down_t)?,
                     predictor: Predictor::new(view(file, fc1)?, view(file, fc2)?)?,
+                    predictor_dev: hl.and_then(|h| h.predictor),
+                    hot: hl.and_then(|h| h.hot.as_ref()).map(|h| HotRef {
+                        id: h.id,
+                        on_device: &h.on_device,
+                    }),
                 },
             };
             layers.push(LayerMats {
                 qkv,
-                wo: mat(l, Slot::Wo, &layer.wo)?,
+                wo: mat(Slot::Wo, &layer.wo)?,
                 ffn,
             });
         }
         let output = Mat {
             w: view(file, &model.output)?,
             packed: (repacked.on && model.output.ty == GgmlType::Q4_0).then_some(&repacked.output),
+            dev: hybrid.and_then(|h| h.output),
         };
         Ok(ModelMats { layers, output })
     }
 }
 
-/// `y = W x` for `t` tokens: through the repacked copy of `m` for one token when it is marked
-/// for repacking (bit-identical results), else the ordinary GEMM.
+/// `y = W x` for `t` tokens: on the device when it holds `m`; else through the repacked copy
+/// of `m` for one token when it is marked for repacking (bit-identical results), else the
+/// ordinary GEMM.
 pub(crate) fn product(
     mm: &MatMul<'_>,
+    device: Option<&dyn Device>,
     m: &Mat<'_>,
     x: &[f32],
     t: usize,
     y: &mut [f32],
 ) -> Result<()> {
+    if let (Some(id), Some(d)) = (m.dev, device) {
+        return d.product(id, x, t, y);
+    }
     match packed_copy(mm, m, t) {
         Some(p) => mm.gemv_packed(p, x, y)?,
         None => mm.gemm(&m.w, x, t, y)?,
@@ -258,15 +293,21 @@ fn packed_copy<'a>(mm: &MatMul<'_>, m: &'a Mat<'_>, t: usize) -> Option<&'a Pack
 
 /// Several one-token products `y = W x` in one dispatch (a layer's Q, K and V; a dense FFN's
 /// gate and up): [`MatMul::gemv_packed_multi`] when every matrix has a repacked copy,
-/// [`MatMul::gemv_multi`] when none has, else one product after another. The same bits as
-/// [`product`] on each.
+/// [`MatMul::gemv_multi`] when none has, else (or when a device holds any) one product after
+/// another. The same bits as [`product`] on each.
 pub(crate) fn products_one_token(
     mm: &MatMul<'_>,
+    device: Option<&dyn Device>,
     jobs: &mut [(&Mat<'_>, &[f32], &mut [f32])],
 ) -> Result<()> {
+    let on_device = device.is_some() && jobs.iter().any(|(m, _, _)| m.dev.is_some());
     let packed: Vec<Option<&PackedQ4_0>> =
         jobs.iter().map(|(m, _, _)| packed_copy(mm, m, 1)).collect();
-    if let Some(all) = packed.iter().copied().collect::<Option<Vec<_>>>() {
+    if on_device {
+        for (m, x, y) in jobs.iter_mut() {
+            product(mm, device, m, x, 1, y)?;
+        }
+    } else if let Some(all) = packed.iter().copied().collect::<Option<Vec<_>>>() {
         let mut pj: Vec<PackedGemvJob<'_>> = jobs
             .iter_mut()
             .zip(all)
@@ -281,7 +322,7 @@ pub(crate) fn products_one_token(
         mm.gemv_multi(&mut gj)?;
     } else {
         for (m, x, y) in jobs.iter_mut() {
-            product(mm, m, x, 1, y)?;
+            product(mm, None, m, x, 1, y)?;
         }
     }
     Ok(())

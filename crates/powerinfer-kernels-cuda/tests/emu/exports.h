@@ -44,6 +44,9 @@ extern "C" void emu_rope(EMU_GRID, float* x, const int* pos, int n_head, int hea
 extern "C" void emu_softmax(EMU_GRID, float* x, int n, float scale) {
     emu_launch(gx, gy, gz, bx, [=] { softmax(x, n, scale); });
 }
+extern "C" void emu_relu(EMU_GRID, const float* x, float* y, long n) {
+    emu_launch(gx, gy, gz, bx, [=] { relu(x, y, n); });
+}
 extern "C" void emu_relu_gate(EMU_GRID, const float* g, const float* u, float* y, long n, int relu_u) {
     emu_launch(gx, gy, gz, bx, [=] { relu_gate(g, u, y, n, relu_u); });
 }

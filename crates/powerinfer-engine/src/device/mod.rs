@@ -1,0 +1,296 @@
+//! Compute devices beside the CPU: where the hot part of each layer runs.
+//!
+//! A device (the crate-private `Device` trait) holds weights in its own memory, under a byte
+//! budget that refuses an allocation before anything is allocated, and runs two kinds of work
+//! on them:
+//!
+//! - dense products `y = W x` of matrices it holds (attention, predictor, output head, the
+//!   layers `-ngl` offloads): synchronous, activations copied in and results out;
+//! - the hot part of a sparse FFN: the rows of the layer's hottest neurons, held in bucket order
+//!   (device row `j` is neuron `bucket[j]`). Submitting copies the inputs and returns at once;
+//!   the CPU computes the cold neurons meanwhile; finishing waits and adds the device's partial
+//!   sum into the output.
+//!
+//! Implementations: `sim::SimDevice`, a simulated GPU (own memory arena, own worker threads,
+//! explicit copies, optional speed model: [`SimSpeed`]) that runs on every machine, and
+//! `cuda::CudaDevice` on an NVIDIA GPU through `powerinfer-kernels-cuda`. What goes where is
+//! decided at load by `placement`. [`DeviceOptions`] chooses; [`DeviceReport`] tells.
+
+pub(crate) mod cuda;
+pub(crate) mod placement;
+pub(crate) mod sim;
+
+use std::time::Duration;
+
+use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::Weights;
+
+use crate::error::Result;
+use crate::model::FfnAct;
+
+/// Which device runs the hot part of each layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceChoice {
+    /// Everything on the CPU.
+    #[default]
+    None,
+    /// CUDA device 0 when one is usable, else the CPU (the reason is in the load report).
+    Auto,
+    /// CUDA device `N`; loading fails when it is not usable.
+    Cuda(usize),
+    /// The simulated GPU ([`SimOptions`]).
+    Sim,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+
+    /// `auto`, `none`, `sim`, `cuda` or `cuda:N`.
+    fn from_str(s: &str) -> std::result::Result<DeviceChoice, String> {
+        match s {
+            "auto" => Ok(DeviceChoice::Auto),
+            "none" | "cpu" => Ok(DeviceChoice::None),
+            "sim" => Ok(DeviceChoice::Sim),
+            "cuda" => Ok(DeviceChoice::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceChoice::Cuda)
+                .ok_or_else(|| format!("`{s}`: expected auto, cuda, cuda:N, sim or none")),
+        }
+    }
+}
+
+/// A speed to play for the simulated device: each piece of work takes at least the time
+/// these figures give it (the work itself runs for real on the device's threads; when that
+/// takes longer, the device is slower than asked and [`DeviceReport::overruns`] counts it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct SimSpeed {
+    /// Bytes per second the device reads its memory at.
+    pub bandwidth: f64,
+    /// Time of one kernel launch.
+    pub launch: Duration,
+    /// Bytes per second of a copy between host and device.
+    pub link_bandwidth: f64,
+}
+
+impl SimSpeed {
+    /// A device reading `bandwidth` bytes/s, with `launch` per kernel and a host link of
+    /// `link_bandwidth` bytes/s.
+    pub fn new(bandwidth: f64, launch: Duration, link_bandwidth: f64) -> SimSpeed {
+        SimSpeed {
+            bandwidth,
+            launch,
+            link_bandwidth,
+        }
+    }
+}
+
+/// Options of the simulated device.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct SimOptions {
+    /// Its worker threads (its own, not the CPU side's pool).
+    pub threads: usize,
+    /// The speed it plays; `None`: as fast as its threads compute.
+    pub speed: Option<SimSpeed>,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions {
+            threads: 1,
+            speed: None,
+        }
+    }
+}
+
+/// What to do with PowerInfer's cached neuron placement (`<model>.generated.gpuidx`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GpuIndexMode {
+    /// Reuse it when it matches the model, statistics and budget; else solve and write it.
+    #[default]
+    Reuse,
+    /// Solve and write it again (`--reset-gpu-index`).
+    Reset,
+    /// Read and write none; every FFN neuron on the CPU (`--disable-gpu-index`).
+    Disable,
+}
+
+/// Where the model's parts run ([`EngineOptions::device`](crate::EngineOptions::device)).
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct DeviceOptions {
+    /// The device.
+    pub choice: DeviceChoice,
+    /// Bytes of device memory the engine may use; `None`: 90% of a GPU's memory less 256 MiB,
+    /// or for the simulated device everything the model could place there.
+    pub vram_budget: Option<u64>,
+    /// Dense GGUF files: offload this many whole layers (the last ones; more than the layer
+    /// count also takes the output head), as llama.cpp's `-ngl`. Refused for PowerInfer files,
+    /// which place neurons by `vram_budget` instead (as PowerInfer does).
+    pub n_gpu_layers: Option<usize>,
+    /// The cached neuron placement.
+    pub gpu_index: GpuIndexMode,
+    /// Activation statistics for the placement (default: `activation/` beside the model).
+    pub activation_dir: Option<std::path::PathBuf>,
+    /// The simulated device.
+    pub sim: SimOptions,
+}
+
+/// What the device holds and did: [`Engine::device_report`](crate::Engine::device_report).
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct DeviceReport {
+    /// `none`, `sim` or `cuda:N (name)`.
+    pub kind: String,
+    /// Why no device runs anything, when none does although one was asked for (`--gpu auto`
+    /// without a usable GPU, a budget of 0, ...).
+    pub note: Option<String>,
+    /// The device memory budget.
+    pub budget_bytes: u64,
+    /// The most device memory held at once.
+    pub peak_bytes: u64,
+    /// Dense matrices held on the device, and bytes.
+    pub dense_matrices: usize,
+    /// Their bytes.
+    pub dense_bytes: u64,
+    /// Dense matrices of the model that could have been placed there.
+    pub dense_total: usize,
+    /// FFN neuron rows held on the device, over all layers.
+    pub ffn_rows: usize,
+    /// FFN neurons of the model.
+    pub ffn_total: usize,
+    /// Where the neuron placement came from (`reused <file>`, `built <file>: reason`, ...).
+    pub placement: String,
+    /// Active FFN neurons computed on the device so far (all evaluations).
+    pub active_device: u64,
+    /// Active FFN neurons computed on the CPU so far.
+    pub active_cpu: u64,
+    /// Pieces of work the simulated device finished later than its speed model asked.
+    pub overruns: u64,
+}
+
+impl DeviceReport {
+    /// Share of the FFN rows held on the device.
+    pub fn resident_share(&self) -> f64 {
+        ratio(self.ffn_rows as u64, self.ffn_total as u64)
+    }
+
+    /// Share of the active FFN neurons computed on the device.
+    pub fn active_share(&self) -> f64 {
+        ratio(self.active_device, self.active_device + self.active_cpu)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// What a device's work buffers must hold: up to `t_max` tokens of a model of these widths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WorkShape {
+    /// Tokens per chunk.
+    pub(crate) t_max: usize,
+    /// Residual width.
+    pub(crate) n_embd: usize,
+    /// Widest FFN.
+    pub(crate) n_ff: usize,
+    /// Widest predictor hidden layer.
+    pub(crate) rank: usize,
+    /// Most rows of a matrix the device may hold (the output head's vocabulary).
+    pub(crate) max_rows: usize,
+    /// Most columns of such a matrix (`ffn_down`'s `n_ff`).
+    pub(crate) max_cols: usize,
+}
+
+/// A matrix held by a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MatId(pub(crate) usize);
+
+/// A layer's hot FFN slice held by a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct HotId(pub(crate) usize);
+
+/// The rows of a layer's hot neurons to upload, in bucket order.
+pub(crate) struct HotSpec<'a> {
+    /// `ffn_gate` (all rows), if the FFN has one.
+    pub(crate) gate: Option<Weights<'a>>,
+    /// `ffn_up` (all rows).
+    pub(crate) up: Weights<'a>,
+    /// `ffn_down_t` (all rows).
+    pub(crate) down_t: Weights<'a>,
+    /// The neurons to hold, device row `j` = neuron `bucket[j]`.
+    pub(crate) bucket: &'a [u32],
+    /// `ffn_up.bias` (`opt`), all `n_ff` values.
+    pub(crate) up_bias: Option<&'a [f32]>,
+    /// The activation.
+    pub(crate) act: FfnAct,
+}
+
+/// The hot part of one layer's sparse FFN for a block of tokens.
+pub(crate) struct HotJob<'a> {
+    /// The layer's slice.
+    pub(crate) hot: HotId,
+    /// The FFN input, `t × n_embd`.
+    pub(crate) x: &'a [f32],
+    /// The predictor scores, `t × n_ff`.
+    pub(crate) scores: &'a [f32],
+    /// Tokens.
+    pub(crate) t: usize,
+    /// Active means `score ≥ threshold`.
+    pub(crate) threshold: f32,
+}
+
+/// A submitted [`HotJob`].
+#[derive(Debug)]
+pub(crate) struct Ticket(pub(crate) u64);
+
+/// What a finished hot job did.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct HotDone {
+    /// Active neurons it computed (over its tokens).
+    pub(crate) active: u64,
+    /// Its time on the device, transfers included.
+    pub(crate) busy: Duration,
+    /// Of which copies between host and device.
+    pub(crate) transfer: Duration,
+}
+
+/// A compute device beside the CPU (see the [module docs](self)).
+pub(crate) trait Device: Send + Sync {
+    /// `sim`, `cuda:0 (NVIDIA H200)`, ...
+    fn name(&self) -> String;
+    /// The memory budget: limit, bytes in use, peak.
+    fn memory(&self) -> (u64, u64, u64);
+    /// Whether its kernels take weights of type `ty`.
+    fn supports(&self, ty: GgmlType) -> bool;
+    /// Bytes of the work buffers the device holds for `shape` (reserved by
+    /// [`reserve_work`](Device::reserve_work)); longer batches run in chunks of them.
+    fn work_bytes(&self, shape: &WorkShape) -> u64;
+    /// Allocates the work buffers of [`work_bytes`](Device::work_bytes).
+    fn reserve_work(&self, shape: &WorkShape) -> Result<()>;
+    /// Copies a whole matrix into device memory.
+    fn upload(&self, w: &Weights<'_>) -> Result<MatId>;
+    /// Copies a layer's hot neuron rows into device memory.
+    fn upload_hot(&self, spec: &HotSpec<'_>) -> Result<HotId>;
+    /// `y = W x` for `t` tokens of a held matrix; returns when `y` is on the host.
+    fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()>;
+    /// Predictor scores `fc2 · ReLU(fc1 · h)` of `t` tokens of held matrices, into `out`.
+    fn scores(&self, fc1: MatId, fc2: MatId, h: &[f32], t: usize, out: &mut [f32]) -> Result<()>;
+    /// Copies a hot job's inputs to the device and queues it; returns at once.
+    fn submit(&self, job: &HotJob<'_>) -> Result<Ticket>;
+    /// Waits for a submitted job and adds its output (`t × n_embd`) into `out`.
+    fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone>;
+    /// Pieces of work finished later than a speed model asked (0 for real devices).
+    fn overruns(&self) -> u64 {
+        0
+    }
+}

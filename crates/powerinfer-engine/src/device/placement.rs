@@ -1,0 +1,448 @@
+//! What goes on the device, decided at load ([`place`]), and the result the executor reads
+//! ([`Hybrid`]).
+//!
+//! PowerInfer files: `powerinfer-placement` splits the VRAM budget in PowerInfer's order,
+//! counting exactly what this engine uploads: the matrices of attention (Q/K/V or the fused
+//! QKV, `attn_output`), the predictors (`fc1`, `fc2`), the output head, then the device's
+//! work buffers and the buckets, and spends the rest on the hottest neurons' rows (from
+//! `activation/` statistics, through the `.generated.gpuidx` cache). Norms, biases, embeddings
+//! and the KV cache stay in host memory, where the CPU uses them. Dense GGUF files:
+//! `n_gpu_layers` whole layers (the last ones, as llama.cpp offloads them), and the output
+//! head when it exceeds the layer count.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use powerinfer_kernels_cpu::Weights;
+use powerinfer_placement::{plan_model_with, IndexSource, PlanOptions, VramBudget};
+
+use super::cuda::CudaDevice;
+use super::sim::SimDevice;
+use super::{
+    Device, DeviceChoice, DeviceOptions, DeviceReport, GpuIndexMode, HotId, HotSpec, MatId,
+    WorkShape,
+};
+use crate::error::{EngineError, Result};
+use crate::exec::weights::{Slot, SLOTS};
+use crate::model::{Ffn, Model, Qkv, TensorRef};
+
+/// Neurons per placement group (PowerInfer's solver batch).
+const GROUP: usize = 256;
+
+/// A layer's hot neurons on the device.
+pub(crate) struct HotLayer {
+    /// The device's slice.
+    pub(crate) id: HotId,
+    /// Per neuron, whether the device holds it.
+    pub(crate) on_device: Vec<bool>,
+}
+
+/// What the device holds of one layer.
+#[derive(Default)]
+pub(crate) struct HybridLayer {
+    /// Dense matrices by [`Slot`].
+    pub(crate) mats: [Option<MatId>; SLOTS],
+    /// `fc1` and `fc2`.
+    pub(crate) predictor: Option<(MatId, MatId)>,
+    /// The hot neuron rows.
+    pub(crate) hot: Option<HotLayer>,
+}
+
+/// A device and what it holds: the executor runs each piece of work where this says.
+pub(crate) struct Hybrid {
+    /// The device.
+    pub(crate) device: Box<dyn Device>,
+    /// Per layer.
+    pub(crate) layers: Vec<HybridLayer>,
+    /// The output head.
+    pub(crate) output: Option<MatId>,
+    report: DeviceReport,
+    /// Active neurons computed so far on the device and on the CPU.
+    pub(crate) counters: (AtomicU64, AtomicU64),
+}
+
+impl Hybrid {
+    /// What the device holds and did.
+    pub(crate) fn report(&self) -> DeviceReport {
+        let (limit, _, peak) = self.device.memory();
+        DeviceReport {
+            budget_bytes: limit,
+            peak_bytes: peak,
+            active_device: self.counters.0.load(Ordering::Relaxed),
+            active_cpu: self.counters.1.load(Ordering::Relaxed),
+            overruns: self.device.overruns(),
+            ..self.report.clone()
+        }
+    }
+}
+
+/// The device [`DeviceOptions::choice`] asks for, or why there is none.
+pub(crate) enum Opened {
+    /// A device to place the model on.
+    Device(Box<dyn Device>),
+    /// None; `Some` says why although one was asked for.
+    Cpu(Option<String>),
+}
+
+/// Opens the device of `opts` for `model`.
+pub(crate) fn open(opts: &DeviceOptions, model: &Model, t_max: usize) -> Result<Opened> {
+    match opts.choice {
+        DeviceChoice::None => Ok(Opened::Cpu(None)),
+        DeviceChoice::Sim => {
+            let budget = match opts.vram_budget {
+                Some(b) => b,
+                None => everything(model, t_max),
+            };
+            Ok(Opened::Device(Box::new(SimDevice::new(budget, &opts.sim)?)))
+        }
+        DeviceChoice::Cuda(n) => match CudaDevice::open(n, opts.vram_budget) {
+            Ok(d) => Ok(Opened::Device(Box::new(d))),
+            Err(e) => Err(EngineError::NoGpu(format!("cuda:{n}: {e}"))),
+        },
+        DeviceChoice::Auto => match CudaDevice::open(0, opts.vram_budget) {
+            Ok(d) => Ok(Opened::Device(Box::new(d))),
+            Err(e) => Ok(Opened::Cpu(Some(format!(
+                "no usable GPU ({e}): everything runs on the CPU"
+            )))),
+        },
+    }
+}
+
+/// Bytes the simulated device needs to hold everything it could hold of `model`.
+fn everything(model: &Model, t_max: usize) -> u64 {
+    let mut total: u64 = work_shape(model, t_max).bytes_upper();
+    for layer in &model.layers {
+        let mut mats: Vec<&TensorRef> = vec![&layer.wo];
+        match &layer.qkv {
+            Qkv::Separate { wq, wk, wv, .. } => mats.extend([wq, wk, wv]),
+            Qkv::Fused(w) => mats.push(w),
+        }
+        match &layer.ffn {
+            Ffn::Dense { gate, up, down } => mats.extend(gate.iter().chain([up, down])),
+            Ffn::Sparse {
+                gate,
+                up,
+                down_t,
+                fc1,
+                fc2,
+            } => {
+                mats.extend(gate.iter().chain([up, down_t, fc1, fc2]));
+                total += 4 * up.rows as u64;
+            }
+        }
+        total += mats.iter().map(|t| t.info.n_bytes()).sum::<u64>();
+    }
+    total + model.output.info.n_bytes()
+}
+
+/// Tokens the work buffers hold (longer batches run in chunks).
+const WORK_TOKENS: usize = 16;
+
+fn work_shape(model: &Model, t_max: usize) -> WorkShape {
+    let hp = &model.hparams;
+    let rank = model
+        .layers
+        .iter()
+        .map(|l| match &l.ffn {
+            Ffn::Sparse { fc1, .. } => fc1.rows,
+            Ffn::Dense { .. } => 0,
+        })
+        .max()
+        .unwrap_or(0);
+    WorkShape {
+        t_max: t_max.clamp(1, WORK_TOKENS),
+        n_embd: hp.n_embd,
+        n_ff: hp.n_ff,
+        rank,
+        max_rows: hp.n_vocab.max(hp.n_ff).max(hp.n_embd + 2 * hp.n_embd_kv()),
+        max_cols: hp.n_embd.max(hp.n_ff),
+    }
+}
+
+impl WorkShape {
+    /// An upper bound of any device's work buffers for this shape.
+    fn bytes_upper(&self) -> u64 {
+        let t = self.t_max as u64;
+        4 * t
+            * (self.max_cols as u64
+                + self.max_rows as u64
+                + 2 * self.n_embd as u64
+                + 5 * self.n_ff as u64
+                + 2 * self.rank as u64)
+            + t * self.n_ff as u64
+            + 8 * self.n_ff as u64
+            + (64 << 10)
+    }
+}
+
+fn view<'m>(model: &'m Model, t: &TensorRef) -> Result<Weights<'m>> {
+    Ok(Weights::new(
+        t.ty,
+        t.rows,
+        t.cols,
+        model.file().data_of(&t.info),
+    )?)
+}
+
+/// Where a dense tensor goes in a [`Hybrid`].
+#[derive(Clone, Copy)]
+enum Target {
+    Slot(usize, Slot),
+    Fc1(usize),
+    Fc2(usize),
+    Output,
+}
+
+/// The matrices this engine can run on a device, by tensor name.
+fn targets<'m>(model: &'m Model) -> HashMap<&'m str, (Target, &'m TensorRef)> {
+    let mut map = HashMap::new();
+    for (l, layer) in model.layers.iter().enumerate() {
+        let mut put = |t: &'m TensorRef, target: Target| {
+            map.insert(t.name.as_str(), (target, t));
+        };
+        match &layer.qkv {
+            Qkv::Separate { wq, wk, wv, .. } => {
+                put(wq, Target::Slot(l, Slot::Q));
+                put(wk, Target::Slot(l, Slot::K));
+                put(wv, Target::Slot(l, Slot::V));
+            }
+            Qkv::Fused(w) => put(w, Target::Slot(l, Slot::Qkv)),
+        }
+        put(&layer.wo, Target::Slot(l, Slot::Wo));
+        match &layer.ffn {
+            Ffn::Dense { gate, up, down } => {
+                if let Some(g) = gate {
+                    put(g, Target::Slot(l, Slot::Gate));
+                }
+                put(up, Target::Slot(l, Slot::Up));
+                put(down, Target::Slot(l, Slot::Down));
+            }
+            Ffn::Sparse { fc1, fc2, .. } => {
+                put(fc1, Target::Fc1(l));
+                put(fc2, Target::Fc2(l));
+            }
+        }
+    }
+    // A tied head (`token_embd`) stays in host memory, as PowerInfer keeps it.
+    if model.output.name == "output.weight" {
+        map.insert(model.output.name.as_str(), (Target::Output, &model.output));
+    }
+    map
+}
+
+/// Places `model` (the file at `path`) on `device` (see the [module docs](self)).
+pub(crate) fn place(
+    model: &Model,
+    path: &Path,
+    opts: &DeviceOptions,
+    device: Box<dyn Device>,
+    t_max: usize,
+) -> Result<Hybrid> {
+    let shape = work_shape(model, t_max);
+    let work = device.reserve_work(&shape);
+    let mut h = Hybrid {
+        layers: model
+            .layers
+            .iter()
+            .map(|_| HybridLayer::default())
+            .collect(),
+        output: None,
+        report: DeviceReport {
+            kind: device.name(),
+            ffn_total: model.layers.len() * model.hparams.n_ff,
+            ..DeviceReport::default()
+        },
+        counters: (AtomicU64::new(0), AtomicU64::new(0)),
+        device,
+    };
+    match work {
+        Ok(()) if model.is_sparse() => place_sparse(model, path, opts, &mut h, &shape)?,
+        Ok(()) => place_layers(model, opts, &mut h)?,
+        Err(EngineError::DeviceMemory { requested, .. }) => {
+            h.report.note = Some(format!(
+                "the VRAM budget of {} bytes is below the device's work buffers ({requested} \
+                 bytes): everything runs on the CPU",
+                h.device.memory().0
+            ));
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(h)
+}
+
+/// Uploads a dense tensor and records where it went.
+fn put_dense(model: &Model, h: &mut Hybrid, target: Target, t: &TensorRef) -> Result<()> {
+    let id = h.device.upload(&view(model, t)?)?;
+    h.report.dense_matrices += 1;
+    h.report.dense_bytes += t.info.n_bytes();
+    match target {
+        Target::Slot(l, s) => h.layers[l].mats[s as usize] = Some(id),
+        Target::Output => h.output = Some(id),
+        Target::Fc1(l) => {
+            let p = h.layers[l].predictor.get_or_insert((id, id));
+            p.0 = id;
+        }
+        Target::Fc2(l) => {
+            let p = h.layers[l].predictor.get_or_insert((id, id));
+            p.1 = id;
+        }
+    }
+    Ok(())
+}
+
+fn place_sparse(
+    model: &Model,
+    path: &Path,
+    opts: &DeviceOptions,
+    h: &mut Hybrid,
+    shape: &WorkShape,
+) -> Result<()> {
+    if let Some(n) = opts.n_gpu_layers {
+        return Err(EngineError::Invalid(format!(
+            "-ngl {n}: a PowerInfer file places neurons by the VRAM budget (--vram-budget), \
+             not by layers (PowerInfer refuses -ngl too)"
+        )));
+    }
+    let targets = targets(model);
+    let mut acct = VramBudget::from_gguf(model.file())?;
+    // Only what this engine uploads: matrices it runs on the device, of types its kernels take.
+    acct.dense.retain(|t| {
+        targets
+            .get(t.name.as_str())
+            .is_some_and(|(_, r)| h.device.supports(r.ty))
+    });
+    h.report.dense_total = targets.len();
+    let ffn_ok = model.layers.iter().all(|l| match &l.ffn {
+        Ffn::Sparse {
+            gate, up, down_t, ..
+        } => gate
+            .iter()
+            .chain([up, down_t])
+            .all(|t| h.device.supports(t.ty)),
+        Ffn::Dense { .. } => false,
+    });
+    let index_bytes: u64 = 4 * (model.layers.len() * model.hparams.n_ff) as u64;
+    // The work buffers are held already; the plan splits what is left.
+    let (limit, used, _) = h.device.memory();
+    let left = limit.saturating_sub(used.max(h.device.work_bytes(shape)) + index_bytes);
+    let mode = if ffn_ok {
+        opts.gpu_index
+    } else {
+        GpuIndexMode::Disable
+    };
+    let plan = plan_model_with(
+        path,
+        acct,
+        &PlanOptions {
+            budget_bytes: left,
+            n_ctx: 0,
+            scratch_bytes: 0,
+            group: GROUP,
+            balanced: None,
+            min_neurons: 0,
+            cap_neurons: None,
+            activation: opts.activation_dir.clone(),
+            reset: mode == GpuIndexMode::Reset,
+            disable: mode == GpuIndexMode::Disable,
+        },
+    )?;
+    for t in &plan.budget.dense[..plan.vram.dense_gpu_count] {
+        if let Some(&(target, r)) = targets.get(t.name.as_str()) {
+            put_dense(model, h, target, r)?;
+        }
+    }
+    // A predictor needs both matrices on the device.
+    for l in &mut h.layers {
+        if l.predictor.is_some_and(|(a, b)| a == b) {
+            l.predictor = None;
+        }
+    }
+    for (l, ls) in plan.split.layers.iter().enumerate() {
+        if ls.bucket.is_empty() {
+            continue;
+        }
+        let layer = &model.layers[l];
+        let Ffn::Sparse {
+            gate, up, down_t, ..
+        } = &layer.ffn
+        else {
+            continue;
+        };
+        let spec = HotSpec {
+            gate: gate.as_ref().map(|g| view(model, g)).transpose()?,
+            up: view(model, up)?,
+            down_t: view(model, down_t)?,
+            bucket: &ls.bucket,
+            up_bias: layer.up_b.as_deref(),
+            act: model.ffn_act,
+        };
+        let id = h.device.upload_hot(&spec)?;
+        let mut on_device = vec![false; up.rows];
+        for &j in &ls.bucket {
+            on_device[j as usize] = true;
+        }
+        h.report.ffn_rows += ls.bucket.len();
+        h.layers[l].hot = Some(HotLayer { id, on_device });
+    }
+    h.report.placement = match &plan.source {
+        IndexSource::Reused => format!("reused {}", shown(&plan.gpuidx)),
+        IndexSource::Built { reason, .. } => format!("wrote {} ({reason})", shown(&plan.gpuidx)),
+        IndexSource::Disabled if !ffn_ok => {
+            "every FFN neuron on the CPU: the device's kernels do not take the FFN's type".into()
+        }
+        IndexSource::Disabled => "GPU index disabled: every FFN neuron on the CPU".into(),
+        IndexSource::NoStatistics { looked_in } => format!(
+            "no activation statistics in {}: every FFN neuron on the CPU",
+            looked_in.display()
+        ),
+    };
+    if !plan.vram.dense_complete {
+        h.report.note = Some(format!(
+            "the VRAM budget of {} bytes holds {} of {} dense matrices; the FFN stays on the CPU",
+            limit,
+            plan.vram.dense_gpu_count,
+            plan.budget.dense.len()
+        ));
+    }
+    Ok(())
+}
+
+fn shown(p: &Option<std::path::PathBuf>) -> String {
+    p.as_ref()
+        .map_or_else(|| "-".to_string(), |p| p.display().to_string())
+}
+
+/// Dense files: the last `n_gpu_layers` layers whole, and the output head past the layer
+/// count (llama.cpp's `-ngl`).
+fn place_layers(model: &Model, opts: &DeviceOptions, h: &mut Hybrid) -> Result<()> {
+    let targets = targets(model);
+    h.report.dense_total = targets.len();
+    let n_layer = model.layers.len();
+    let n = opts.n_gpu_layers.unwrap_or(0);
+    let first = n_layer - n.min(n_layer);
+    let mut chosen: Vec<(Target, &TensorRef)> = targets
+        .values()
+        .copied()
+        .filter(|(t, _)| match t {
+            Target::Slot(l, _) | Target::Fc1(l) | Target::Fc2(l) => *l >= first,
+            Target::Output => n > n_layer,
+        })
+        .collect();
+    chosen.sort_by_key(|(_, r)| r.info.offset());
+    if let Some((_, r)) = chosen.iter().find(|(_, r)| !h.device.supports(r.ty)) {
+        return Err(EngineError::Device(format!(
+            "{}: the device's kernels do not take {} weights",
+            r.name, r.ty
+        )));
+    }
+    for (target, r) in chosen {
+        put_dense(model, h, target, r)?;
+    }
+    h.report.placement = if n == 0 {
+        "dense file: no layer offloaded (-ngl N offloads the last N layers)".into()
+    } else {
+        format!("{} of {n_layer} layers offloaded", n.min(n_layer))
+    };
+    Ok(())
+}

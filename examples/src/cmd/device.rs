@@ -1,0 +1,217 @@
+//! The device flags shared by `run`, `bench decode` (and `serve`): which device beside the CPU,
+//! its VRAM budget, PowerInfer's GPU-index flags, llama.cpp's `-ngl`, and the simulated GPU's
+//! threads and speed. Also how a loaded engine's device is reported.
+
+use std::time::Duration;
+
+use powerinfer_engine::{
+    DeviceChoice, DeviceReport, Engine, EngineOptions, GpuIndexMode, LayerSplit, OpProfile,
+    SimSpeed,
+};
+
+/// Device flags.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DeviceArgs {
+    /// Device beside the CPU: `auto` (a CUDA GPU when one is usable, else the CPU alone),
+    /// `cuda`, `cuda:N`, `sim` (a simulated GPU on this machine's cores) or `none`.
+    #[arg(long = "gpu", default_value = "auto")]
+    pub gpu: DeviceChoice,
+    /// VRAM budget in GiB (default: 90% of the GPU's memory less 256 MiB; `sim`: everything
+    /// the model could place there). PowerInfer files: dense parts first, then the hottest
+    /// neurons' rows (`<model>.generated.gpuidx`, from `activation/` beside the model).
+    #[arg(long = "vram-budget")]
+    pub vram_budget: Option<f64>,
+    /// Rebuild the GPU index even if a cached one is valid.
+    #[arg(long = "reset-gpu-index")]
+    pub reset_gpu_index: bool,
+    /// Do not read or write a GPU index (all FFN neurons on the CPU).
+    #[arg(long = "disable-gpu-index")]
+    pub disable_gpu_index: bool,
+    /// Dense GGUF files: offload this many layers (the last ones), as llama.cpp's `-ngl`.
+    #[arg(long = "n-gpu-layers", visible_alias = "ngl")]
+    pub n_gpu_layers: Option<usize>,
+    /// `--gpu sim`: the simulated GPU's own worker threads.
+    #[arg(long = "sim-threads", default_value_t = 1)]
+    pub sim_threads: usize,
+    /// `--gpu sim`: play a device reading its memory at this many GB/s (with
+    /// `--sim-launch-us` per kernel and a `--sim-link-gbps` host link); default: as fast as
+    /// its threads compute.
+    #[arg(long = "sim-bandwidth")]
+    pub sim_bandwidth: Option<f64>,
+    /// `--gpu sim` with `--sim-bandwidth`: microseconds per kernel launch.
+    #[arg(long = "sim-launch-us", default_value_t = 5.0)]
+    pub sim_launch_us: f64,
+    /// `--gpu sim` with `--sim-bandwidth`: host link bandwidth in GB/s.
+    #[arg(long = "sim-link-gbps", default_value_t = 25.0)]
+    pub sim_link_gbps: f64,
+}
+
+impl DeviceArgs {
+    /// Sets `o.device` from the flags.
+    pub fn apply(&self, o: &mut EngineOptions) -> Result<(), String> {
+        let d = &mut o.device;
+        d.choice = self.gpu;
+        d.vram_budget = match self.vram_budget {
+            Some(gib) if gib.is_finite() && gib >= 0.0 => Some((gib * (1u64 << 30) as f64) as u64),
+            Some(gib) => return Err(format!("--vram-budget {gib} is not a usable size")),
+            None => None,
+        };
+        d.gpu_index = match (self.disable_gpu_index, self.reset_gpu_index) {
+            (true, _) => GpuIndexMode::Disable,
+            (false, true) => GpuIndexMode::Reset,
+            _ => GpuIndexMode::Reuse,
+        };
+        d.n_gpu_layers = self.n_gpu_layers;
+        d.sim.threads = self.sim_threads.max(1);
+        d.sim.speed = match self.sim_bandwidth {
+            None => None,
+            Some(bw) if bw > 0.0 && self.sim_link_gbps > 0.0 && self.sim_launch_us >= 0.0 => {
+                Some(SimSpeed::new(
+                    bw * 1e9,
+                    Duration::from_secs_f64(self.sim_launch_us * 1e-6),
+                    self.sim_link_gbps * 1e9,
+                ))
+            }
+            Some(bw) => {
+                return Err(format!(
+                    "--sim-bandwidth {bw} / --sim-link-gbps {} / --sim-launch-us {}: need \
+                     positive speeds",
+                    self.sim_link_gbps, self.sim_launch_us
+                ))
+            }
+        };
+        Ok(())
+    }
+}
+
+/// One or two lines on where the model runs (stderr).
+pub fn describe(engine: &Engine) -> Vec<String> {
+    let r = engine.device_report();
+    let mut lines = Vec::new();
+    if r.kind == "none" {
+        if let Some(n) = &r.note {
+            lines.push(n.clone());
+        }
+        return lines;
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    lines.push(format!(
+        "device: {}: budget {:.3} GiB; {} of {} dense matrices ({:.3} GiB), {} of {} FFN rows \
+         ({:.1}%); {}",
+        r.kind,
+        gib(r.budget_bytes),
+        r.dense_matrices,
+        r.dense_total,
+        gib(r.dense_bytes),
+        r.ffn_rows,
+        r.ffn_total,
+        100.0 * r.resident_share(),
+        r.placement
+    ));
+    if let Some(n) = &r.note {
+        lines.push(format!("note: {n}"));
+    }
+    lines
+}
+
+/// The device as JSON (`run --json`).
+pub fn json(r: &DeviceReport) -> serde_json::Value {
+    serde_json::json!({
+        "kind": r.kind,
+        "note": r.note,
+        "budget_bytes": r.budget_bytes,
+        "peak_bytes": r.peak_bytes,
+        "dense_matrices": r.dense_matrices,
+        "dense_bytes": r.dense_bytes,
+        "ffn_rows": r.ffn_rows,
+        "ffn_total": r.ffn_total,
+        "resident_share": r.resident_share(),
+        "active_device": r.active_device,
+        "active_cpu": r.active_cpu,
+        "active_share": r.active_share(),
+        "overruns": r.overruns,
+        "placement": r.placement,
+    })
+}
+
+/// Per layer, per token: CPU, device, transfer, wait and idle time of a hybrid FFN
+/// (milliseconds), and the device's share of active neurons.
+pub fn split_rows(p: &OpProfile) -> Vec<(usize, [f64; 5], f64)> {
+    let ms = |d: Duration, s: &LayerSplit| d.as_secs_f64() * 1e3 / s.tokens.max(1) as f64;
+    p.layers()
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.calls > 0)
+        .map(|(l, s)| {
+            (
+                l,
+                [
+                    ms(s.cpu, s),
+                    ms(s.device, s),
+                    ms(s.transfer, s),
+                    ms(s.wait, s),
+                    ms(s.device_idle(), s),
+                ],
+                s.device_share(),
+            )
+        })
+        .collect()
+}
+
+/// The hybrid split as a table on stderr (nothing without a device's part).
+pub fn print_split(p: &OpProfile) {
+    let rows = split_rows(p);
+    if rows.is_empty() {
+        return;
+    }
+    eprintln!("hybrid FFN per layer, ms per token (cpu: the CPU's neurons; device: its job, copies included; wait: CPU idle for the device; idle: device idle for the CPU)");
+    eprintln!(
+        "{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "layer", "cpu", "device", "transfer", "wait", "idle", "dev.act"
+    );
+    let mut tot = [0.0; 5];
+    for (l, t, share) in &rows {
+        eprintln!(
+            "{l:>5} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>7.1}%",
+            t[0],
+            t[1],
+            t[2],
+            t[3],
+            t[4],
+            100.0 * share
+        );
+        for (a, b) in tot.iter_mut().zip(t) {
+            *a += b;
+        }
+    }
+    let share = {
+        let (c, d) = p.layers().iter().fold((0u64, 0u64), |a, s| {
+            (a.0 + s.active_cpu, a.1 + s.active_device)
+        });
+        d as f64 / (c + d).max(1) as f64
+    };
+    eprintln!(
+        "{:>5} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>7.1}%",
+        "all",
+        tot[0],
+        tot[1],
+        tot[2],
+        tot[3],
+        tot[4],
+        100.0 * share
+    );
+}
+
+/// The hybrid split as JSON: one object per layer.
+pub fn split_json(p: &OpProfile) -> serde_json::Value {
+    let rows: Vec<serde_json::Value> = split_rows(p)
+        .into_iter()
+        .map(|(l, t, share)| {
+            serde_json::json!({
+                "layer": l, "cpu_ms": t[0], "device_ms": t[1], "transfer_ms": t[2],
+                "cpu_wait_ms": t[3], "device_idle_ms": t[4], "device_active_share": share,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(rows)
+}
