@@ -4,13 +4,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use powerinfer_gguf::GgufFile;
+use powerinfer_kernels_cpu::ops::rope::rope_shift;
 use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
 
 use crate::device::placement::{self, Opened};
 use crate::device::{DeviceOptions, DeviceReport};
 use crate::error::Result;
 use crate::exec::{Batch, EvalOptions, EvalOutput, ExecOptions, Executor};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, SeqId};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -236,14 +237,33 @@ impl Engine {
         KvCache::new(hp.n_layer, hp.n_embd_kv(), self.ctx_len)
     }
 
+    /// Makes room in sequence `seq` of `cache`: drops the `discard` positions after the first
+    /// `keep` and moves the later ones down, their keys re-rotated to their new positions
+    /// (llama.cpp's context shift). Generation then continues with the older text forgotten.
+    pub fn shift_context(
+        &self,
+        cache: &mut KvCache,
+        seq: SeqId,
+        keep: usize,
+        discard: usize,
+    ) -> Result<()> {
+        let hp = &self.model.hparams;
+        let (n_head_kv, head_dim) = (hp.n_head_kv, hp.head_dim());
+        let rope = crate::exec::step::rope_of(hp);
+        cache.shift(seq, keep, discard, |k| match &rope {
+            Some(p) => Ok(rope_shift(k, n_head_kv, head_dim, -(discard as i64), p)?),
+            None => Ok(()),
+        })
+    }
+
     /// Evaluates `batch`: each segment's tokens become the next positions of its sequence in
     /// `cache`. Every weight is read once for the whole batch; RoPE, the KV cache and attention
     /// are per sequence. Returns one [`EvalOutput`] per segment, in order.
     ///
     /// A token's result equals that of evaluating its sequence alone up to rounding (for
-    /// quantized weights bit for bit). Errors: a sequence twice in the batch, an unknown
-    /// sequence, or a segment that does not fit its context: nothing is evaluated then. On a
-    /// later error the batch's sequences may hold part of it: clear them before reuse.
+    /// quantized weights bit for bit). Errors (a sequence twice in the batch, an unknown
+    /// sequence, a segment that does not fit its context, a token outside the vocabulary, a
+    /// device failure) leave the cache as it was.
     ///
     /// ```no_run
     /// use powerinfer_engine::{Batch, Engine, EngineOptions, EvalOptions};

@@ -136,6 +136,59 @@ impl KvCache {
         Ok((&s.k[layer], &s.v[layer]))
     }
 
+    /// A new sequence holding a copy of `src`'s tokens (several continuations of one prompt
+    /// evaluated once).
+    pub fn fork(&mut self, src: SeqId) -> Result<SeqId> {
+        let copy = self.slot(src)?.clone();
+        let seq = self.add_sequence();
+        self.slots[seq] = Some(copy);
+        Ok(seq)
+    }
+
+    /// Drops positions `keep .. keep + discard` of `seq` and moves the later ones down by
+    /// `discard` (llama.cpp's context shift); `rekey` re-rotates the moved keys of one layer
+    /// (f32, whole tokens) by `−discard` positions for models with RoPE.
+    pub(crate) fn shift(
+        &mut self,
+        seq: SeqId,
+        keep: usize,
+        discard: usize,
+        mut rekey: impl FnMut(&mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let n = self.n_embd_kv;
+        let s = self.slot_mut(seq)?;
+        if keep + discard > s.pos {
+            return Err(EngineError::Invalid(format!(
+                "context shift: keeping {keep} and dropping {discard} of {} positions",
+                s.pos
+            )));
+        }
+        let mut moved = Vec::new();
+        for (k, v) in s.k.iter_mut().zip(s.v.iter_mut()) {
+            k.drain(keep * n..(keep + discard) * n);
+            v.drain(keep * n..(keep + discard) * n);
+            let tail = &mut k[keep * n..];
+            moved.clear();
+            moved.resize(tail.len(), 0.0);
+            tail.convert_to_f32_slice(&mut moved);
+            rekey(&mut moved)?;
+            tail.convert_from_f32_slice(&moved);
+        }
+        s.pos -= discard;
+        Ok(())
+    }
+
+    /// Drops the rows appended to `seq` since its last advance (an evaluation that failed).
+    pub(crate) fn rollback(&mut self, seq: SeqId) {
+        let n = self.n_embd_kv;
+        if let Ok(s) = self.slot_mut(seq) {
+            let len = s.pos * n;
+            s.k.iter_mut()
+                .chain(s.v.iter_mut())
+                .for_each(|r| r.truncate(len));
+        }
+    }
+
     /// Moves the position of `seq` forward by `n` tokens.
     pub(crate) fn advance(&mut self, seq: SeqId, n: usize) -> Result<()> {
         let n_embd_kv = self.n_embd_kv;
@@ -178,5 +231,36 @@ mod tests {
         assert!(matches!(c.pos(b), Err(EngineError::UnknownSequence(_))));
         assert_eq!(c.n_sequences(), 1);
         assert_eq!(c.add_sequence(), b);
+    }
+
+    /// A fork copies every layer and the position; a shift drops the middle positions, keeps
+    /// the first ones and re-keys the moved ones.
+    #[test]
+    fn fork_and_shift() {
+        let mut c = KvCache::new(2, 2, 8);
+        let a = c.add_sequence();
+        for l in 0..2 {
+            let k: Vec<f32> = (0..10).map(|i| (i + 10 * l) as f32).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            c.append(a, l, &k, &v).unwrap();
+        }
+        c.advance(a, 5).unwrap();
+        let b = c.fork(a).unwrap();
+        assert_eq!(c.pos(b).unwrap(), 5);
+        assert_eq!(c.layer(b, 1).unwrap(), c.layer(a, 1).unwrap());
+        // Keep 1 position, drop 2: positions 0, 3, 4 remain; the moved keys are negated here.
+        c.shift(a, 1, 2, |k| {
+            k.iter_mut().for_each(|x| *x = -*x);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(c.pos(a).unwrap(), 3);
+        let (k, v) = c.layer(a, 1).unwrap();
+        let k: Vec<f32> = k.iter().map(|x| x.to_f32()).collect();
+        let v: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+        assert_eq!(k, [10.0, 11.0, -16.0, -17.0, -18.0, -19.0]);
+        assert_eq!(v, [-10.0, -11.0, -16.0, -17.0, -18.0, -19.0]);
+        assert_eq!(c.pos(b).unwrap(), 5, "the fork is untouched");
+        assert!(c.shift(a, 2, 2, |_| Ok(())).is_err());
     }
 }

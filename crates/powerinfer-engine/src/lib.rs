@@ -20,6 +20,7 @@
 //! - [`Engine`]: a loaded model and the one evaluation entry point, [`Engine::eval`] over a
 //!   [`Batch`] of sequences' tokens with [`EvalOptions`];
 //! - [`Session`]: one sequence with its own [`KvCache`], text generation and [`Stats`];
+//! - [`Scheduler`]: many sequences decoded together (continuous batching);
 //! - [`SamplingParams`] / [`Sampler`]: greedy, temperature, top-k/top-p/min-p, penalties;
 //! - [`Model`]: what the file says (hyper-parameters, tensors), no execution state;
 //! - [`tokenizer`]: SentencePiece and byte-level BPE tokenizers matching llama.cpp;
@@ -45,6 +46,7 @@ pub mod profile;
 #[cfg(feature = "tools")]
 pub mod reorder;
 pub mod sampling;
+mod scheduler;
 mod session;
 #[cfg(feature = "tools")]
 pub mod synth;
@@ -59,4 +61,5 @@ pub use model::{Arch, Hparams, Model};
 pub use observer::FfnObserver;
 pub use profile::{LayerSplit, Op, OpProfile};
 pub use sampling::{Sampler, SamplingParams};
+pub use scheduler::{Event, Finish, Scheduler, SchedulerOptions, SeqHandle};
 pub use session::{Generate, Session, Stats, Token};

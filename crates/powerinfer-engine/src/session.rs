@@ -26,6 +26,8 @@ pub struct Stats {
     pub decode_tokens: usize,
     /// Time spent on decode steps.
     pub decode_time: Duration,
+    /// Context shifts made to keep generating past a full context.
+    pub context_shifts: usize,
     /// Sum over evaluated tokens of the mean FFN density (active / n_ff, averaged over layers).
     pub density_sum: f64,
     /// Tokens in `density_sum`.
@@ -88,6 +90,9 @@ pub struct Session<'e> {
     /// for yet: evaluated first by the session's next evaluation (so a generation that ends
     /// spends no forward pass on its last token, and the sequence still holds it after).
     unevaluated: Option<u32>,
+    /// Context shift: `Some(keep)` drops half of the tokens after the first `keep` (and a BOS)
+    /// when the context is full; `None` makes a full context an error.
+    context_shift: Option<usize>,
 }
 
 impl Engine {
@@ -112,7 +117,46 @@ impl<'e> Session<'e> {
             },
             profile: None,
             unevaluated: None,
+            context_shift: Some(0),
         }
+    }
+
+    /// What [`Session::generate`] does when the context is full: `Some(keep)` (the default,
+    /// `Some(0)`) shifts it as llama.cpp does (the first `keep` tokens, and a BOS, stay; half of
+    /// the rest is dropped; generation goes on), `None` ends the generation with
+    /// [`EngineError::ContextFull`].
+    pub fn set_context_shift(&mut self, keep: Option<usize>) {
+        self.context_shift = keep;
+    }
+
+    /// Makes room for one more token when the context is full (see
+    /// [`set_context_shift`](Self::set_context_shift)).
+    fn room_for_one(&mut self) -> Result<()> {
+        let ctx = self.engine.ctx_len();
+        let pos = self.cache.pos(self.seq)?;
+        if pos < ctx {
+            return Ok(());
+        }
+        let Some(keep) = self.context_shift else {
+            return Err(EngineError::ContextFull {
+                needed: pos + 1,
+                ctx_len: ctx,
+            });
+        };
+        let keep = keep
+            .max(usize::from(self.engine.tokenizer().bos().is_some()))
+            .min(pos);
+        let discard = (pos - keep) / 2;
+        if discard == 0 {
+            return Err(EngineError::ContextFull {
+                needed: pos + 1,
+                ctx_len: ctx,
+            });
+        }
+        self.engine
+            .shift_context(&mut self.cache, self.seq, keep, discard)?;
+        self.stats.context_shifts += 1;
+        Ok(())
     }
 
     /// The engine.
@@ -294,6 +338,19 @@ impl Generate<'_, '_> {
             if prompt.is_empty() {
                 return Err(EngineError::Invalid("the prompt has no tokens".into()));
             }
+            let ctx = self.session.engine.ctx_len();
+            let past = self.session.n_past();
+            if past + prompt.len() > ctx {
+                return Err(EngineError::Invalid(format!(
+                    "the prompt has {} tokens{}, more than the context of {ctx} (-c) holds",
+                    prompt.len(),
+                    if past > 0 {
+                        format!(" after {past} earlier ones")
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
             prompt.iter().for_each(|&t| self.sampler.accept(t));
             self.logits = self.session.eval(&prompt)?;
         }
@@ -302,6 +359,11 @@ impl Generate<'_, '_> {
             return Ok(None);
         }
         if let Some(tok) = self.pending.take() {
+            if let Err(e) = self.session.room_for_one() {
+                // Not evaluated: it stays the session's last token.
+                self.pending = Some(tok);
+                return Err(e);
+            }
             self.logits = self.session.eval_block(&[tok], false, false)?;
         }
         let id = self.sampler.sample(&mut self.logits);

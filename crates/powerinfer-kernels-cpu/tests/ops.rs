@@ -3,7 +3,7 @@
 
 use powerinfer_kernels_cpu::ops::activation;
 use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm, rms_norm_with};
-use powerinfer_kernels_cpu::ops::rope::{rope, rope_block, RopeMode, RopeParams};
+use powerinfer_kernels_cpu::ops::rope::{rope, rope_block, rope_shift, RopeMode, RopeParams};
 use powerinfer_kernels_cpu::ops::softmax::{causal_mask, softmax_rows_with, softmax_with};
 use powerinfer_kernels_cpu::reference::ops as r;
 use powerinfer_kernels_cpu::Backend;
@@ -205,6 +205,45 @@ proptest! {
                 prop_assert_eq!(&got[o + n_dims..o + head_dim], &x[o + n_dims..o + head_dim]);
             }
         }
+    }
+
+    /// A key rotated at `pos` and then shifted by `−d` (the KV cache's context shift) is the
+    /// key rotated at `pos − d`, within the rounding of both angles; tails stay untouched.
+    #[test]
+    fn rope_shift_moves_positions((n_heads, head_dim, n_dims, x, pos, base, fscale) in rope_case(), d in 0usize..3000, tokens in 1usize..3) {
+        let d = d.min(pos);
+        for mode in [RopeMode::Normal, RopeMode::NeoX] {
+            let params = RopeParams { n_dims, mode, freq_base: base, freq_scale: fscale };
+            let xs: Vec<f32> = (0..tokens).flat_map(|_| x.iter().copied()).collect();
+            let mut got = xs.clone();
+            rope_block(&mut got, n_heads, head_dim, &vec![pos; tokens], &params).unwrap();
+            rope_shift(&mut got, n_heads, head_dim, -(d as i64), &params).unwrap();
+            let want = r::rope(&x, n_heads, head_dim, pos - d, n_dims, mode, f64::from(base), f64::from(fscale));
+            let half = n_dims / 2;
+            for tok in got.chunks(n_heads * head_dim) {
+                for h in 0..n_heads {
+                    let o = h * head_dim;
+                    for i in 0..half {
+                        let (ia, ib) = match mode {
+                            RopeMode::Normal => (o + 2 * i, o + 2 * i + 1),
+                            RopeMode::NeoX => (o + i, o + i + half),
+                        };
+                        let pair = f64::from(x[ia]).hypot(f64::from(x[ib]));
+                        let th = |p: usize| r::rope_theta(p, i, n_dims, f64::from(base), f64::from(fscale));
+                        let t = rope_tol(pair, i, th(pos), n_dims, f64::from(base))
+                            + rope_tol(pair, i, th(d), n_dims, f64::from(base));
+                        for j in [ia, ib] {
+                            let err = (f64::from(tok[j]) - want[j]).abs();
+                            prop_assert!(err <= t, "{:?} pos {} - {} pair {}: err {:e} > {:e}", mode, pos, d, i, err, t);
+                        }
+                    }
+                    prop_assert_eq!(&tok[o + n_dims..o + head_dim], &x[o + n_dims..o + head_dim]);
+                }
+            }
+        }
+        let mut odd = x.clone();
+        odd.push(1.0);
+        prop_assert!(rope_shift(&mut odd, n_heads, head_dim, 1, &RopeParams::new(head_dim - head_dim % 2, RopeMode::Normal)).is_err() || head_dim < 2);
     }
 
     #[test]

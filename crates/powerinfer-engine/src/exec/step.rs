@@ -105,17 +105,7 @@ impl<'a> Step<'a> {
         starts: Vec<usize>,
     ) -> Step<'a> {
         let hp = &model.hparams;
-        let rope = match hp.arch {
-            Arch::Llama | Arch::Bamboo => Some(RopeMode::Normal),
-            Arch::Falcon => Some(RopeMode::NeoX),
-            Arch::Opt => None,
-        }
-        .map(|mode| RopeParams {
-            n_dims: hp.n_rot,
-            mode,
-            freq_base: hp.rope_freq_base,
-            freq_scale: hp.rope_freq_scale,
-        });
+        let rope = rope_of(hp);
         Step {
             mm,
             opts,
@@ -135,6 +125,21 @@ impl<'a> Step<'a> {
             buf: Buffers::default(),
         }
     }
+}
+
+/// The model's RoPE (`None` for `opt`, whose positions are learned embeddings).
+pub(crate) fn rope_of(hp: &Hparams) -> Option<RopeParams> {
+    match hp.arch {
+        Arch::Llama | Arch::Bamboo => Some(RopeMode::Normal),
+        Arch::Falcon => Some(RopeMode::NeoX),
+        Arch::Opt => None,
+    }
+    .map(|mode| RopeParams {
+        n_dims: hp.n_rot,
+        mode,
+        freq_base: hp.rope_freq_base,
+        freq_scale: hp.rope_freq_scale,
+    })
 }
 
 /// One layer as the executor runs it: its index, the file's data, the kernel views and the

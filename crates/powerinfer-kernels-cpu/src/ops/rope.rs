@@ -109,24 +109,87 @@ pub fn rope_block(
     if token_len == 0 {
         return Ok(());
     }
-    let half = params.n_dims / 2;
-    let theta_scale = params.freq_base.powf(-2.0f32 / params.n_dims as f32);
-    let mut cos = vec![0f32; half];
-    let mut sin = vec![0f32; half];
+    let mut angles = Angles::new(params);
     for (tok, &pos) in x.chunks_exact_mut(token_len).zip(positions) {
-        let mut t = pos as f32;
-        for (c, s) in cos.iter_mut().zip(sin.iter_mut()) {
-            let theta = params.freq_scale * t;
+        angles.at(pos as f32);
+        angles.rotate(tok, head_dim);
+    }
+    Ok(())
+}
+
+/// Rotates a block of tokens that were rotated at some positions to those positions plus
+/// `delta` (negative: back): the keys of a KV cache whose positions moved (llama.cpp's context
+/// shift). `x` holds whole tokens of `n_heads × head_dim` values. Rotations compose, so this
+/// equals RoPE at the new position up to f32 rounding.
+///
+/// Errors: `x.len()` not a multiple of `n_heads · head_dim`, or invalid `params`.
+pub fn rope_shift(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    delta: i64,
+    params: &RopeParams,
+) -> Result<(), KernelError> {
+    params.validate(head_dim)?;
+    let token_len = n_heads
+        .checked_mul(head_dim)
+        .ok_or_else(|| KernelError::Shape("rope: n_heads · head_dim overflows".into()))?;
+    if token_len == 0 {
+        return Ok(());
+    }
+    if x.len() % token_len != 0 {
+        return Err(KernelError::Shape(format!(
+            "rope_shift: {} values are not whole tokens of {token_len}",
+            x.len()
+        )));
+    }
+    let mut angles = Angles::new(params);
+    angles.at(delta as f32);
+    for tok in x.chunks_exact_mut(token_len) {
+        angles.rotate(tok, head_dim);
+    }
+    Ok(())
+}
+
+/// The cosines and sines of one position's angles, as ggml computes them.
+struct Angles<'p> {
+    params: &'p RopeParams,
+    theta_scale: f32,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl<'p> Angles<'p> {
+    fn new(params: &'p RopeParams) -> Self {
+        let half = params.n_dims / 2;
+        Angles {
+            params,
+            theta_scale: params.freq_base.powf(-2.0f32 / params.n_dims as f32),
+            cos: vec![0f32; half],
+            sin: vec![0f32; half],
+        }
+    }
+
+    /// The angles of position `pos`.
+    fn at(&mut self, pos: f32) {
+        let mut t = pos;
+        for (c, s) in self.cos.iter_mut().zip(self.sin.iter_mut()) {
+            let theta = self.params.freq_scale * t;
             *c = theta.cos();
             *s = theta.sin();
-            t *= theta_scale;
+            t *= self.theta_scale;
         }
+    }
+
+    /// Rotates every head of one token by the current angles.
+    fn rotate(&self, tok: &mut [f32], head_dim: usize) {
+        let (n_dims, half) = (self.params.n_dims, self.params.n_dims / 2);
+        let (cos, sin) = (&self.cos, &self.sin);
         for head in tok.chunks_exact_mut(head_dim) {
-            match params.mode {
+            match self.params.mode {
                 RopeMode::Normal => {
-                    for (pair, (&c, &s)) in head[..params.n_dims]
-                        .chunks_exact_mut(2)
-                        .zip(cos.iter().zip(&sin))
+                    for (pair, (&c, &s)) in
+                        head[..n_dims].chunks_exact_mut(2).zip(cos.iter().zip(sin))
                     {
                         let (a, b) = (pair[0], pair[1]);
                         pair[0] = a * c - b * s;
@@ -134,9 +197,9 @@ pub fn rope_block(
                     }
                 }
                 RopeMode::NeoX => {
-                    let (lo, hi) = head[..params.n_dims].split_at_mut(half);
+                    let (lo, hi) = head[..n_dims].split_at_mut(half);
                     for ((a, b), (&c, &s)) in
-                        lo.iter_mut().zip(hi.iter_mut()).zip(cos.iter().zip(&sin))
+                        lo.iter_mut().zip(hi.iter_mut()).zip(cos.iter().zip(sin))
                     {
                         let (x0, x1) = (*a, *b);
                         *a = x0 * c - x1 * s;
@@ -146,5 +209,4 @@ pub fn rope_block(
             }
         }
     }
-    Ok(())
 }
