@@ -31,40 +31,31 @@
 //! count, equal within rounding across thread counts. GEMM walks tokens in blocks sized to the
 //! last-level cache; dense products run a two-row × four-token micro-kernel, sparse ones four
 //! tokens per pass over a weight row. On AVX-512, dense GEMMs of F32/F16/BF16/Q8_0 weights run
-//! cache-blocked 4 × 6 / 4 × 4 tiles instead (`x86_gemm`). Every multi-token kernel variant
+//! cache-blocked 4 × 6 / 4 × 4 tiles instead (`x86::gemm`). Every multi-token kernel variant
 //! (four tokens, the 2 × 4 tile, the blocked tiles, `dot_batch`) computes each (row, token) with
 //! the same operations in the same order, so a token's result does not depend on the other
 //! tokens, and sparse == dense with zeroed rows bit for bit. One-token float products sum in
-//! another order (`x86`'s wide dot) than multi-token ones, so for float weights GEMM and
+//! another order (`x86::float`'s wide dot) than multi-token ones, so for float weights GEMM and
 //! per-token GEMV agree within rounding; for quantized weights (exact integer sums) bit for bit.
 //!
 //! The f64 definitions of every kernel are in [`crate::reference::matmul`].
 
 pub(crate) mod act;
+pub(crate) mod rowops;
 pub(crate) mod scalar;
 pub(crate) mod scratch;
 pub(crate) mod table;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
-#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-pub(crate) mod x86_gemm;
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod x86_int;
-#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-pub(crate) mod x86_kquant;
-#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-pub(crate) mod x86_packed;
-#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-pub(crate) mod x86_sparse;
 
 use crate::backend::Backend;
 use crate::error::KernelError;
 use crate::pool::{split_range, ThreadPool};
 use act::{Act, ActBuf};
 use powerinfer_gguf::GgmlType;
+use rowops::{ListedRows, RowOps};
 use scratch::ScratchVec;
 use std::ops::Range;
-use table::{ListedRows, RowOps};
 
 /// Quantized rows up to this many bytes are computed four per pass by the dense GEMV (see
 /// [`MatMul::gemv`]). Measured on Zen 4, 2 threads, 11008 rows, four per pass vs one (GB/s):
@@ -282,7 +273,7 @@ impl<'a> Weights<'a> {
         cols: usize,
         data: &'a [u8],
     ) -> Result<Self, KernelError> {
-        if !table::SUPPORTED.contains(&ty) {
+        if !rowops::SUPPORTED.contains(&ty) {
             return Err(KernelError::UnsupportedType(ty));
         }
         let bs = ty.block_size();
@@ -428,7 +419,7 @@ fn check_active(active: &[u32], rows: usize) -> Result<(), KernelError> {
 /// 0` (when given), in increasing order. Branch-free per row (a 64-row mask, then its set bits):
 /// at ~10% random density a branch per row mispredicts often enough to cost several µs per call
 /// on an 11008-row matrix, a noticeable part of a sparse GEMV. With AVX-512, sixteen rows per
-/// step with mask compares (`x86_sparse::select_rows_avx512`, the same rows).
+/// step with mask compares (`x86::sparse::select_rows_avx512`, the same rows).
 fn select_rows(
     scores: &[f32],
     threshold: f32,
@@ -442,7 +433,7 @@ fn select_rows(
         && nonzero.is_none_or(|a| a.len() >= scores.len())
     {
         // SAFETY: AVX-512 F/BW/VL were detected; `skip` and `nonzero` are long enough.
-        unsafe { x86_sparse::select_rows_avx512(scores, threshold, skip, nonzero, &mut out) };
+        unsafe { x86::sparse::select_rows_avx512(scores, threshold, skip, nonzero, &mut out) };
         return out;
     }
     for (c, chunk) in scores.chunks(64).enumerate() {
@@ -665,7 +656,7 @@ const ONE_ROW_PREFETCH_BYTES: usize = 2048;
 /// (1 KiB; 2, 4 and 8 KiB the same). The hardware prefetchers had left these slow loops
 /// waiting on memory. Not the K-quants: their 256-bit kernels are bound by their arithmetic
 /// (Q4_K and Q6_K unchanged, Q5_K 0.61–0.69 → 0.52–0.58 of the bandwidth), and on AVX-512 their
-/// long rows take a range kernel with its own prefetch stream (`x86_kquant`).
+/// long rows take a range kernel with its own prefetch stream (`x86::kquant`).
 fn one_row_prefetch(ty: GgmlType) -> bool {
     cfg!(target_arch = "x86_64") && matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1)
 }
@@ -806,9 +797,9 @@ impl<'p> MatMul<'p> {
             if self.backend != Backend::Avx512 || w.ty != GgmlType::Q4_0 || nb == 0 || nb % 2 == 1 {
                 return None;
             }
-            let groups = w.rows / x86_packed::GROUP;
-            let split = groups * x86_packed::GROUP * w.row_bytes;
-            let gb = x86_packed::group_bytes(nb);
+            let groups = w.rows / x86::packed::GROUP;
+            let split = groups * x86::packed::GROUP * w.row_bytes;
+            let gb = x86::packed::group_bytes(nb);
             let len = groups * gb;
             let mut buf = PageBuf::zeroed(len)?;
             // Each thread packs its own range of groups into its own part of the copy (the
@@ -825,7 +816,7 @@ impl<'p> MatMul<'p> {
             self.pool.run(|t| {
                 let mut p = parts[t].lock().unwrap_or_else(|e| e.into_inner());
                 let (r, out) = &mut *p;
-                x86_packed::pack_into(w.data, nb, r.clone(), out);
+                x86::packed::pack_into(w.data, nb, r.clone(), out);
             });
             drop(parts);
             Some(PackedQ4_0 {
@@ -876,9 +867,9 @@ impl<'p> MatMul<'p> {
                     }
                 };
                 let nb = j.w.cols / 32;
-                let gb = x86_packed::group_bytes(nb);
+                let gb = x86::packed::group_bytes(nb);
                 let n_groups = j.w.group_data().len() / gb.max(1);
-                let body = n_groups * x86_packed::GROUP;
+                let body = n_groups * x86::packed::GROUP;
                 let (head, tail) = j.y.split_at_mut(body);
                 prepared.push((total, n_groups, nb, gb, j.w, act, OutPtr::new(head), tail));
                 total += n_groups;
@@ -897,10 +888,10 @@ impl<'p> MatMul<'p> {
                     // SAFETY: `for_grains` hands out disjoint ranges of the concatenated groups;
                     // their rows in this job are disjoint ranges within `0..out.len`.
                     let y = unsafe {
-                        out.slice(g.start * x86_packed::GROUP..g.end * x86_packed::GROUP)
+                        out.slice(g.start * x86::packed::GROUP..g.end * x86::packed::GROUP)
                     };
                     let data = &w.group_data()[g.start * gb..g.end * gb];
-                    x86_packed::gemv_groups(data, *nb, &acts[*act].get(0), y);
+                    x86::packed::gemv_groups(data, *nb, &acts[*act].get(0), y);
                 }
             });
             for (_, _, nb, _, w, act, _, tail) in prepared.iter_mut() {
@@ -930,7 +921,7 @@ impl<'p> MatMul<'p> {
         let ops = self.ops(w)?;
         // Prompt-sized products of some types have their own cache-blocked kernels.
         #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-        if x86_gemm::dense_gemm(self.pool, self.backend, w, x, n_tokens, y) {
+        if x86::gemm::dense_gemm(self.pool, self.backend, w, x, n_tokens, y) {
             return Ok(());
         }
         let acts = ActBuf::new(ops.act, x, w.cols);
@@ -981,7 +972,7 @@ impl<'p> MatMul<'p> {
             let rows = ListedRows::whole(w.data, w.row_bytes, &active[r]);
             #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
             let s = if self.backend == Backend::Avx512 {
-                x86_sparse::read_list(&rows)
+                x86::sparse::read_list(&rows)
             } else {
                 read_list_portable(&rows)
             };
@@ -1360,7 +1351,7 @@ impl<'p> MatMul<'p> {
         w: &Weights<'_>,
         a: &[f32],
         active: &[u32],
-        axpy_list: table::AxpyListFn,
+        axpy_list: rowops::AxpyListFn,
         y: &mut [f32],
     ) {
         let (n, cols) = (self.pool.n_threads(), w.cols);
@@ -1515,12 +1506,12 @@ enum RowList {
 
 /// Whether [`MatMul`] supports weight type `ty` (for every kernel).
 pub fn is_supported(ty: GgmlType) -> bool {
-    table::SUPPORTED.contains(&ty)
+    rowops::SUPPORTED.contains(&ty)
 }
 
 /// The weight types the matrix kernels support.
 pub fn supported_types() -> &'static [GgmlType] {
-    &table::SUPPORTED
+    &rowops::SUPPORTED
 }
 
 #[allow(dead_code)]

@@ -9,7 +9,7 @@
 //! instead of bursts of whole-row prefetches between rows.
 //!
 //! * `dot_list_*`: the row-sparse product. Each row's result is computed with exactly the
-//!   operations of the dense GEMV's VNNI kernel ([`super::x86_int`]), so sparse == dense with
+//!   operations of the dense GEMV's VNNI kernel ([`super::int`]), so sparse == dense with
 //!   zeroed rows, bit for bit.
 //! * `dense_q4_0_quad`: the dense Q4_0 product (`RowOps::dot_range`) with AVX-512
 //!   VBMI, one row at a time with near prefetches into L1, four blocks per 512-bit step; the
@@ -23,10 +23,10 @@
 //!   with one 16-entry `vpermps` lookup per 16 weights: ~1.35× less vector work than the
 //!   four-row AVX2 kernel (measured with the weights in L2).
 //!
-//! Installed by [`override_sparse`] only for [`Backend::Avx512`](crate::Backend), which is
+//! Installed by [`super::register`] only for [`Backend::Avx512`](crate::Backend), which is
 //! what makes calling the `#[target_feature]` functions from the safe wrappers sound. Built
 //! only by compilers that have the AVX-512 intrinsics (Rust ≥ 1.89, `cfg(powerinfer_avx512)`);
-//! older ones run the four-row kernels of [`super::x86`] and [`super::x86_int`].
+//! older ones run the four-row kernels of [`super::float`] and [`super::int`].
 
 // Block formats are defined by element index; indexed loops read closest to the format.
 #![allow(clippy::needless_range_loop)]
@@ -35,10 +35,12 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::act::Act;
-use super::table::{ListedRows, RowOps};
-use super::x86::{dot_float_rows512, with_act, FloatLoad16, LBF16, LF16, LF32};
-use powerinfer_gguf::GgmlType;
+use super::common::{
+    dot_float_rows512, f16_scalar, hsum, q4_0_pair_act, range_blocks, with_act, FloatLoad16,
+};
+use super::int::vnni;
+use crate::matmul::act::Act;
+use crate::matmul::rowops::ListedRows;
 use std::arch::x86_64::*;
 
 /// Bytes the row-sparse products keep requested beyond the rows of the current pass. Measured
@@ -58,38 +60,6 @@ const DOT_ROWS: usize = 8;
 const FLOAT_ROWS: usize = 4;
 /// Rows per pass of the axpy kernels (sharing each load and store of the output).
 const AXPY_ROWS: usize = 8;
-
-/// Installs the list kernels of `ty` (Q4_0, Q8_0) in `ops`. The caller has checked that
-/// [`Backend::Avx512`](crate::Backend) is available.
-pub(crate) fn override_sparse(ty: GgmlType, ops: &mut RowOps) {
-    match ty {
-        GgmlType::Q4_0 => {
-            ops.dot_list = Some(dot_list_q4_0);
-            ops.axpy_list = Some(axpy_list_q4_0);
-            if std::arch::is_x86_feature_detected!("avx512vbmi") {
-                ops.dot_range = Some(dot_range_q4_0);
-            }
-        }
-        GgmlType::Q8_0 => {
-            ops.dot_list = Some(dot_list_q8_0);
-            ops.axpy_list = Some(axpy_list_q8_0);
-            ops.dot_range = Some(dot_range_q8_0);
-        }
-        GgmlType::F32 => {
-            ops.dot_list = Some(dot_list_float::<LF32>);
-            ops.axpy_list = Some(axpy_list_float::<LF32>);
-        }
-        GgmlType::F16 => {
-            ops.dot_list = Some(dot_list_float::<LF16>);
-            ops.axpy_list = Some(axpy_list_float::<LF16>);
-        }
-        GgmlType::BF16 => {
-            ops.dot_list = Some(dot_list_float::<LBF16>);
-            ops.axpy_list = Some(axpy_list_float::<LBF16>);
-        }
-        _ => {}
-    }
-}
 
 /// Checks what the kernels rely on: every listed row slice lies inside `rows.data`, and the
 /// slice is `blocks` whole blocks of `block_bytes`. Panics otherwise (a frame bug).
@@ -180,29 +150,7 @@ impl<'a> Stream<'a> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Row-sparse products (the same operations as `x86_int::vnni`).
-
-/// The activation side of a Q4_0 pair step at blocks `b`, `b + 1`: `d_x` of block `b` in lanes
-/// 0..4 and of `b + 1` in lanes 4..8, the values that meet the low and the high nibbles, and the
-/// pair's offset vector ([`ActFormat::Q8_0Pairs`](super::act::ActFormat)).
-///
-/// # Safety
-/// `a` holds values, scales and pair offsets for blocks `b`, `b + 1` (`b` even); AVX2 available.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn q4_0_pair_act(a: &Act<'_>, b: usize) -> (__m256, __m256i, __m256i, __m256i) {
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    // SAFETY: the entries of blocks b, b + 1 exist (caller).
-    unsafe {
-        let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
-        let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
-        let xq = a.q.as_ptr().add(b * 32);
-        let x0 = _mm256_loadu_si256(xq as *const __m256i);
-        let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
-        let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
-        (dx, x0, x1, init)
-    }
-}
+// Row-sparse products (the same operations as `int::vnni`).
 
 /// One row's pair step at blocks `b`, `b + 1` (`q` points at block `b`) against
 /// [`q4_0_pair_act`]'s vectors: the exact integer sums as f32 and the scale products
@@ -238,7 +186,7 @@ unsafe fn q4_0_pair_row(
 }
 
 /// `R` Q4_0 rows (block 0 at `p[r]`, `nb` blocks, `nb` even) · an activation in
-/// [`ActFormat::Q8_0Pairs`](super::act::ActFormat) order, with the operations of the dense
+/// [`ActFormat::Q8_0Pairs`](crate::matmul::act::ActFormat) order, with the operations of the dense
 /// VNNI kernel (`q4_0_pair` then `hsum`), feeding `st` as it reads.
 ///
 /// # Safety
@@ -269,7 +217,7 @@ unsafe fn dot_q4_0_rows<const R: usize>(
     let mut out = [0f32; R];
     for r in 0..R {
         // SAFETY: AVX2 available (caller).
-        out[r] = unsafe { super::x86::hsum(acc[r]) };
+        out[r] = unsafe { hsum(acc[r]) };
     }
     out
 }
@@ -424,7 +372,7 @@ unsafe fn dense_q4_0_quad(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
                     let (f, sc) = q4_0_pair_row(p.add(b * 18), q4_0_pair_act(a, b));
                     acc = _mm256_fmadd_ps(f, sc, acc);
                 }
-                *yk = super::x86::hsum(acc);
+                *yk = hsum(acc);
             }
         }
     }
@@ -464,7 +412,7 @@ unsafe fn dot_q8_0_rows<const R: usize>(
             let dx = _mm256_broadcast_ss(a.d.get_unchecked(b));
             for r in 0..R {
                 let blk = p[r].add(b * 34);
-                let dw = _mm256_set1_ps(super::x86::f16_scalar(blk));
+                let dw = _mm256_set1_ps(f16_scalar(blk));
                 let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                 let aw = _mm256_sign_epi8(w, w);
                 let sx = _mm256_sign_epi8(x, w);
@@ -476,7 +424,7 @@ unsafe fn dot_q8_0_rows<const R: usize>(
     let mut out = [0f32; R];
     for r in 0..R {
         // SAFETY: AVX2 available (caller).
-        out[r] = unsafe { super::x86::hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
+        out[r] = unsafe { hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
     }
     out
 }
@@ -559,7 +507,7 @@ unsafe fn dot_list<D: DotRows, const R: usize>(
     }
 }
 
-fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+pub(super) fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
     let nb = rows.row_bytes / 18;
     check_rows(rows, 18, nb);
     assert!(rows.start == 0 && res.len() == rows.list.len());
@@ -568,10 +516,7 @@ fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
         // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
         for (r, &i) in res.iter_mut().zip(rows.list) {
             let i = i as usize;
-            *r = super::x86_int::vnni::dot_q4_0(
-                &rows.data[i * rows.row_bytes..(i + 1) * rows.row_bytes],
-                a,
-            );
+            *r = vnni::dot_q4_0(&rows.data[i * rows.row_bytes..(i + 1) * rows.row_bytes], a);
         }
         return;
     }
@@ -580,24 +525,9 @@ fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
     unsafe { dot_list::<DQ4_0, DOT_ROWS>(rows, a, res) }
 }
 
-/// Blocks per row of a dense range product, after checking what its kernel relies on: rows
-/// of whole `block_bytes` blocks, rows `r` inside `data`, one output per row. Panics otherwise
-/// (a frame bug).
-pub(super) fn range_blocks(
-    data: &[u8],
-    row_bytes: usize,
-    r: &std::ops::Range<usize>,
-    y: &[f32],
-    block_bytes: usize,
-) -> usize {
-    let nb = row_bytes / block_bytes;
-    assert!(row_bytes == nb * block_bytes && r.end * row_bytes <= data.len() && y.len() == r.len());
-    nb
-}
-
 /// The dense Q4_0 GEMV over rows `r` with [`dense_q4_0_quad`]; installed only where AVX-512
 /// VBMI was detected.
-fn dot_range_q4_0(
+pub(super) fn dot_range_q4_0(
     data: &[u8],
     row_bytes: usize,
     r: std::ops::Range<usize>,
@@ -609,7 +539,7 @@ fn dot_range_q4_0(
     if nb % 2 == 1 {
         // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
         for (yi, i) in y.iter_mut().zip(r) {
-            *yi = super::x86_int::vnni::dot_q4_0(&data[i * row_bytes..(i + 1) * row_bytes], a);
+            *yi = vnni::dot_q4_0(&data[i * row_bytes..(i + 1) * row_bytes], a);
         }
         return;
     }
@@ -625,7 +555,7 @@ fn dot_range_q4_0(
 /// (eight rows per pass behind the far stream), Xeon, 2 threads, alternated runs: 0.80–0.88 →
 /// 0.83–0.97 of the bandwidth in `bench kernels` (4096×4096 31.0–31.5 → 34.2–34.7 GB/s),
 /// TinyLlama-shaped Q8_0 dense decode 19.8–20.3 → 20.9–21.8 tok/s.
-fn dot_range_q8_0(
+pub(super) fn dot_range_q8_0(
     data: &[u8],
     row_bytes: usize,
     r: std::ops::Range<usize>,
@@ -668,7 +598,7 @@ unsafe fn dense_q8_0_rows(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
     }
 }
 
-fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+pub(super) fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
     let nb = rows.row_bytes / 34;
     check_rows(rows, 34, nb);
     assert!(rows.start == 0 && res.len() == rows.list.len());
@@ -681,7 +611,7 @@ fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
 /// Every listed float row (`L`'s elements) · `a.f` into `res` (list order), with the
 /// arithmetic of the dense one-token float dot ([`dot_float_rows512`]: the same bits for any
 /// row count per pass) and the prefetch stream instead of its in-row prefetches.
-fn dot_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+pub(super) fn dot_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
     let n = rows.row_bytes / L::SIZE;
     check_rows(rows, L::SIZE, n);
     assert!(rows.start == 0 && res.len() == rows.list.len() && a.f.len() == n);
@@ -745,7 +675,7 @@ unsafe fn read_list_avx512(rows: &ListedRows<'_>) -> u64 {
                 o += 64;
             }
             let rest = std::slice::from_raw_parts(p.add(o), len - o);
-            tail = tail.wrapping_add(super::word_sum(rest));
+            tail = tail.wrapping_add(crate::matmul::word_sum(rest));
         }
     }
     (_mm512_reduce_add_epi64(acc) as u64).wrapping_add(tail)
@@ -1015,7 +945,7 @@ unsafe fn axpy_list<A: AxpyRows, const R: usize>(
     tail!(1 2 3 4 5 6 7);
 }
 
-fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+pub(super) fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     let nb = out.len() / 32;
     check_rows(rows, 18, nb);
     assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
@@ -1023,7 +953,7 @@ fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     unsafe { axpy_list::<Blocks<BQ4_0>, AXPY_ROWS>(rows, a, out) }
 }
 
-fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+pub(super) fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     let nb = out.len() / 32;
     check_rows(rows, 34, nb);
     assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
@@ -1034,7 +964,7 @@ fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
 /// `out += Σ a[i] · row_i[start..end]` over the listed float row slices (`L`'s elements),
 /// [`AXPY_ROWS`] per pass behind the prefetch stream: each element takes `fma(a_i, w, y)` row
 /// after row in list order, the roundings of the AVX2 and scalar one-row kernels.
-fn axpy_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+pub(super) fn axpy_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     check_rows(rows, L::SIZE, out.len());
     assert!(rows.list.iter().all(|&i| (i as usize) < a.len()));
     // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
@@ -1150,8 +1080,9 @@ pub(crate) unsafe fn select_rows_avx512(
 
 #[cfg(test)]
 mod tests {
-    use super::super::act::{ActBuf, ActFormat};
     use super::*;
+    use crate::matmul::act::{ActBuf, ActFormat};
+    use powerinfer_gguf::GgmlType;
 
     /// A xorshift generator for test data.
     fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
@@ -1212,7 +1143,7 @@ mod tests {
             dot_range_q4_0(&data, rb, 3..20, &a, &mut via_range);
             for k in 0..17 {
                 let i = 3 + k;
-                let one = super::super::x86_int::vnni::dot_q4_0(&data[i * rb..(i + 1) * rb], &a);
+                let one = vnni::dot_q4_0(&data[i * rb..(i + 1) * rb], &a);
                 assert_eq!(quad[k].to_bits(), pair[k].to_bits(), "nb {nb}, row {i}");
                 assert_eq!(quad[k].to_bits(), one.to_bits(), "nb {nb}, row {i}");
                 assert_eq!(via_range[k].to_bits(), one.to_bits(), "nb {nb}, row {i}");
@@ -1247,7 +1178,7 @@ mod tests {
             dot_range_q8_0(&data, rb, 3..20, &a, &mut dense);
             for k in 0..17 {
                 let i = 3 + k;
-                let one = super::super::x86_int::vnni::dot_q8_0(&data[i * rb..(i + 1) * rb], &a);
+                let one = vnni::dot_q8_0(&data[i * rb..(i + 1) * rb], &a);
                 assert_eq!(dense[k].to_bits(), listed[k].to_bits(), "nb {nb}, row {i}");
                 assert_eq!(dense[k].to_bits(), one.to_bits(), "nb {nb}, row {i}");
             }

@@ -1,5 +1,5 @@
 //! Cache-blocked dense GEMM kernels (x86-64, [`Backend::Avx512`]) for F32, F16, BF16, Q8_0 and
-//! Q4_0 weights, used by [`MatMul::gemm`](super::MatMul::gemm) for at least [`MIN_TOKENS`] tokens
+//! Q4_0 weights, used by [`MatMul::gemm`](crate::MatMul::gemm) for at least [`MIN_TOKENS`] tokens
 //! (Q8_0: [`MIN_TOKENS_Q8_0`], Q4_0: [`MIN_TOKENS_Q4_0`]); other types, backends and sizes take
 //! the general GEMM frame.
 //! Compiled only with Rust ≥ 1.89 (stable AVX-512 intrinsics; `cfg(powerinfer_avx512)` from the
@@ -19,9 +19,9 @@
 //! weight vector loaded into a register serves `N` tokens.
 //!
 //! The micro-kernels keep the exact arithmetic of the one-row multi-token kernels
-//! (`RowOps::dot_batch`) of [`super::x86`] and [`super::x86_int`] per (row, token), so every
+//! (`RowOps::dot_batch`) of [`super::float`] and [`super::int`] per (row, token), so every
 //! result is bit-identical to the frame's other multi-token paths, and for Q8_0 to the GEMV
-//! (float GEMVs sum in the "wide" order of [`super::x86`] instead):
+//! (float GEMVs sum in the "wide" order of [`super::float`] instead):
 //! * float types: one 8-lane f32 accumulator per (row, token) over 8-element steps in order, the
 //!   fixed-order horizontal sum [`hsum`], then scalar FMAs over the last `cols % 8` elements.
 //!   Two tokens share one 512-bit register (one per 256-bit half, the weights loaded into both
@@ -43,7 +43,7 @@
 //!   16 rows; a `vpdpbusd` of it with four activation bytes broadcast to every lane adds four
 //!   products to each row's integer sum, so one instruction serves 16 rows and each weight
 //!   vector serves 2 tokens. The GEMV's 8-lane accumulator per (row, token)
-//!   (`x86_int::dot_q4_0_tile`: per pair of blocks, lane `l < 4` sums elements `4l..4l + 4` and
+//!   (`int::dot_q4_0_tile`: per pair of blocks, lane `l < 4` sums elements `4l..4l + 4` and
 //!   `16 + 4l..16 + 4l + 4` of the even block, lanes `4..8` those of the odd one, lane 0/4
 //!   starting from `−8·Σq_x` of its block; an odd last block one group of four per lane) becomes
 //!   8 vectors per token here, one row per element: the same exact integers, the same f32
@@ -57,10 +57,11 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::scratch::ScratchVec;
-use super::x86::{hsum, FloatLoad16, LBF16, LF16, LF32};
-use super::{OutPtr, Weights};
+use super::common::{hsum, FloatLoad16, LBF16, LF16, LF32};
 use crate::backend::Backend;
+use crate::matmul::act;
+use crate::matmul::scratch::ScratchVec;
+use crate::matmul::{OutPtr, Weights};
 use crate::pool::ThreadPool;
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
@@ -115,7 +116,7 @@ pub(crate) fn dense_gemm(
             // The values every F16 product multiplies (`ActFormat::F16`): x rounded to f16.
             let n = n_tokens * w.cols;
             let (mut xr, mut bits) = (ScratchVec::zeroed(n), ScratchVec::zeroed(n));
-            super::act::round_f16(&x[..n], &mut xr, &mut bits);
+            act::round_f16(&x[..n], &mut xr, &mut bits);
             float_gemm::<LF16>(pool, w, &xr, n_tokens, y)
         }
         GgmlType::BF16 => float_gemm::<LBF16>(pool, w, x, n_tokens, y),
@@ -135,7 +136,7 @@ pub(crate) fn dense_gemm(
 
 /// `R` float rows (`w[r]`, `n` elements) · `2P` tokens, written to
 /// `out[(t0 + k)·stride + i0 + r]` for the first `nt` tokens: the arithmetic of
-/// `x86::dot_float_tile` per (row, token). Two tokens share each 512-bit accumulator, token
+/// `float::dot_float_tile` per (row, token). Two tokens share each 512-bit accumulator, token
 /// `2p` in the low 256 bits and `2p + 1` in the high ones, each half doing the 8-lane kernel's
 /// FMAs in its order (so the same bits); a weight vector is loaded into both halves
 /// ([`FloatLoad16::load8x2`]) and the activations of a pair come interleaved from `xp[p]`
@@ -361,9 +362,9 @@ struct Q8Acts {
 
 impl Q8Acts {
     /// Quantizes `x` (`n_tokens` × `cols`, `cols` a multiple of 32) exactly as the GEMV does
-    /// ([`super::act::ActBuf`]) and stores it in this layout.
+    /// ([`act::ActBuf`]) and stores it in this layout.
     fn new(x: &[f32], cols: usize, n_tokens: usize) -> Self {
-        let acts = super::act::ActBuf::new(super::act::ActFormat::Q8_0, x, cols);
+        let acts = act::ActBuf::new(act::ActFormat::Q8_0, x, cols);
         let nb = cols / 32;
         let npairs = nb.div_ceil(2);
         let mut u = ScratchVec::zeroed(n_tokens * npairs * 64);
@@ -441,7 +442,7 @@ unsafe fn q8_0_pack(w: &Weights<'_>, rows: std::ops::Range<usize>, out: &mut [u8
 
 /// `R` repacked Q8_0 rows (`w[r]`, `npairs` pairs) · `N` tokens of [`Q8Acts`] (`u[k]`, `d[k]`),
 /// written to `out[(t0 + k)·stride + i0 + r]`: per (row, token) the arithmetic of
-/// `x86_int::dot_q8_0_tile` (see the [module docs](self)).
+/// `int::dot_q8_0_tile` (see the [module docs](self)).
 ///
 /// # Safety
 /// The pointers are valid for `npairs` pairs; the outputs are in bounds and written by this
@@ -597,13 +598,13 @@ const Q4BLK: usize = 576;
 /// Bytes ahead of the block being repacked that [`q4_0_pack`] prefetches in each row.
 const Q4_PREFETCH: usize = 256;
 
-/// Activations for [`q4_0_gemm`]: the GEMV's Q8_0 values and scales ([`super::act::ActBuf`]
-/// in [`ActFormat::Q8_0`](super::act::ActFormat::Q8_0) order, the same numbers as the
+/// Activations for [`q4_0_gemm`]: the GEMV's Q8_0 values and scales ([`act::ActBuf`]
+/// in [`ActFormat::Q8_0`](act::ActFormat::Q8_0) order, the same numbers as the
 /// `Q8_0Pairs` order the GEMV reads), plus per token `nb + 8` i32 offsets: `−8·Σq` of each
 /// block, then `−8·Σq` of each group of four values of the last block (the GEMV's offsets for a
 /// pair of blocks and for an odd last block).
 struct Q4Acts<'a> {
-    acts: super::act::ActBuf<'a>,
+    acts: act::ActBuf<'a>,
     /// `nb + 8` values per token.
     off: ScratchVec<i32>,
 }
@@ -611,7 +612,7 @@ struct Q4Acts<'a> {
 impl<'a> Q4Acts<'a> {
     /// Quantizes `x` (`n_tokens` × `cols`, `cols` a multiple of 32) exactly as the GEMV does.
     fn new(x: &'a [f32], cols: usize, n_tokens: usize) -> Self {
-        let acts = super::act::ActBuf::new(super::act::ActFormat::Q8_0, x, cols);
+        let acts = act::ActBuf::new(act::ActFormat::Q8_0, x, cols);
         let nb = cols / 32;
         let mut off = ScratchVec::zeroed(n_tokens * (nb + 8));
         for t in 0..n_tokens {
@@ -720,7 +721,7 @@ unsafe fn q4_0_pack(w: &Weights<'_>, rows: std::ops::Range<usize>, out: &mut [u8
 /// One group of [`Q4R`] repacked Q4_0 rows (`w`, `nb` blocks) · `N` tokens (values `xq[k]`,
 /// scales `xd[k]`, offsets `xo[k]` of [`Q4Acts`]), the first `nr` rows written to
 /// `out[(t0 + k)·stride + i0 + r]`. Per (row, token) the arithmetic of
-/// `x86_int::dot_q4_0_tile` (see the [module docs](self)): lane `l` of its 8-lane accumulator
+/// `int::dot_q4_0_tile` (see the [module docs](self)): lane `l` of its 8-lane accumulator
 /// is the vector `acc[k][l]` here, one row per 32-bit element.
 ///
 /// # Safety

@@ -8,55 +8,13 @@
 #![allow(clippy::needless_range_loop)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::act::ActFormat;
-use super::table::RowOps;
-use powerinfer_gguf::GgmlType;
-
-/// Replaces the dot kernels of the quantized type `ty` in `ops`; `vnni` selects the AVX-512
-/// VNNI instantiation (`vpdpbusd`). The caller has checked that the CPU has the features of the choice.
-pub(crate) fn override_int(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
-    use GgmlType as T;
-    macro_rules! set {
-        ($m:ident) => {
-            match ty {
-                T::Q8_0 => {
-                    (ops.dot, ops.dot4) = ($m::dot_q8_0, $m::dot4_q8_0);
-                    ops.rows4 = Some($m::rows4_q8_0);
-                }
-                T::Q4_0 => {
-                    (ops.dot, ops.dot4) = ($m::dot_q4_0, $m::dot4_q4_0);
-                    ops.rows4 = Some($m::rows4_q4_0);
-                    ops.tile = Some($m::tile_q4_0);
-                    ops.act = ActFormat::Q8_0Pairs;
-                }
-                T::Q4_1 => (ops.dot, ops.dot4) = ($m::dot_q4_1, $m::dot4_q4_1),
-                T::Q5_0 => (ops.dot, ops.dot4) = ($m::dot_q5_0, $m::dot4_q5_0),
-                T::Q5_1 => (ops.dot, ops.dot4) = ($m::dot_q5_1, $m::dot4_q5_1),
-                T::Q4_K => (ops.dot, ops.dot4) = ($m::dot_q4_k, $m::dot4_q4_k),
-                T::Q5_K => (ops.dot, ops.dot4) = ($m::dot_q5_k, $m::dot4_q5_k),
-                T::Q6_K => (ops.dot, ops.dot4) = ($m::dot_q6_k, $m::dot4_q6_k),
-                _ => {}
-            }
-        };
-    }
-    if vnni {
-        set!(vnni)
-    } else {
-        set!(avx2)
-    }
-    // Integer sums are exact: multi-token products use the one-token dot as it is.
-    if !matches!(ty, T::F32 | T::F16 | T::BF16) {
-        ops.dot_batch = ops.dot;
-    }
-}
-
 macro_rules! int_kernels {
     ($m:ident, $feat:literal, $doc:literal, { $($helpers:item)* }) => {
         #[doc = $doc]
         pub(crate) mod $m {
         use crate::matmul::act::Act;
         use crate::matmul::scalar::scale_min_k4;
-        use crate::matmul::x86::{f16_scalar, hsum};
+        use crate::matmul::x86::common::{f16_scalar, hsum};
         use std::arch::x86_64::*;
 
         $($helpers)*
