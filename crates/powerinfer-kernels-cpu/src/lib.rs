@@ -17,6 +17,7 @@ pub mod error;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
+pub mod probe;
 pub mod reference;
 
 pub use backend::{Backend, CpuVendor};

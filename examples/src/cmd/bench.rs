@@ -12,7 +12,7 @@
 
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
-use powerinfer_kernels_cpu::{Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights};
+use powerinfer_kernels_cpu::{probe, Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -206,10 +206,10 @@ pub(crate) fn bandwidth_rates(pool: &ThreadPool, bytes: usize, passes: usize) ->
 /// How fast `pool`'s threads read one buffer (bytes/s, medians over the passes), two ways.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ReadRates {
-    /// Through the row-sparse kernels' reading path ([`MatMul::read_rows`] over 4 KiB rows: on
+    /// Through the row-sparse kernels' reading path ([`probe::read_rows`] over 4 KiB rows: on
     /// AVX-512 their software prefetch stream, elsewhere plain word sums).
     pub(crate) stream: f64,
-    /// Plain loads, the hardware prefetchers alone ([`MatMul::read_sequential`]).
+    /// Plain loads, the hardware prefetchers alone ([`probe::read_sequential`]).
     pub(crate) plain: f64,
 }
 
@@ -243,11 +243,11 @@ pub(crate) fn read_rates(pool: &ThreadPool, bytes: &[u8], passes: usize) -> Read
     for _ in 0..passes.max(1) {
         if let Some(w) = &w {
             let t = Instant::now();
-            sink = sink.wrapping_add(mm.read_rows(w, &all).unwrap_or(0));
+            sink = sink.wrapping_add(probe::read_rows(&mm, w, &all).unwrap_or(0));
             stream.push(t.elapsed().as_secs_f64());
         }
         let t = Instant::now();
-        sink = sink.wrapping_add(mm.read_sequential(bytes));
+        sink = sink.wrapping_add(probe::read_sequential(pool, bytes));
         plain.push(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(sink);
@@ -618,7 +618,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                             // 19–20 GB/s against 33–35 dense, as `sparse_read` does here.
                             let s = time_calls(budget, 5, |i| {
                                 match w(i).and_then(|w| {
-                                    mm.read_rows(&w, &sets[i % n_sets].2)
+                                    probe::read_rows(&mm, &w, &sets[i % n_sets].2)
                                         .map_err(|e| e.to_string())
                                 }) {
                                     Ok(sum) => {

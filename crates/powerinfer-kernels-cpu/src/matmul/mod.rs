@@ -124,28 +124,6 @@ pub const GEMV_GRAIN_BYTES: usize = 128 << 10;
 /// pass vs 25.8–30.6 four per pass, 4096×11008 still 23.1–24.0 vs 27.9–31.2.
 const FLOAT_ONE_ROW_MAX_ACT_BYTES: usize = 16 << 10;
 
-/// The wrapping sum of `bytes` as little-endian u64 words, a last partial word byte by byte
-/// ([`MatMul::read_rows`]'s and [`MatMul::read_sequential`]'s checksum).
-fn word_sum(bytes: &[u8]) -> u64 {
-    let mut words = bytes.chunks_exact(8);
-    let mut sum = 0u64;
-    for w in &mut words {
-        sum = sum.wrapping_add(u64::from_le_bytes(w.try_into().unwrap_or_default()));
-    }
-    words
-        .remainder()
-        .iter()
-        .fold(sum, |s, &b| s.wrapping_add(b as u64))
-}
-
-/// [`MatMul::read_rows`]'s per-thread reading without a prefetch stream.
-fn read_list_portable(rows: &ListedRows<'_>) -> u64 {
-    rows.list.iter().fold(0u64, |sum, &i| {
-        let row = &rows.data[i as usize * rows.row_bytes..][rows.start..rows.end];
-        sum.wrapping_add(word_sum(row))
-    })
-}
-
 /// A Q4_0 matrix repacked for the one-token product ([`MatMul::pack_q4_0`],
 /// [`MatMul::gemv_packed`]): rows in interleaved groups of eight (the same bytes per row as
 /// ggml's layout), the rows after the last whole group in ggml's layout. An owned copy: the
@@ -394,7 +372,7 @@ fn mul(a: usize, b: usize) -> Result<usize, KernelError> {
 }
 
 /// Checks that `active` is strictly increasing and below `rows`.
-fn check_active(active: &[u32], rows: usize) -> Result<(), KernelError> {
+pub(crate) fn check_active(active: &[u32], rows: usize) -> Result<(), KernelError> {
     let mut prev: Option<u32> = None;
     for (pos, &i) in active.iter().enumerate() {
         if i as usize >= rows {
@@ -958,49 +936,6 @@ impl<'p> MatMul<'p> {
             None,
         );
         self.gemv_indexed_unchecked(w, x, &active, y)
-    }
-
-    /// Reads the bytes of the rows of `w` listed in `active` (strictly increasing, below
-    /// `rows`) with the row-sparse product's thread split and access order, and on AVX-512 its
-    /// software prefetch stream, but no arithmetic; returns a checksum of them. Timing it gives
-    /// the memory ceiling of a sparse product over the same rows (with every row listed: of a
-    /// dense pass over the matrix): `powerinfer bench kernels` reports it as `sparse_read`.
-    pub fn read_rows(&self, w: &Weights<'_>, active: &[u32]) -> Result<u64, KernelError> {
-        check_active(active, w.rows)?;
-        let sum = std::sync::atomic::AtomicU64::new(0);
-        self.pool.for_chunks(active.len(), |r| {
-            let rows = ListedRows::whole(w.data, w.row_bytes, &active[r]);
-            #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-            let s = if self.backend == Backend::Avx512 {
-                x86::sparse::read_list(&rows)
-            } else {
-                read_list_portable(&rows)
-            };
-            #[cfg(not(all(target_arch = "x86_64", powerinfer_avx512)))]
-            let s = read_list_portable(&rows);
-            sum.fetch_add(s, std::sync::atomic::Ordering::Relaxed);
-        });
-        Ok(sum.into_inner())
-    }
-
-    /// Reads `bytes` front to back, each of the pool's threads its own contiguous part (cut at
-    /// multiples of 64 bytes), with plain loads and no software prefetch: the hardware
-    /// prefetchers alone. Returns the wrapping sum of `bytes` as little-endian u64 words (a last
-    /// partial word byte by byte), the checksum [`read_rows`](Self::read_rows) gives for the
-    /// same bytes. Timing it gives the memory's plain sequential read rate. Which of the two
-    /// reads memory faster depends on the CPU: on a Xeon VM this kind of loop read 16–24 GB/s
-    /// where `read_rows`' prefetch stream read ~28; on a Zen 4 VM (1 GiB, 2 threads, passes
-    /// alternated) it read 31–33 GB/s against the stream's 27–29.
-    pub fn read_sequential(&self, bytes: &[u8]) -> u64 {
-        const PIECE: usize = 64;
-        let pieces = bytes.len().div_ceil(PIECE);
-        let sum = std::sync::atomic::AtomicU64::new(0);
-        self.pool.for_chunks(pieces, |r| {
-            let end = (r.end * PIECE).min(bytes.len());
-            let s = word_sum(&bytes[r.start * PIECE..end]);
-            sum.fetch_add(s, std::sync::atomic::Ordering::Relaxed);
-        });
-        sum.into_inner()
     }
 
     /// Row-sparse product for one token over an explicit list of active rows: `y[i] = row_i · x`

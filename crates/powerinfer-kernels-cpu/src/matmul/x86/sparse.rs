@@ -643,20 +643,21 @@ impl<L: FloatLoad16> DotRows for DFloat<L> {
 // ---------------------------------------------------------------------------------------------
 // Reading alone.
 
-/// The wrapping sum of the listed row slices' bytes as little-endian u64 words (a tail of
-/// fewer than 64 bytes per slice byte by byte, so the result equals the portable reading's),
-/// read in list order through the row-sparse products' prefetch stream: their memory access
-/// without their arithmetic.
-pub(crate) fn read_list(rows: &ListedRows<'_>) -> u64 {
+/// The wrapping sum of the listed row slices' bytes as little-endian u64 words, read in list
+/// order through the row-sparse products' prefetch stream: their memory access without their
+/// arithmetic (`probe::read_rows`). Each slice's whole 64-byte lines are summed here, the
+/// rest of it (fewer than 64 bytes) by `tail_sum`, so that the result can equal the portable
+/// reading's.
+pub(crate) fn read_list(rows: &ListedRows<'_>, tail_sum: impl Fn(&[u8]) -> u64) -> u64 {
     check_rows(rows, 1, rows.end - rows.start);
     // SAFETY: installed only for Backend::Avx512 (the caller checks); rows checked above.
-    unsafe { read_list_avx512(rows) }
+    unsafe { read_list_avx512(rows, tail_sum) }
 }
 
 /// # Safety
 /// Every listed slice lies inside `rows.data`; AVX-512 F available.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-unsafe fn read_list_avx512(rows: &ListedRows<'_>) -> u64 {
+unsafe fn read_list_avx512(rows: &ListedRows<'_>, tail_sum: impl Fn(&[u8]) -> u64) -> u64 {
     let mut st = Stream::new(rows, LEAD_DOT);
     let len = rows.end - rows.start;
     let mut acc = _mm512_setzero_si512();
@@ -675,7 +676,7 @@ unsafe fn read_list_avx512(rows: &ListedRows<'_>) -> u64 {
                 o += 64;
             }
             let rest = std::slice::from_raw_parts(p.add(o), len - o);
-            tail = tail.wrapping_add(crate::matmul::word_sum(rest));
+            tail = tail.wrapping_add(tail_sum(rest));
         }
     }
     (_mm512_reduce_add_epi64(acc) as u64).wrapping_add(tail)
