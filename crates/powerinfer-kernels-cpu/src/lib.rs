@@ -11,6 +11,7 @@
 //!
 //! Matrix kernels: [`MatMul`] over a [`Weights`] view ([`matmul`] lists the operators), on a
 //! caller-sized [`ThreadPool`], with the instruction set chosen at run time ([`Backend`]).
+//! [`probe`] holds the memory-read probes that benchmarks compare the kernels with.
 
 pub mod backend;
 pub mod error;

@@ -60,8 +60,9 @@
 use super::common::{hsum, FloatLoad16, LBF16, LF16, LF32};
 use crate::backend::Backend;
 use crate::matmul::act;
+use crate::matmul::frame::OutPtr;
 use crate::matmul::scratch::ScratchVec;
-use crate::matmul::{OutPtr, Weights};
+use crate::matmul::weights::Weights;
 use crate::pool::ThreadPool;
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
