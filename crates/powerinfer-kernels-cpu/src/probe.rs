@@ -38,10 +38,8 @@ pub fn read_rows(mm: &MatMul<'_>, w: &Weights<'_>, active: &[u32]) -> Result<u64
 /// multiples of 64 bytes), with plain loads and no software prefetch: the hardware
 /// prefetchers alone. Returns the wrapping sum of `bytes` as little-endian u64 words (a last
 /// partial word byte by byte), the checksum [`read_rows`] gives for the same bytes. Timing it
-/// gives the memory's plain sequential read rate. Which of the two
-/// reads memory faster depends on the CPU: on a Xeon VM this kind of loop read 16–24 GB/s
-/// where `read_rows`' prefetch stream read ~28; on a Zen 4 VM (1 GiB, 2 threads, passes
-/// alternated) it read 31–33 GB/s against the stream's 27–29.
+/// gives the memory's plain sequential read rate. Which of the two reads memory faster depends
+/// on the CPU (measurements: `docs/tuning.md`).
 pub fn read_sequential(pool: &ThreadPool, bytes: &[u8]) -> u64 {
     const PIECE: usize = 64;
     let pieces = bytes.len().div_ceil(PIECE);

@@ -6,9 +6,9 @@
 //! copies, so every call reads its weights from DRAM as in real inference. Figures are the
 //! median of the timed calls (as is the bandwidth: the median of several passes over a 1 GiB
 //! buffer), and the table's `best` column (JSON `best_gbps`, `best_ms`) gives the fastest call.
-//! On a shared VM the best call can be 15% faster than the median (4096×11008 Q4_0: 0.88 against
-//! 1.01 ms, the mean 1.10): the best figures overstated what decoding, which runs every call,
-//! gets, and earlier reports of this command used them.
+//! On a shared VM the best call can be much faster than the median, so the best figures
+//! overstate what decoding, which runs every call, gets. The measurements behind this
+//! benchmark's choices are in `docs/tuning.md`.
 
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
@@ -214,11 +214,8 @@ pub(crate) struct ReadRates {
 }
 
 impl ReadRates {
-    /// The faster of the two: what this memory gives. Which one wins depends on the CPU. On a
-    /// Xeon VM a plain summing loop read 16–24 GB/s where the stream read ~28 (and the kernels
-    /// 25–36), so ratios against the plain loop alone overstated the kernels; on a Zen 4 VM the
-    /// plain read gave 31–33 GB/s against the stream's 27–29, and llama.cpp's F16 decode read
-    /// faster than the stream alone: ratios against the stream alone overstated them there.
+    /// The faster of the two: what this memory gives. Which one wins depends on the CPU, and a
+    /// ratio against the slower one alone would overstate the kernels (`docs/tuning.md`).
     pub(crate) fn best(&self) -> f64 {
         self.stream.max(self.plain)
     }
@@ -550,8 +547,8 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         // Call `i` reads set `i mod n_sets` of copy `i mod n_copies`; with the
                         // two counts coprime, a cycle reads n_sets · n_copies different row
                         // sets, at least 1 GiB where 256 sets allow it, so that the rows come
-                        // from memory and not from a large L3 (with 96 MiB of sets and
-                        // degenerate cycles, F16 sparse products had "read" 40–55 GB/s here).
+                        // from memory and not from a large L3 (fewer sets had let a large L3
+                        // serve the sparse products).
                         let n_active = ((dens * rows as f64).round() as usize).clamp(1, rows);
                         let active_bytes = bytes * n_active as f64 / rows as f64;
                         let n_copies = rot.copies.len();
@@ -612,10 +609,8 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         }
                         if want("sparse_read") {
                             // The same rows read without arithmetic: the memory ceiling of
-                            // this access pattern (at 100%, of a dense pass). A plain C
-                            // reader with prefetches 2–16 rows ahead (Zen 4 VM, 2 threads,
-                            // 10% of 11008 rows of 2304 bytes, huge pages, best of 200) read
-                            // 19–20 GB/s against 33–35 dense, as `sparse_read` does here.
+                            // this access pattern (at 100%, of a dense pass); a plain C
+                            // reader gets no more (`docs/tuning.md`).
                             let s = time_calls(budget, 5, |i| {
                                 match w(i).and_then(|w| {
                                     probe::read_rows(&mm, &w, &sets[i % n_sets].2)

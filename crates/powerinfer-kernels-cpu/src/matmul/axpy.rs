@@ -14,10 +14,8 @@ use crate::pool::split_range;
 
 /// One-token sparse axpy over rows of at least this many bytes splits the active rows between
 /// threads (with a list kernel; [`MatMul::axpy_rows_split`]), shorter rows split the columns
-/// (5632×2048 Q4_0, 1152-byte rows: no gain measured). Float rows always split the columns,
-/// whose result does not depend on the thread count: with the AVX-512 list kernel, F16 at
-/// 10–20% on a Xeon, 2 threads, 5632×2048 24.0–24.8 GB/s against 26.3–28.0 with rows split,
-/// 11008×4096 27.4–28.8 against 27.8–29.5.
+/// (no gain there). Float rows always split the columns, whose result does not depend on the
+/// thread count and which read them no slower (measurements: `docs/tuning.md`).
 const ROW_SPLIT_AXPY_BYTES: usize = 2048;
 
 impl MatMul<'_> {
@@ -117,8 +115,8 @@ impl MatMul<'_> {
     /// The one-token axpy over long rows on backends with a list kernel: thread `k` of `n`
     /// takes the `k`-th contiguous part of the active list, whole rows, into its own zeroed
     /// partial output; then `y[c] += ((p_0[c] + p_1[c]) + …) + p_{n-1}[c]`. Each thread reads
-    /// whole rows (2304 bytes for a 4096-wide Q4_0 row) instead of a part of every row:
-    /// 11008×4096 Q4_0 at 10%, 2 threads, 19.4–20.0 GB/s against 13.1–16.1 with columns split.
+    /// whole rows (2304 bytes for a 4096-wide Q4_0 row) instead of a part of every row, which
+    /// reads faster (`docs/tuning.md`).
     /// The result depends on the thread count (by rounding: the sum is grouped per thread),
     /// not on timing.
     fn axpy_rows_split(

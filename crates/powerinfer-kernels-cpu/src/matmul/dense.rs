@@ -20,48 +20,30 @@ use powerinfer_gguf::GgmlType;
 use std::ops::Range;
 
 /// Quantized rows up to this many bytes are computed four per pass by the dense GEMV (see
-/// [`MatMul::gemv`]). Measured on Zen 4, 2 threads, 11008 rows, four per pass vs one (GB/s):
-/// Q4_0 144 B 35.7 vs 28.0, 216 B 39.0 vs 32.8, 288 B 36.1 vs 32.8, 360 B 28.5 vs 27.0, but
-/// 432 B 27.5 vs 34.5 and 576 B 10.8 vs 36.0; Q8_0 272 B 38.3 vs 37.9, 408 B 31.1 vs 37.3.
+/// [`MatMul::gemv`]): for short rows the per-row reduction dominates, longer ones read faster
+/// one at a time (measurements: `docs/tuning.md`).
 const SHORT_ROW_BYTES: usize = 384;
 
 /// Quantized rows of at least this many bytes go through the sparse list kernel over every row
 /// in the one-token product, where the backend has one (AVX-512 Q4_0/Q8_0), eight rows per pass
-/// behind its software prefetch stream. Zen 4, one thread, Q4_0: 1024×16384 8.9 → 26 GB/s,
-/// 4096×11008 (LLaMA-7B's `ffn_down`) 23 → 26 GB/s, from a 7B file's 32 `ffn_down` matrices
-/// 9–13 GB/s one row at a time; rows of 2304 bytes (4096 columns) ran at the same speed either
-/// way there. On a 2-vCPU Xeon (AVX-512 + AMX, 480 MiB L3), 2 threads, weights not in cache,
-/// the one-row loop reads Q4_0 at 15–16 GB/s where the list kernel reads 22–23 (4096×4096,
-/// 2048×2048, 5632×2048); TinyLlama-shaped Q4_0 decode went from 17.7 to 37 tok/s, hence the
-/// lower bound (Q4_0 from 2048 columns, Q8_0 from 1024). Not float rows (AVX-512: F32, F16,
-/// BF16), although they have list kernels: one row at a time with in-row prefetches reads them
-/// faster. Same Xeon, F16, `bench kernels` medians: 2048×2048 30.6 against 25.1 GB/s through
-/// the list kernel, 5632×2048 31.7 against 25.0, 32000×2048 31.3 against 24.7 (27.3–28.2
-/// against 24.2–24.5 in 4 KiB pages); TinyLlama-shaped F16 decode, alternated runs: dense
-/// 14.42–14.62 against 12.46–12.51 tok/s (14.61–14.77 against 12.66–12.70 with `--no-mmap`),
-/// sparse 34.3–34.9 against 30.2–30.7. (An earlier measurement, in another phase of that VM,
-/// had favoured the list kernel by 3–5%.)
+/// behind its software prefetch stream: the one-row loop left long rows waiting on memory
+/// (Q4_0 from 2048 columns, Q8_0 from 1024). Not float rows (AVX-512: F32, F16, BF16), although
+/// they have list kernels: one row at a time with in-row prefetches reads them faster
+/// (measurements: `docs/tuning.md`).
 const LIST_GEMV_ROW_BYTES: usize = 1024;
 
 /// Weight bytes per grain of the one-token dense product ([`MatMul::gemv`], rounded to a
 /// multiple of 8 rows, at least 8): a thread walks its part of the rows in grains and takes
-/// the others' untouched grains from the back once done. TinyLlama-shaped Q4_0 products in
-/// decode order (22 layers and the head, 2 threads, Zen 4 VM, alternated runs): 52–55 tok/s
-/// with 64 or 128 KiB grains against 49 with fixed halves. On a Xeon, where these products run
-/// through the list kernel (see `LIST_GEMV_ROW_BYTES`), whose prefetch stream restarts at each
-/// grain: 64 KiB 35.0–35.4, 128 KiB 36.1–36.2, 256 KiB 36.3–37.1 tok/s.
+/// the others' untouched grains from the back once done, so a thread the host delays no longer
+/// holds up the others; grains this large seldom restart the list kernel's prefetch stream (see
+/// `LIST_GEMV_ROW_BYTES`; measurements: `docs/tuning.md`).
 pub const GEMV_GRAIN_BYTES: usize = 128 << 10;
 
 /// Float rows whose activation, as the kernels read it, takes up to this many bytes go through
 /// the dense GEMV one per pass, longer ones four per pass (so that the activation stays in L1
-/// beside the weight stream, or else each of its loads serves four rows). f32 activations
-/// (4096 elements at most one per pass): F16, 2 threads, Zen 4, 5632×2048 35.8 vs 25–29 GB/s
-/// one vs four rows, 4096×11008 22.5 vs 29.5–30.5; decode of a 7B-shaped F16 model at
-/// 0.86–1.03× llama.cpp with 4096-element rows one per pass, 0.88–0.99× four per pass,
-/// 0.77–0.97× with every row one per pass. F16 weights' activations are read as f16 bits
-/// (`ActFormat::F16`), so their rows of up to 8192 elements go one per pass: Zen 4, 3
-/// alternated `bench kernels` runs (small pages, offset 32), 2048×5632 30.3–31.9 GB/s one per
-/// pass vs 25.8–30.6 four per pass, 4096×11008 still 23.1–24.0 vs 27.9–31.2.
+/// beside the weight stream, or else each of its loads serves four rows): f32 activations of
+/// up to 4096 elements, and, since F16 weights read theirs as f16 bits (`ActFormat::F16`), F16
+/// rows of up to 8192 elements go one per pass (measurements: `docs/tuning.md`).
 const FLOAT_ONE_ROW_MAX_ACT_BYTES: usize = 16 << 10;
 
 /// Activation bytes per GEMM token block (see `gemm_core`).
@@ -129,11 +111,10 @@ fn gemv_rows(
     let mut done = 0;
     // Four rows per pass for float rows whose activation exceeds FLOAT_ONE_ROW_MAX_ACT_BYTES
     // (each load of the long activation then serves four rows) and for short quantized rows
-    // (≤ SHORT_ROW_BYTES: the per-row reduction dominates there; a predictor's fc2, 5632×256
-    // Q4_0, went from 27.5 to 34 GB/s). Other rows go one at a time: one sequential stream
-    // per thread, the activation in L1 (quantized 11008×4096: 33.7 vs 17.5 GB/s, 2048×2048:
-    // 33 vs 15; F16 5632×2048: 35.8 vs 25–29). The sparse GEMV, whose scattered rows are
-    // software-prefetched and partly compute-bound, always uses four rows per pass.
+    // (≤ SHORT_ROW_BYTES: the per-row reduction dominates there). Other rows go one at a
+    // time: one sequential stream per thread, the activation in L1. The sparse GEMV, whose
+    // scattered rows are software-prefetched and partly compute-bound, always uses four rows
+    // per pass.
     let act_bytes = w.cols * if ops.act == act::ActFormat::F16 { 2 } else { 4 };
     let rows4 = match ops.act {
         f if f.is_float() && act_bytes > FLOAT_ONE_ROW_MAX_ACT_BYTES => ops.rows4,
@@ -168,12 +149,10 @@ fn gemv_rows(
 const ONE_ROW_PREFETCH_BYTES: usize = 2048;
 
 /// Whether the one-row dense GEMV prefetches rows ahead for `ty`: the 32-value block types
-/// without a list kernel. Xeon, 2 threads, alternated runs of `bench kernels` (weights not in
-/// cache): Q4_1 5.0–5.5 → 9.9–10.5 GB/s, Q5_0 4.7–5.0 → 8.5–9.0, Q5_1 4.9–5.3 → 10.4–12.0
-/// (1 KiB; 2, 4 and 8 KiB the same). The hardware prefetchers had left these slow loops
-/// waiting on memory. Not the K-quants: their 256-bit kernels are bound by their arithmetic
-/// (Q4_K and Q6_K unchanged, Q5_K 0.61–0.69 → 0.52–0.58 of the bandwidth), and on AVX-512 their
-/// long rows take a range kernel with its own prefetch stream (`x86::kquant`).
+/// without a list kernel, whose slow loops the hardware prefetchers had left waiting on memory.
+/// Not the K-quants: their 256-bit kernels are bound by their arithmetic, and on AVX-512 their
+/// long rows take a range kernel with its own prefetch stream (`x86::kquant`; measurements:
+/// `docs/tuning.md`).
 fn one_row_prefetch(ty: GgmlType) -> bool {
     cfg!(target_arch = "x86_64") && matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1)
 }
@@ -266,8 +245,8 @@ impl MatMul<'_> {
 
     /// A copy of the Q4_0 matrix `w` laid out for [`gemv_packed`](Self::gemv_packed), whose
     /// results equal [`gemv`](Self::gemv)'s bit for bit at less arithmetic per row (the
-    /// one-token Q4_0 product is compute-bound on cores that read memory fast: Zen 4, weights
-    /// in L2, 1.42–1.48× as fast). `None` where this backend has no packed kernel (it needs
+    /// one-token Q4_0 product is compute-bound on cores that read memory fast; measurements:
+    /// `docs/tuning.md`). `None` where this backend has no packed kernel (it needs
     /// [`Backend::Avx512`]), for other types, and for rows of an odd number of blocks.
     pub fn pack_q4_0(&self, w: &Weights<'_>) -> Option<PackedQ4_0> {
         #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
@@ -439,11 +418,9 @@ impl MatMul<'_> {
             RowList::Listed => rows.len(),
         };
         // Token blocks sized to the last-level cache, not L2: every block streams all of the
-        // thread's weight rows from DRAM again, and with L2-sized blocks (4–16 tokens of f32
-        // activations) a 128-token F16 GEMM re-read its weights 8–32 times, ~2× slower
-        // (measured on Zen 4, 2 threads; the quantized types, with 4× smaller activations,
-        // gained little). The activations of a block are re-read from L3 per row pair
-        // instead, which the 2 × 4 micro-kernel keeps cheap.
+        // thread's weight rows from DRAM again, which L2-sized blocks made the main cost of a
+        // long float GEMM (`docs/tuning.md`). The activations of a block are re-read from L3
+        // per row pair instead, which the 2 × 4 micro-kernel keeps cheap.
         let block = (GEMM_BLOCK_BYTES / acts.bytes_per_token().max(1)).clamp(4, 128) / 4 * 4;
         let out = OutPtr::new(y);
         let wr = w.rows;

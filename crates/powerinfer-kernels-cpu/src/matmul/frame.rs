@@ -68,14 +68,13 @@ impl OutPtr {
 
 /// Asks the CPU to start loading a row the kernel will visit soon (a hint: no effect on
 /// results). Used for the rows a sparse kernel will visit next, which the hardware prefetchers
-/// cannot guess: without it, short quantized rows at random places are read at DRAM latency,
-/// several times slower. Rows of at most `whole` bytes ([`PREFETCH_WHOLE_DOT`] for the products,
+/// cannot guess: without it, short quantized rows at random places are read at DRAM latency.
+/// Rows of at most `whole` bytes ([`PREFETCH_WHOLE_DOT`] for the products,
 /// [`PREFETCH_WHOLE_AXPY`] for axpy) are prefetched whole; of longer rows only the first
 /// [`PREFETCH_HEAD`] bytes: the hardware stream prefetcher takes over after the first
 /// sequential misses, and a burst of a hundred prefetches per row (8 KiB of F16) stalls the
-/// loads (measured: F16 sparse GEMV/axpy at 10% ~2× slower that way). The hint is T1 (into L2,
-/// not L1): measured on Zen 4 with Q4_0 rows, sparse GEMV and axpy at 10% run ~1.7× faster than
-/// with T0 (same speed for F16).
+/// loads. The hint is T1 (into L2, not L1), faster for quantized rows (measurements:
+/// `docs/tuning.md`).
 #[inline(always)]
 pub(crate) fn prefetch(bytes: &[u8], whole: usize) {
     #[cfg(target_arch = "x86_64")]
@@ -100,11 +99,11 @@ pub(crate) fn prefetch(bytes: &[u8], whole: usize) {
 }
 
 /// Products: rows up to this many bytes are prefetched whole (a Q4_0 row of 11008 values: 6192
-/// bytes; measured 1.65× faster sparse GEMV than prefetching 512 bytes of it).
+/// bytes, faster whole than by its head).
 pub(crate) const PREFETCH_WHOLE_DOT: usize = 6400;
 
 /// Axpy: column slices up to this many bytes are prefetched whole (half a Q4_0 row of 4096
-/// values); longer ones (half an F16 row: 4 KiB) run ~1.4× faster with only their head.
+/// values); longer ones (half an F16 row: 4 KiB) run faster with only their head.
 pub(crate) const PREFETCH_WHOLE_AXPY: usize = 2560;
 
 /// Bytes prefetched at the start of a longer row.

@@ -61,9 +61,9 @@ pub(crate) fn check_active(active: &[u32], rows: usize) -> Result<(), KernelErro
 
 /// The rows `i` with `scores[i] >= threshold`, `skip[i]` false (when given) and `nonzero[i] !=
 /// 0` (when given), in increasing order. Branch-free per row (a 64-row mask, then its set bits):
-/// at ~10% random density a branch per row mispredicts often enough to cost several µs per call
-/// on an 11008-row matrix, a noticeable part of a sparse GEMV. With AVX-512, sixteen rows per
-/// step with mask compares (`x86::sparse::select_rows_avx512`, the same rows).
+/// at ~10% random density a branch per row mispredicts often, a noticeable cost in a sparse
+/// GEMV (`docs/tuning.md`). With AVX-512, sixteen rows per step with mask compares
+/// (`x86::sparse::select_rows_avx512`, the same rows).
 pub(super) fn select_rows(
     scores: &[f32],
     threshold: f32,

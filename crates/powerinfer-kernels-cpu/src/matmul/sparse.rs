@@ -12,11 +12,7 @@ use crate::error::KernelError;
 
 /// Float rows up to this many bytes go through the backend's sparse list kernels (AVX-512:
 /// four rows per pass behind the prefetch stream), longer ones through the four-row kernels
-/// with in-row prefetches. F16 at 10%, 2 threads, Xeon, weights not in cache, against the
-/// four-row kernels: 5632×2048 (4 KiB rows) GEMV 0.101–0.102 vs 0.124–0.125 ms, axpy
-/// 0.096–0.117 vs 0.119–0.122; 11008×4096 (8 KiB rows, LLaMA-7B's sparse FFN) 0.373–0.380 vs
-/// 0.361–0.371 and 0.360–0.376 vs 0.338–0.356 (slower in every pair); 4096×11008 (22 KiB)
-/// 0.357–0.364 vs 0.282–0.288.
+/// with in-row prefetches, which read long rows faster (measurements: `docs/tuning.md`).
 const FLOAT_LIST_MAX_ROW_BYTES: usize = 4096;
 
 /// Whether the sparse products of `w` take the backend's list kernels (where it has them).
@@ -92,9 +88,8 @@ impl MatMul<'_> {
             return Ok(());
         }
         // With four rows per pass, rows `k + 1..k + 4` are computed together with row `k`: the
-        // look-ahead counts from the end of the current group, plus one more group (measured
-        // at 10% density, 2 threads: +3 rows ~1.07× faster than none for Q4_0/Q8_0, +7 about
-        // the same for Q4_0 and ~1.08× more for Q8_0).
+        // look-ahead counts from the end of the current group, plus one more group
+        // (`docs/tuning.md`).
         let ahead = prefetch_ahead(w.row_bytes) + if ops.rows4.is_some() { 7 } else { 0 };
         self.pool.for_chunks(active.len(), |r| {
             let part = &active[r];

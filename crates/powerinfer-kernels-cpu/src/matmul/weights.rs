@@ -44,17 +44,12 @@ impl PackedQ4_0 {
 
 /// Page-aligned anonymous memory, zero until written, with transparent huge pages requested on
 /// Linux: no page is touched before its first writer touches it, so the threads that fill a
-/// copy fault its pages in, in parallel, 2 MiB at a time where the OS grants huge pages.
-/// Measured on a Xeon VM, a 7B-shaped Q4_0 file repacked at load (`powerinfer run --repack`):
-/// 3.5–6.2 s with `Vec`s zeroed by the loading thread, 0.66–0.68 s with this (a first run
-/// after another process freed its memory: 2.5–4.7 s); decode from the copies 6.7–6.9 tok/s
-/// against 5.1–5.2 from the file.
+/// copy fault its pages in, in parallel, 2 MiB at a time where the OS grants huge pages (much
+/// faster to make than `Vec`s zeroed by one thread; measurements: `docs/tuning.md`).
 ///
 /// A buffer of at least 2 MiB starts on a 2 MiB boundary (2 MiB more address space is mapped
 /// and never touched), so that every whole 2 MiB of it can be a huge page: mapped where the
-/// OS put them, the copies of TinyLlama's small matrices (2.4 MB and less) got almost none
-/// (55 of 169 MB in huge pages); TinyLlama Q4_0 dense decode with `--repack`, alternated
-/// runs: 43.1–44.6 tok/s aligned, 39.3–40.4 not.
+/// OS put them, the copies of small matrices got almost none.
 pub(super) struct PageBuf {
     map: memmap2::MmapMut,
     /// Where the buffer starts in `map`.

@@ -3,8 +3,8 @@
 //!
 //! Float weights have two dot products. One-token products (GEMV, row-sparse GEMV) use the
 //! "wide" order of [`dot_float_wide`]: four 16-lane accumulators per row, so one row streams
-//! with four independent FMA chains (F16 GEMVs of 2048-element rows, 2 threads: 1.2–1.3× the
-//! speed of four rows per pass with one 8-lane accumulator each). Multi-token products (`dot4`, `tile`,
+//! with four independent FMA chains (faster than four rows per pass with one 8-lane accumulator
+//! each; measurements: `docs/tuning.md`). Multi-token products (`dot4`, `tile`,
 //! `dot_batch`, and the blocked GEMM of [`super::gemm`]) use [`dot_float_tile`]'s order, one 8-lane
 //! accumulator per (row, token) (the blocked GEMM keeps two tokens per 512-bit register, one per
 //! 256-bit half, in a 4 rows × 6 pairs tile). Within each family a
@@ -129,30 +129,20 @@ unsafe fn dot_float_wide<L: FloatLoad, X: FloatLoad>(row: &[u8], x: &[u8], n: us
 }
 
 /// Bytes ahead of the elements being read that [`dot_float_wide512`] asks to have in L1, in
-/// each of its rows, on Intel CPUs. Xeon, TinyLlama-shaped F16 dense decode, 2 threads,
-/// alternated runs (tok/s): none 11.85–12.12, 768 bytes 12.95–12.97, 1024 12.81–12.91, 1536
-/// 12.68–13.12, 2048 12.74–12.92, 3072 12.28–12.47, 4096 10.49–10.56, 8192 9.93–10.04. Sparse
-/// decode (rows scattered, so some lines past a row's end go unused) was no slower: 29.5–30.0
-/// vs 29.4–29.5 tok/s with the prefetches kept inside each row.
+/// each of its rows, on Intel CPUs: the best of the distances swept in F16 decode, where the
+/// hardware prefetchers alone fell short (measurements of this and the AMD distances:
+/// `docs/tuning.md`).
 #[cfg(powerinfer_avx512)]
 const FLOAT_AHEAD_INTEL: usize = 1536;
 
 /// [`FLOAT_AHEAD_INTEL`] on AMD CPUs, for the one-row dot (rows of up to 4096 elements in the
 /// dense GEMV): 0, no software prefetches (the hardware prefetchers already run ahead and the
-/// requests only compete with them). Zen 4 (2 vCPUs), TinyLlama F16 dense decode, 3 alternated
-/// rounds (tok/s): 256 bytes 14.3, 11.0, 16.7; 768 12.5, 10.8, 10.7; 1024 10.8, 11.7, 10.6;
-/// 1536 10.1, 10.9; none 13.6–14.5. Then, with the distances alternated pass by pass in one
-/// process over the file's 154 mapped matrices (12 passes, medians): none 27.3, 32.8, 32.9,
-/// 33.6 GB/s against 256 bytes 23.1, 27.2, 28.9, 29.1 (128: 29.4, 31.1); copies in base pages,
-/// 5632×2048 38.1 vs 32.5, 2048×2048 41.3 vs 37.4. Decode, 4 alternated pairs: dense
-/// 13.19–13.95 vs 12.27–13.78 tok/s, sparse 30.5–33.8 vs 26.8–30.4.
+/// requests only compete with them).
 #[cfg(powerinfer_avx512)]
 const FLOAT_AHEAD_AMD_ONE_ROW: usize = 0;
 
 /// [`FLOAT_AHEAD_AMD_ONE_ROW`] for the four-row dot (longer dense rows; the sparse GEMV's rows
-/// over 4 KiB): four streams at once, where 256 bytes still helps a little. Zen 4, copies in
-/// base pages, passes alternated (20, medians): 4096×11008 31.6 GB/s vs 28.4 without
-/// prefetches (512 bytes: 29.8), 2048×5632 23.8 vs 23.2 (512: 24.1).
+/// over 4 KiB): four streams at once, where 256 bytes still helps a little.
 #[cfg(powerinfer_avx512)]
 const FLOAT_AHEAD_AMD_ROWS: usize = 256;
 

@@ -5,12 +5,8 @@
 //! Compiled only with Rust ≥ 1.89 (stable AVX-512 intrinsics; `cfg(powerinfer_avx512)` from the
 //! crate's build.rs), so the crate keeps building with its MSRV.
 //!
-//! Measured on Zen 4 (2 threads, 128 tokens, LLaMA-7B shapes, best of 8 runs): F16 and Q8_0
-//! ~1.6× as fast as the general frame (whose 2 × 4 tile re-read 2 MiB of f32 activations from
-//! L3 per pair of rows), 1.05–1.2× llama.cpp; the float kernel runs near the FMA peak (~210
-//! GFLOP/s). 2–16 tokens: floats 1.5–2.5×, Q8_0 (≥ 8 tokens) 1.15–1.4×. Q4_0 (TinyLlama shapes
-//! 5632 × 2048, 2048 × 5632, 2048 × 2048, 2 threads, 64 tokens): ~2× the frame (~440 vs ~225
-//! GOP/s), 4–16 tokens 1.2–2×.
+//! They beat the general frame, whose 2 × 4 tile re-reads the f32 activations from L3 per pair
+//! of rows (measurements of this file's kernels and constants: `docs/tuning.md`).
 //!
 //! Loop order per thread (each thread owns a contiguous run of row tiles): a block of rows whose
 //! weights stay in L2 ([`ROW_BLOCK_BYTES`]); inside it, groups of `N` tokens whose activations
@@ -26,11 +22,7 @@
 //!   fixed-order horizontal sum [`hsum`], then scalar FMAs over the last `cols % 8` elements.
 //!   Two tokens share one 512-bit register (one per 256-bit half, the weights loaded into both
 //!   halves), so a core with two 512-bit FMA units runs twice the 8-lane FMAs per cycle: the
-//!   4 rows × 6 pairs tile holds 24 such registers. Xeon VM, 2 threads, 128 tokens, F16 at
-//!   TinyLlama shapes: 213–240 GFLOP/s against 197–205 with 256-bit accumulators (the F16→f32
-//!   conversions, two µops per weight vector, share the FMA ports); 6 pairs measured 2–3%
-//!   faster than 5. TinyLlama F16 prompt of 128 tokens 107–109 tok/s, llama.cpp 100–101 (was
-//!   91).
+//!   4 rows × 6 pairs tile holds 24 such registers (6 pairs were faster than 5).
 //! * Q8_0: per block an exact i32 dot product in 8 lanes of four bytes each, converted to f32,
 //!   times `d_w·d_x`, added with one FMA to the accumulator of even or of odd blocks; at the end
 //!   `hsum(even + odd)`. Here one 512-bit accumulator holds both (even blocks in the low half,
@@ -70,17 +62,15 @@ use std::arch::x86_64::*;
 /// Float GEMMs of fewer tokens (one) go through the GEMV.
 pub(crate) const MIN_TOKENS: usize = 2;
 /// Q8_0 GEMMs of fewer tokens go through the general GEMM frame (`MatMul::gemm_core`): the
-/// weight repacking costs about as much as 4 tokens' dot products (measured at 4096 × 4096,
-/// 2 threads: blocked 0.75–0.87× as fast at 2 and 4 tokens, 1.3× at 6).
+/// weight repacking costs about as much as 4 tokens' dot products.
 const MIN_TOKENS_Q8_0: usize = 6;
 /// Q4_0 GEMMs of fewer tokens go through the general GEMM frame: repacking reads every weight
-/// from memory with 16 rows as 16 streams, slower than the frame's reading (measured at
-/// 5632 × 2048 and 2048 × 5632, 2 threads: blocked 0.73–1.1× as fast at 2 tokens, 1.2–1.3× at
-/// 4, 1.5× at 6, 1.5–2× at 8 and more).
+/// from memory with 16 rows as 16 streams, slower than the frame's reading.
 const MIN_TOKENS_Q4_0: usize = 4;
 
 /// Weight bytes (as the micro-kernel reads them) per row block: the block's weights stay in L2
-/// (1 MiB per core on Zen 4) while every token group passes over them.
+/// (at least 1 MiB per core on the AVX-512 cores this targets) while every token group passes
+/// over them.
 const ROW_BLOCK_BYTES: usize = 384 << 10;
 
 /// Rows per float micro-kernel tile.
@@ -259,7 +249,7 @@ fn ptrs<T, const R: usize>(base: *const T, step: usize, i: usize, count: usize) 
 }
 
 /// The float GEMM (see the [module docs](self)). The weights are read in place: converting
-/// F16/BF16 rows to f32 once per row block measured no faster (the kernel is FMA-bound, the
+/// F16/BF16 rows to f32 once per row block was no faster (the kernel is FMA-bound, the
 /// conversions run beside the FMAs).
 fn float_gemm<L: FloatLoad16>(
     pool: &ThreadPool,
@@ -836,8 +826,8 @@ fn q4_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
     let n_groups = rows.div_ceil(Q4R);
     // One row block per grain, as in `float_gemm`.
     pool.for_grains(n_groups, block_groups, |_, groups| {
-        // The thread's packing buffer, kept between calls: a fresh ~400 KiB allocation per call
-        // cost page faults worth ~a third of a 2-token product (every byte read is packed first).
+        // The thread's packing buffer, kept between calls: a fresh allocation per call cost page
+        // faults worth a large part of a few-token product (every byte read is packed first).
         let mut packed = Q4_PACKED.take();
         let need = block_groups.min(groups.len()) * packed_group;
         if packed.len() < need {

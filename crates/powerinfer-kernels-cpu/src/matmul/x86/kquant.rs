@@ -325,10 +325,7 @@ pub(super) fn dot4_q6_k(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
 }
 
 /// Bytes ahead of the super-block being computed whose lines the dense range kernels request
-/// into L1. Xeon, 2 threads, `bench kernels` (4096×11008 and 11008×4096, weights not in cache),
-/// two alternated sweeps, GB/s: Q4_K 14.7–18.1 through the one-row loop without requests,
-/// 26.5–30.3 at 1 KiB, **28.0–31.4 at 2 KiB**, 25.6–27.1 at 4 KiB,
-/// 25.1–26.8 at 8 KiB; Q5_K and Q6_K the same shape (25.2–27.2 and 28.4–31.4 at 2 KiB).
+/// into L1: the best of the distances swept (measurements: `docs/tuning.md`).
 const STREAM_AHEAD: usize = 2048;
 
 /// Requests the lines of the super-block [`STREAM_AHEAD`] bytes past `blk` (`bytes` long) into

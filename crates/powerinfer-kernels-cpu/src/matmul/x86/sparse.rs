@@ -13,15 +13,17 @@
 //!   zeroed rows, bit for bit.
 //! * `dense_q4_0_quad`: the dense Q4_0 product (`RowOps::dot_range`) with AVX-512
 //!   VBMI, one row at a time with near prefetches into L1, four blocks per 512-bit step; the
-//!   same bits as the row-sparse kernel. One sequential stream per thread read 1.15–1.25× as
-//!   fast as eight rows per pass with the far stream (TinyLlama- and 7B-shaped decode).
+//!   same bits as the row-sparse kernel. One sequential stream per thread reads faster than
+//!   eight rows per pass with the far stream.
 //! * `axpy_list_*`: `out += Σ a_i · row_i` over a thread's column slice, eight rows per pass
 //!   with 512-bit vectors. Each element takes `fma(a_i·d, q, y)` row after row in list order,
 //!   the same roundings as the AVX2 and scalar one-row kernels. The scales `a_i·d` of the
 //!   eight rows are converted together (eight f16 gathered in general registers, one
 //!   `vcvtph2ps`) and read back as broadcast loads, and Q4_0 nibbles become `q − 8` as f32
-//!   with one 16-entry `vpermps` lookup per 16 weights: ~1.35× less vector work than the
-//!   four-row AVX2 kernel (measured with the weights in L2).
+//!   with one 16-entry `vpermps` lookup per 16 weights: less vector work than the four-row
+//!   AVX2 kernel.
+//!
+//! The measurements behind this file's constants and choices are in `docs/tuning.md`.
 //!
 //! Installed by [`super::register`] only for [`Backend::Avx512`](crate::Backend), which is
 //! what makes calling the `#[target_feature]` functions from the safe wrappers sound. Built
@@ -43,18 +45,14 @@ use crate::matmul::act::Act;
 use crate::matmul::rowops::ListedRows;
 use std::arch::x86_64::*;
 
-/// Bytes the row-sparse products keep requested beyond the rows of the current pass. Measured
-/// on Zen 4 (2 threads, Q4_0 at 10%, weights not in cache): 32 KiB ~1.2× faster than 4 KiB,
-/// 64 KiB about the same as 32 KiB.
+/// Bytes the row-sparse products keep requested beyond the rows of the current pass (less
+/// lead was slower, more no faster).
 const LEAD_DOT: usize = 32 << 10;
 /// Bytes the axpy kernels keep requested beyond the rows of the current pass (as above).
 const LEAD_AXPY: usize = 32 << 10;
 
-/// Rows per pass of the row-sparse products (sharing each activation load). Eight scattered
-/// rows in flight instead of four: Zen 4, 2 threads, weights not in cache, four alternated
-/// pairs of runs, Q4_0 11008×4096 at 10% 0.097–0.106 vs 0.108–0.116 ms (faster in every pair),
-/// 5632×2048 equal (0.039–0.042 ms); Q8_0 11008×4096 at 50% 0.50–0.75 vs 0.52–0.76 ms, 5632×2048
-/// at 50% 0.166–0.172 vs 0.188–0.202 ms.
+/// Rows per pass of the row-sparse products (sharing each activation load): eight scattered
+/// rows in flight were faster than four.
 const DOT_ROWS: usize = 8;
 /// Rows per pass of the row-sparse float products (four zmm accumulators per row).
 const FLOAT_ROWS: usize = 4;
@@ -134,9 +132,8 @@ impl<'a> Stream<'a> {
                 // A slice that does not start and end on line boundaries takes more lines
                 // than its bytes fill: credit the difference back, so that the stream stays
                 // `lead` bytes of row data ahead however the slices are aligned (charging a
-                // whole line for every partial one lost a line of lead per row: at 20–100%
-                // density with rows at 32 mod 64 the prefetches fell behind the reads and the
-                // product ran up to 2× slower).
+                // whole line for every partial one lost a line of lead per row, and with rows
+                // not on 64-byte boundaries the prefetches fell behind the reads).
                 let lines = (self.end - self.cur).div_ceil(64);
                 self.credit += (lines * 64 - self.len) as isize;
             }
@@ -250,22 +247,14 @@ const QUAD_SCALES: [u8; 64] = {
     t
 };
 
-/// Bytes ahead of the block being read that [`dense_q4_0_quad`] asks to have in L1. Without
-/// these prefetches the hardware brings the stream no closer than L2 and the product reads
-/// ~35% slower. Xeon, TinyLlama-shaped Q4_0 dense decode, 2 threads, alternated runs (tok/s):
-/// no prefetch 28.4–29.0, 512 bytes 39.4–40.4, 1024 43.2–44.1, 2048 45.7–46.8, 4096
-/// 46.0–47.0, 8192 46.0–46.5, 16384 45.3–45.7; 7B-shaped, 1024: 6.22–6.31, 4096: 6.89–6.90.
-/// Into L2 instead (T1 hint), 4096 or 8192 bytes: 39.5–40.1 against T0's 42.3 in the same
-/// minutes.
+/// Bytes ahead of the block being read that [`dense_q4_0_quad`] asks to have in L1 (T0): without
+/// these prefetches the hardware brings the stream no closer than L2; the best of the distances
+/// swept, and T1 was slower.
 const DENSE_AHEAD: usize = 4096;
 
 /// Bytes ahead that [`dense_q4_0_quad`] also asks to have in L2 (T1 hint), beside the near
-/// L1 requests, for rows of at least [`DENSE_FAR_ROW_BYTES`]. 7B-shaped Q4_0 dense decode
-/// (2304- and 6192-byte rows), one build against the other in alternated runs: faster in 7 of
-/// 8 pairs, by 0–8% (e.g. 6.27–6.31 vs 5.81–6.03 tok/s); a distance sweep gave 6.30 without,
-/// 6.61–6.62 at 8 KiB, 6.56–6.65 at 16 KiB, 6.51–6.56 at 32 KiB, 6.08 at 64 KiB.
-/// TinyLlama-shaped products (1152-byte rows but for `ffn_down`) ran 2–5% slower with them,
-/// and as fast as before once rows under 2 KiB went without.
+/// L1 requests, for rows of at least [`DENSE_FAR_ROW_BYTES`]: they help long rows (7B-shaped)
+/// and slowed short ones.
 const DENSE_FAR: usize = 16 << 10;
 
 /// Rows of at least this many bytes get the [`DENSE_FAR`] requests.
@@ -551,10 +540,8 @@ pub(super) fn dot_range_q4_0(
 /// The dense Q8_0 GEMV over rows `r`, one row at a time with [`dot_q8_0_rows`] (the bits of
 /// the list kernel and of the dense VNNI kernel) and the prefetches of [`dense_q4_0_quad`]:
 /// lines [`DENSE_AHEAD`] bytes on into L1 and, for rows of at least [`DENSE_FAR_ROW_BYTES`],
-/// [`DENSE_FAR`] bytes on into L2, two lines every second block. Against the list kernel
-/// (eight rows per pass behind the far stream), Xeon, 2 threads, alternated runs: 0.80–0.88 →
-/// 0.83–0.97 of the bandwidth in `bench kernels` (4096×4096 31.0–31.5 → 34.2–34.7 GB/s),
-/// TinyLlama-shaped Q8_0 dense decode 19.8–20.3 → 20.9–21.8 tok/s.
+/// [`DENSE_FAR`] bytes on into L2, two lines every second block: faster than the list kernel
+/// (eight rows per pass behind the far stream).
 pub(super) fn dot_range_q8_0(
     data: &[u8],
     row_bytes: usize,
@@ -772,16 +759,8 @@ unsafe fn bcast(p: *const f32) -> __m512 {
 /// scales of a step are converted for all rows at once ([`scales8`]) and read back as
 /// broadcasts.
 ///
-/// For Q4_0 this is arithmetic-bound. On Zen 4 (one thread, rows in L1) it measures 4.5
-/// cycles per 32-weight block without the scales and 6.2 with them. A zmm FMA issues once
-/// per cycle, and a `vpermps` once per cycle beside it. Variants tried in a C
-/// microbenchmark, each slower or no faster:
-/// - `vcvtdq2ps` with the −8 folded in once per block: 6.7–7.4 cycles;
-/// - SSE nibble decoding to int8: 7.5–8.2;
-/// - a 128-bit broadcast load with `vpsrlvd` in place of `vpmovzxbd`: 5.1 without scales;
-/// - two accumulator chains per output register: unchanged.
-///
-/// Dropping the two `vpermps` alone gives 3.0 cycles.
+/// For Q4_0 this is arithmetic-bound (FMAs and `vpermps` lookups); the other decodings tried
+/// were no faster (`docs/tuning.md`).
 ///
 /// # Safety
 /// `nb` whole blocks at every `p[k]`; `out` has `32·nb` values; the CPU features available.
@@ -1028,8 +1007,8 @@ unsafe fn axpy_float_rows<L: FloatLoad16, const N: usize>(
 
 /// Appends to `out` the rows `i` with `scores[i] >= threshold`, `skip[i]` false (when given)
 /// and `nonzero[i] != 0` (when given), in increasing order: the same rows as the portable
-/// `select_rows` of the frame, sixteen per step with mask compares (~10× faster on 11008
-/// rows: ~0.8 µs instead of 6–12 µs, a noticeable part of a sparse product at 10%).
+/// `select_rows` of the frame, sixteen per step with mask compares (much faster than the
+/// portable loop, which was a noticeable part of a sparse product at 10%).
 ///
 /// # Safety
 /// `skip` and `nonzero`, when given, are at least as long as `scores`; AVX-512 F/BW/VL
