@@ -1,24 +1,9 @@
 //! What the product frames share: argument checks, the output pointer their threads write
 //! through, and the software prefetches of the sparse frames.
 
+pub(crate) use crate::error::check_len;
 use crate::error::KernelError;
 use std::ops::Range;
-
-pub(crate) fn check_len(
-    what: &'static str,
-    expected: usize,
-    got: usize,
-) -> Result<(), KernelError> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(KernelError::Length {
-            what,
-            expected,
-            got,
-        })
-    }
-}
 
 /// `a · b`, or a shape error if that overflows.
 pub(crate) fn mul(a: usize, b: usize) -> Result<usize, KernelError> {
