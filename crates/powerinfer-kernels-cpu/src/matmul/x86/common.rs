@@ -1,14 +1,13 @@
 //! What the x86 kernel files share: the fixed-order horizontal sum, f16 loads, the float
 //! element loaders ([`FloatLoad`], [`FloatLoad16`]), the one-token activation dispatch
-//! ([`with_act`]), the 512-bit one-token float dot ([`dot_float_rows512`]), the activation side
-//! of a Q4_0 pair step ([`q4_0_pair_act`]) and the checks of the dense range kernels
-//! ([`range_blocks`]).
+//! ([`with_act`]), the 512-bit one-token float dot ([`dot_float_rows512`]), the two sides of a
+//! Q4_0 pair step ([`q4_0_pair_act`], [`q4_0_pair_weights`]) and the checks of the dense range
+//! kernels ([`range_blocks`]).
 
 // Block formats are defined by element index; indexed loops read closest to the format.
 #![allow(clippy::needless_range_loop)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-#[cfg(powerinfer_avx512)]
 use crate::matmul::act::Act;
 use std::arch::x86_64::*;
 
@@ -246,7 +245,6 @@ pub(crate) unsafe fn dot_float_rows512<L: FloatLoad16, X: FloatLoad16, const R: 
     }
 }
 
-#[cfg(powerinfer_avx512)]
 /// The activation side of a Q4_0 pair step at blocks `b`, `b + 1`: `d_x` of block `b` in lanes
 /// 0..4 and of `b + 1` in lanes 4..8, the values that meet the low and the high nibbles, and the
 /// pair's offset vector ([`ActFormat::Q8_0Pairs`](crate::matmul::act::ActFormat)).
@@ -266,6 +264,36 @@ pub(crate) unsafe fn q4_0_pair_act(a: &Act<'_>, b: usize) -> (__m256, __m256i, _
         let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
         let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
         (dx, x0, x1, init)
+    }
+}
+
+/// The weight side of a Q4_0 pair step over the two 18-byte blocks at `p`: their nibbles masked
+/// to the low four bits (`lo`: the low nibbles, block `b`'s in the low 128 bits; `hi`: the high
+/// ones), and `d_w` of the first block in lanes 0..4, of the second in lanes 4..8.
+///
+/// # Safety
+/// 36 readable bytes at `p`; AVX2/F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_0_pair_weights(p: *const u8) -> (__m256i, __m256i, __m256) {
+    let mask = _mm256_set1_epi8(0x0F);
+    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    // SAFETY: the pair's 36 bytes are readable (caller).
+    unsafe {
+        let raw = _mm256_loadu2_m128i(p.add(18 + 2) as *const __m128i, p.add(2) as *const __m128i);
+        let lo = _mm256_and_si256(raw, mask);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+        let h0 = std::ptr::read_unaligned(p as *const u16) as i32;
+        let h1 = std::ptr::read_unaligned(p.add(18) as *const u16) as i32;
+        // Lanes 0..4: block b's scale, lanes 4..8: block b + 1's.
+        let dw = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
+                _mm_cvtsi32_si128(h0),
+                h1,
+            ))),
+            spread,
+        );
+        (lo, hi, dw)
     }
 }
 

@@ -38,7 +38,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use super::common::{
-    dot_float_rows512, f16_scalar, hsum, q4_0_pair_act, range_blocks, with_act, FloatLoad16,
+    dot_float_rows512, f16_scalar, hsum, q4_0_pair_act, q4_0_pair_weights, range_blocks, with_act,
+    FloatLoad16,
 };
 use super::int::vnni;
 use crate::matmul::act::Act;
@@ -161,22 +162,9 @@ unsafe fn q4_0_pair_row(
     q: *const u8,
     (dx, x0, x1, init): (__m256, __m256i, __m256i, __m256i),
 ) -> (__m256, __m256) {
-    let mask = _mm256_set1_epi8(0x0F);
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     // SAFETY: the pair's 36 bytes are readable (caller).
     unsafe {
-        let raw = _mm256_loadu2_m128i(q.add(18 + 2) as *const __m128i, q.add(2) as *const __m128i);
-        let lo = _mm256_and_si256(raw, mask);
-        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-        let h0 = std::ptr::read_unaligned(q as *const u16) as i32;
-        let h1 = std::ptr::read_unaligned(q.add(18) as *const u16) as i32;
-        let dw = _mm256_permutevar8x32_ps(
-            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
-                _mm_cvtsi32_si128(h0),
-                h1,
-            ))),
-            spread,
-        );
+        let (lo, hi, dw) = q4_0_pair_weights(q);
         let si = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, lo, x0), hi, x1);
         (_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, dx))
     }
