@@ -71,6 +71,16 @@ fn check_rows(rows: &ListedRows<'_>, block_bytes: usize, blocks: usize) {
     }
 }
 
+/// Blocks of `block_bytes` per row of a row-sparse product over whole listed rows, after
+/// checking what its kernels rely on ([`check_rows`], one result per listed row). Panics
+/// otherwise (a frame bug).
+fn list_blocks(rows: &ListedRows<'_>, block_bytes: usize, res: &[f32]) -> usize {
+    let nb = rows.row_bytes / block_bytes;
+    check_rows(rows, block_bytes, nb);
+    assert!(rows.start == 0 && res.len() == rows.list.len());
+    nb
+}
+
 // ---------------------------------------------------------------------------------------------
 // The prefetch stream.
 
@@ -314,13 +324,7 @@ unsafe fn dense_q4_0_quad(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
             unsafe {
                 while b + 4 <= nb {
                     let q = p.add(b * 18);
-                    // Prefetches never fault: past the end they touch the next row or nothing.
-                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD + 64) as *const i8);
-                    if far {
-                        _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR) as *const i8);
-                        _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR + 64) as *const i8);
-                    }
+                    dense_prefetch(q, far);
                     let v = qa.add(3 * (b / 4));
                     let (x0, x1) = (_mm512_load_si512(v), _mm512_load_si512(v.add(1)));
                     let dx = _mm512_castsi512_ps(_mm512_load_si512(v.add(2)));
@@ -485,17 +489,11 @@ unsafe fn dot_list<D: DotRows, const R: usize>(
 }
 
 pub(super) fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
-    let nb = rows.row_bytes / 18;
-    check_rows(rows, 18, nb);
-    assert!(rows.start == 0 && res.len() == rows.list.len());
+    let nb = list_blocks(rows, 18, res);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.po.len() >= nb / 2 * 8);
     if nb % 2 == 1 {
-        // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
-        for (r, &i) in res.iter_mut().zip(rows.list) {
-            let i = i as usize;
-            *r = vnni::dot_q4_0(&rows.data[i * rows.row_bytes..(i + 1) * rows.row_bytes], a);
-        }
-        return;
+        let list = rows.list.iter().map(|&i| i as usize);
+        return odd_rows_q4_0(rows.data, rows.row_bytes, list, a, res);
     }
     // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above,
     // `nb` even, the activation holds `nb` blocks.
@@ -514,15 +512,43 @@ pub(super) fn dot_range_q4_0(
     let nb = range_blocks(data, row_bytes, &r, y, 18);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.po.len() >= nb / 2 * 8);
     if nb % 2 == 1 {
-        // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
-        for (yi, i) in y.iter_mut().zip(r) {
-            *yi = vnni::dot_q4_0(&data[i * row_bytes..(i + 1) * row_bytes], a);
-        }
-        return;
+        return odd_rows_q4_0(data, row_bytes, r, a, y);
     }
     // SAFETY: installed only for Backend::Avx512 with VBMI detected; rows `r` checked above,
     // `nb` even, the activation holds `nb` blocks.
     unsafe { dense_q4_0_quad(data, nb, r.start, a, y) }
+}
+
+/// Q4_0 rows `rows` of `data` (rows of `row_bytes`) · `a` into `out`, one row at a time with the
+/// dense VNNI kernel: the Q4_0 list and range kernels' way with rows of an odd number of blocks
+/// (rare: 32·odd values), which their pair steps cannot take.
+fn odd_rows_q4_0(
+    data: &[u8],
+    row_bytes: usize,
+    rows: impl IntoIterator<Item = usize>,
+    a: &Act<'_>,
+    out: &mut [f32],
+) {
+    for (o, i) in out.iter_mut().zip(rows) {
+        *o = vnni::dot_q4_0(&data[i * row_bytes..(i + 1) * row_bytes], a);
+    }
+}
+
+/// The prefetches of the dense range kernels at `q` (a row's block being read): two lines
+/// [`DENSE_AHEAD`] bytes on into L1 and, when `far`, two lines [`DENSE_FAR`] bytes on into L2.
+/// Prefetches never fault: past the end they touch the next row or nothing.
+#[inline(always)]
+fn dense_prefetch(q: *const u8, far: bool) {
+    // SAFETY: a prefetch never faults and changes no state the program can observe; SSE is part
+    // of the x86-64 baseline.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD + 64) as *const i8);
+        if far {
+            _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR + 64) as *const i8);
+        }
+    }
 }
 
 /// The dense Q8_0 GEMV over rows `r`, one row at a time with [`dot_q8_0_rows`] (the bits of
@@ -556,16 +582,9 @@ unsafe fn dense_q8_0_rows(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
     for (k, yk) in y.iter_mut().enumerate() {
         // SAFETY: row first + k lies in `data` (caller).
         let p = unsafe { data.as_ptr().add((first + k) * rb) };
-        // Prefetches never fault: past the end they touch the next row or nothing.
         let ahead = |b: usize| {
             if b % 2 == 0 {
-                let q = p.wrapping_add(b * 34);
-                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD + 64) as *const i8);
-                if far {
-                    _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR + 64) as *const i8);
-                }
+                dense_prefetch(p.wrapping_add(b * 34), far);
             }
         };
         // SAFETY: a whole row of `nb` blocks; the activation holds `nb` blocks (caller).
@@ -574,9 +593,7 @@ unsafe fn dense_q8_0_rows(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
 }
 
 pub(super) fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
-    let nb = rows.row_bytes / 34;
-    check_rows(rows, 34, nb);
-    assert!(rows.start == 0 && res.len() == rows.list.len());
+    let nb = list_blocks(rows, 34, res);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb);
     // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above, the
     // activation holds `nb` blocks.
@@ -587,9 +604,8 @@ pub(super) fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32])
 /// arithmetic of the dense one-token float dot ([`dot_float_rows512`]: the same bits for any
 /// row count per pass) and the prefetch stream instead of its in-row prefetches.
 pub(super) fn dot_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
-    let n = rows.row_bytes / L::SIZE;
-    check_rows(rows, L::SIZE, n);
-    assert!(rows.start == 0 && res.len() == rows.list.len() && a.f.len() == n);
+    let n = list_blocks(rows, L::SIZE, res);
+    assert!(a.f.len() == n);
     // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above, the
     // activation has a row's length.
     unsafe { dot_list::<DFloat<L>, FLOAT_ROWS>(rows, a, res) }
@@ -914,19 +930,20 @@ unsafe fn axpy_list<A: AxpyRows, const R: usize>(
 }
 
 pub(super) fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
-    let nb = out.len() / 32;
-    check_rows(rows, 18, nb);
-    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
-    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
-    unsafe { axpy_list::<Blocks<BQ4_0>, AXPY_ROWS>(rows, a, out) }
+    axpy_list_blocks::<BQ4_0>(rows, a, out)
 }
 
 pub(super) fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    axpy_list_blocks::<BQ8_0>(rows, a, out)
+}
+
+/// [`axpy_list`] over rows of 32-value blocks of `B`, after checking what it relies on.
+fn axpy_list_blocks<B: Block32>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     let nb = out.len() / 32;
-    check_rows(rows, 34, nb);
+    check_rows(rows, B::BYTES, nb);
     assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
     // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
-    unsafe { axpy_list::<Blocks<BQ8_0>, AXPY_ROWS>(rows, a, out) }
+    unsafe { axpy_list::<Blocks<B>, AXPY_ROWS>(rows, a, out) }
 }
 
 /// `out += Σ a[i] · row_i[start..end]` over the listed float row slices (`L`'s elements),
