@@ -218,27 +218,32 @@ fn pair_activations(x: &[f32], cols: usize, n_tokens: usize) -> ScratchVec<f32> 
     out
 }
 
-/// Calls `$f::<[$l,] r, n>$args` for the runtime tile size `($r, $n)`: `r` in `1..=4`, `n` one of
-/// the listed token counts.
+/// Evaluates `$call` with the runtime tile size `($r, $n)` as the constants `$R` and `$N`: `r`
+/// in `1..=4`, `n` one of the listed token counts.
 macro_rules! dispatch_tile {
-    ($f:ident, [$l:ty], $r:expr, $n:expr, $args:tt, [$($nn:literal),*]) => {
+    ($r:expr, $n:expr, [$($nn:literal),*], |$R:ident, $N:ident| $call:expr) => {
         match ($r, $n) {
-            $((4, $nn) => $f::<$l, 4, $nn> $args,)*
-            $((3, $nn) => $f::<$l, 3, $nn> $args,)*
-            $((2, $nn) => $f::<$l, 2, $nn> $args,)*
-            $((1, $nn) => $f::<$l, 1, $nn> $args,)*
+            $((4, $nn) => { const $R: usize = 4; const $N: usize = $nn; $call })*
+            $((3, $nn) => { const $R: usize = 3; const $N: usize = $nn; $call })*
+            $((2, $nn) => { const $R: usize = 2; const $N: usize = $nn; $call })*
+            $((1, $nn) => { const $R: usize = 1; const $N: usize = $nn; $call })*
             _ => unreachable!("tile sizes are 1..=4 rows × the listed tokens"),
         }
     };
-    ($f:ident, [], $r:expr, $n:expr, $args:tt, [$($nn:literal),*]) => {
-        match ($r, $n) {
-            $((4, $nn) => $f::<4, $nn> $args,)*
-            $((3, $nn) => $f::<3, $nn> $args,)*
-            $((2, $nn) => $f::<2, $nn> $args,)*
-            $((1, $nn) => $f::<1, $nn> $args,)*
-            _ => unreachable!("tile sizes are 1..=4 rows × the listed tokens"),
-        }
-    };
+}
+
+/// The first `K` of the `M` pointers of a full-size tile array.
+#[inline(always)]
+fn first<T: Copy, const M: usize, const K: usize>(a: &[T; M]) -> [T; K] {
+    std::array::from_fn(|k| a[k])
+}
+
+/// `(start, len)` of the consecutive pieces of at most `step` (> 0) that cover `r`, in order:
+/// the row blocks, token groups and row tiles of the blocked loops.
+#[inline(always)]
+fn steps(r: std::ops::Range<usize>, step: usize) -> impl Iterator<Item = (usize, usize)> {
+    let end = r.end;
+    r.step_by(step).map(move |s| (s, step.min(end - s)))
 }
 
 /// `R` pointers `base + (i + r)·step`, clamped to the last valid `i + r < end` (the unused
@@ -270,18 +275,12 @@ fn float_gemm<L: FloatLoad16>(
     pool.for_grains(n_tiles, block_rows / FR, |_, tiles| {
         let (wp, xp, pp) = (w.data.as_ptr(), x.as_ptr(), paired.as_ptr());
         let (r0, r1) = (tiles.start * FR, (tiles.end * FR).min(rows));
-        let mut b0 = r0;
-        while b0 < r1 {
-            let b1 = (b0 + block_rows).min(r1);
-            let mut t0 = 0;
-            while t0 < n_tokens {
-                let nt = (n_tokens - t0).min(FN);
+        for (b0, bn) in steps(r0..r1, block_rows) {
+            for (t0, nt) in steps(0..n_tokens, FN) {
                 let np = nt.div_ceil(2);
                 let xs = ptrs::<f32, FN>(xp, cols, t0, nt);
                 let pairs = ptrs::<f32, FP>(pp, pair_len, t0 / 2, np);
-                let mut i = b0;
-                while i < b1 {
-                    let nr = (b1 - i).min(FR);
+                for (i, nr) in steps(b0..b0 + bn, FR) {
                     let ws = ptrs::<u8, FR>(wp, rb_bytes, i, nr);
                     // SAFETY: rows `i..i + nr` < rows and tokens `t0..t0 + nt` < n_tokens, so
                     // every weight and token pointer is valid for `cols` elements and every
@@ -290,46 +289,24 @@ fn float_gemm<L: FloatLoad16>(
                     // and belong to this thread's rows (disjoint parts); `dense_gemm` checked
                     // that the CPU has AVX-512 F/VL (Backend::Avx512 implies AVX2/FMA/F16C).
                     unsafe {
-                        let (wsr, psr) = (&ws, &pairs);
-                        dispatch_tile!(
-                            float_tile_dyn,
-                            [L],
-                            nr,
-                            np,
-                            (wsr, psr, &xs, nt, cols, out, rows, i, t0),
-                            [6, 5, 4, 3, 2, 1]
-                        )
+                        dispatch_tile!(nr, np, [6, 5, 4, 3, 2, 1], |R, P| {
+                            float_tile::<L, R, P>(
+                                first(&ws),
+                                first(&pairs),
+                                &xs,
+                                nt,
+                                cols,
+                                out,
+                                rows,
+                                i,
+                                t0,
+                            )
+                        })
                     };
-                    i += nr;
                 }
-                t0 += nt;
             }
-            b0 = b1;
         }
     });
-}
-
-/// [`float_tile`] taking the first `R` / `P` pointers of the full-size arrays.
-///
-/// # Safety
-/// As [`float_tile`] for the first `R` rows and `P` pairs.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn float_tile_dyn<L: FloatLoad16, const R: usize, const P: usize>(
-    w: &[*const u8; FR],
-    xp: &[*const f32; FP],
-    x: &[*const f32; FN],
-    nt: usize,
-    n: usize,
-    out: OutPtr,
-    stride: usize,
-    i0: usize,
-    t0: usize,
-) {
-    let w: [*const u8; R] = std::array::from_fn(|r| w[r]);
-    let xp: [*const f32; P] = std::array::from_fn(|p| xp[p]);
-    // SAFETY: guaranteed by the caller.
-    unsafe { float_tile::<L, R, P>(w, xp, x, nt, n, out, stride, i0, t0) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -486,29 +463,6 @@ unsafe fn q8_0_tile<const R: usize, const N: usize>(
     }
 }
 
-/// [`q8_0_tile`] taking the first `R` / `N` pointers of the full-size arrays.
-///
-/// # Safety
-/// As [`q8_0_tile`] for the first `R` rows and `N` tokens.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn q8_0_tile_dyn<const R: usize, const N: usize>(
-    w: &[*const u8; QR],
-    u: &[*const u8; QN],
-    d: &[*const f32; QN],
-    npairs: usize,
-    out: OutPtr,
-    stride: usize,
-    i0: usize,
-    t0: usize,
-) {
-    let w: [*const u8; R] = std::array::from_fn(|r| w[r]);
-    let u: [*const u8; N] = std::array::from_fn(|k| u[k]);
-    let d: [*const f32; N] = std::array::from_fn(|k| d[k]);
-    // SAFETY: guaranteed by the caller.
-    unsafe { q8_0_tile::<R, N>(w, u, d, npairs, out, stride, i0, t0) }
-}
-
 /// The Q8_0 GEMM (see the [module docs](self)); `cols` is a multiple of 32.
 fn q8_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
@@ -528,42 +482,35 @@ fn q8_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
         if packed.len() < need {
             packed.resize(need, 0);
         }
-        let mut b0 = r0;
-        while b0 < r1 {
-            let b1 = (b0 + block_rows).min(r1);
-            // SAFETY: `packed` holds `block_rows ≥ b1 − b0` packed rows; `dense_gemm` checked
-            // that the CPU has AVX-512 F/BW/VL/VNNI (Backend::Avx512, which implies F16C).
-            unsafe { q8_0_pack(w, b0..b1, &mut packed) };
+        for (b0, bn) in steps(r0..r1, block_rows) {
+            // SAFETY: `packed` holds `block_rows ≥ bn` packed rows; `dense_gemm` checked that
+            // the CPU has AVX-512 F/BW/VL/VNNI (Backend::Avx512, which implies F16C).
+            unsafe { q8_0_pack(w, b0..b0 + bn, &mut packed) };
             let pp = packed.as_ptr();
-            let mut t0 = 0;
-            while t0 < n_tokens {
-                let nt = (n_tokens - t0).min(QN);
+            for (t0, nt) in steps(0..n_tokens, QN) {
                 let us = ptrs::<u8, QN>(up, npairs * 64, t0, nt);
                 let ds = ptrs::<f32, QN>(dp, npairs * 16, t0, nt);
-                let mut i = b0;
-                while i < b1 {
-                    let nr = (b1 - i).min(QR);
+                for (i, nr) in steps(b0..b0 + bn, QR) {
                     let ws = ptrs::<u8, QR>(pp, packed_row, i - b0, nr);
-                    // SAFETY: packed rows `i − b0 + r` < `b1 − b0` and tokens `t0 + k` <
-                    // n_tokens hold `npairs` pairs each; outputs `(t0 + k)·rows + i + r` are in
-                    // bounds and belong to this thread's rows (disjoint parts); CPU features as
-                    // above.
+                    // SAFETY: packed rows `i − b0 + r` < `bn` and tokens `t0 + k` < n_tokens
+                    // hold `npairs` pairs each; outputs `(t0 + k)·rows + i + r` are in bounds
+                    // and belong to this thread's rows (disjoint parts); CPU features as above.
                     unsafe {
-                        let (wsr, usr, dsr) = (&ws, &us, &ds);
-                        dispatch_tile!(
-                            q8_0_tile_dyn,
-                            [],
-                            nr,
-                            nt,
-                            (wsr, usr, dsr, npairs, out, rows, i, t0),
-                            [4, 3, 2, 1]
-                        )
+                        dispatch_tile!(nr, nt, [4, 3, 2, 1], |R, N| {
+                            q8_0_tile::<R, N>(
+                                first(&ws),
+                                first(&us),
+                                first(&ds),
+                                npairs,
+                                out,
+                                rows,
+                                i,
+                                t0,
+                            )
+                        })
                     };
-                    i += nr;
                 }
-                t0 += nt;
             }
-            b0 = b1;
         }
         Q8_PACKED.set(packed);
     });
@@ -833,16 +780,13 @@ fn q4_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
         if packed.len() < need {
             packed.resize(need, 0);
         }
-        let mut g0 = groups.start;
-        while g0 < groups.end {
-            let g1 = (g0 + block_groups).min(groups.end);
+        for (g0, gn) in steps(groups, block_groups) {
+            let g1 = g0 + gn;
             let (r0, r1) = (g0 * Q4R, (g1 * Q4R).min(rows));
             // SAFETY: `packed` holds `block_groups ≥ g1 − g0` packed groups; `dense_gemm`
             // checked that the CPU has AVX-512 F/BW/VL (Backend::Avx512, which implies F16C).
             unsafe { q4_0_pack(w, r0..r1, &mut packed) };
-            let mut t0 = 0;
-            while t0 < n_tokens {
-                let nt = (n_tokens - t0).min(Q4N);
+            for (t0, nt) in steps(0..n_tokens, Q4N) {
                 let tok = |k: usize| acts.acts.get(t0 + k.min(nt - 1));
                 let xq: [*const i8; Q4N] = std::array::from_fn(|k| tok(k).q.as_ptr());
                 let xd: [*const f32; Q4N] = std::array::from_fn(|k| tok(k).d.as_ptr());
@@ -875,9 +819,7 @@ fn q4_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
                         }
                     };
                 }
-                t0 += nt;
             }
-            g0 = g1;
         }
         Q4_PACKED.set(packed);
     });
@@ -942,6 +884,33 @@ mod tests {
                 })
                 .collect(),
             _ => unreachable!(),
+        }
+    }
+
+    /// `steps` visits the pieces the hand-written loops did: `(s, min(step, end − s))` from the
+    /// start, in order, covering the range once.
+    #[test]
+    fn steps_cover_the_range_in_order() {
+        for (r, step) in [
+            (0..0, 4),
+            (0..1, 4),
+            (3..11, 4),
+            (3..12, 4),
+            (5..6, 1),
+            (0..7, 16),
+        ] {
+            let mut want = Vec::new();
+            let mut s = r.start;
+            while s < r.end {
+                let n = (r.end - s).min(step);
+                want.push((s, n));
+                s += n;
+            }
+            assert_eq!(
+                steps(r.clone(), step).collect::<Vec<_>>(),
+                want,
+                "{r:?} by {step}"
+            );
         }
     }
 
