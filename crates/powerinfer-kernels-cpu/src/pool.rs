@@ -224,37 +224,32 @@ impl ThreadPool {
 struct GrainSlot(AtomicU64);
 
 impl GrainSlot {
+    /// Takes the first untaken grain (the owner's end).
     fn take_front(&self) -> Option<usize> {
-        let mut cur = self.0.load(Ordering::Relaxed);
-        loop {
-            let (front, back) = (cur >> 32, cur & 0xffff_ffff);
-            if front >= back {
-                return None;
-            }
-            match self.0.compare_exchange_weak(
-                cur,
-                cur + (1 << 32),
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Some(front as usize),
-                Err(x) => cur = x,
-            }
-        }
+        self.take(|cur, front, _| (cur + (1 << 32), front))
     }
 
+    /// Takes the last untaken grain (a stealer's end).
     fn take_back(&self) -> Option<usize> {
+        self.take(|cur, _, back| (cur - 1, back - 1))
+    }
+
+    /// Takes one grain, or `None` once none is left: `pick(state, front, back)` gives the state
+    /// without the grain and the grain, applied with a compare-and-swap (retried on a race).
+    #[inline(always)]
+    fn take(&self, pick: impl Fn(u64, u64, u64) -> (u64, u64)) -> Option<usize> {
         let mut cur = self.0.load(Ordering::Relaxed);
         loop {
             let (front, back) = (cur >> 32, cur & 0xffff_ffff);
             if front >= back {
                 return None;
             }
+            let (next, grain) = pick(cur, front, back);
             match self
                 .0
-                .compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => return Some(back as usize - 1),
+                Ok(_) => return Some(grain as usize),
                 Err(x) => cur = x,
             }
         }
