@@ -1,12 +1,13 @@
-//! Memory-read probes for benchmarks (not kernels): they read weight bytes the way the matrix
+//! Tools for benchmarks (not kernels). Memory-read probes read weight bytes the way the matrix
 //! kernels do, without the arithmetic, and return a checksum so that the reads cannot be
-//! optimised away. `powerinfer bench kernels` times them to get the memory ceilings it compares
-//! the kernels with.
+//! optimised away: `powerinfer bench kernels` times them to get the memory ceilings it compares
+//! the kernels with. [`random_weights`] and [`SplitMix64`] make the benchmarks' data.
 
 use crate::error::KernelError;
 use crate::matmul::rowops::ListedRows;
 use crate::matmul::{check_active, MatMul, Weights};
 use crate::pool::ThreadPool;
+use powerinfer_gguf::GgmlType;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Reads the bytes of the rows of `w` listed in `active` (strictly increasing, below
@@ -72,4 +73,61 @@ fn read_list_portable(rows: &ListedRows<'_>) -> u64 {
         let row = &rows.data[i as usize * rows.row_bytes..][rows.start..rows.end];
         sum.wrapping_add(word_sum(row))
     })
+}
+
+/// SplitMix64: the benchmarks' random numbers (weights, activations, row sets). Fast and
+/// reproducible from its seed; not for anything that needs unpredictable numbers.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A value in `[-1, 1)`.
+    pub fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Random weights of `ty` for `rows × cols` (cols a multiple of the block size): float values
+/// in `[-1, 1)`; quantized blocks of random bytes with finite scales (0.01, the minimum too
+/// where the type has one), so every kernel does its full work on them.
+pub fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut SplitMix64) -> Vec<u8> {
+    use half::{bf16, f16};
+    use GgmlType as T;
+    let ts = ty.type_size();
+    let mut data = vec![0u8; rows * cols / ty.block_size() * ts];
+    match ty {
+        T::F32 => data
+            .chunks_exact_mut(4)
+            .for_each(|c| c.copy_from_slice(&rng.f32().to_le_bytes())),
+        T::F16 => data
+            .chunks_exact_mut(2)
+            .for_each(|c| c.copy_from_slice(&f16::from_f32(rng.f32()).to_le_bytes())),
+        T::BF16 => data
+            .chunks_exact_mut(2)
+            .for_each(|c| c.copy_from_slice(&bf16::from_f32(rng.f32()).to_le_bytes())),
+        _ => {
+            for c in data.chunks_mut(8) {
+                let v = rng.next_u64().to_le_bytes();
+                c.copy_from_slice(&v[..c.len()]);
+            }
+            let d = f16::from_f32(0.01).to_le_bytes();
+            let off = if ty == T::Q6_K { 208 } else { 0 };
+            for blk in data.chunks_exact_mut(ts) {
+                blk[off..off + 2].copy_from_slice(&d);
+                if matches!(ty, T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K) {
+                    blk[2..4].copy_from_slice(&d);
+                }
+            }
+        }
+    }
+    data
 }

@@ -12,7 +12,8 @@
 
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
-use powerinfer_kernels_cpu::{probe, Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights};
+use powerinfer_kernels_cpu::probe::{self, random_weights, SplitMix64};
+use powerinfer_kernels_cpu::{Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -84,55 +85,6 @@ pub fn run(args: Args) -> Result<(), String> {
         What::Kernels(a) => kernels(a),
         What::Decode(a) => super::bench_decode::run(a),
     }
-}
-
-/// SplitMix64, enough for random weights.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
-/// Random weights of `ty` with finite scales (quantized values are random bytes).
-fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    use half::{bf16, f16};
-    use GgmlType as T;
-    let ts = ty.type_size();
-    let mut data = vec![0u8; rows * cols / ty.block_size() * ts];
-    match ty {
-        T::F32 => data
-            .chunks_exact_mut(4)
-            .for_each(|c| c.copy_from_slice(&rng.f32().to_le_bytes())),
-        T::F16 => data
-            .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&f16::from_f32(rng.f32()).to_le_bytes())),
-        T::BF16 => data
-            .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&bf16::from_f32(rng.f32()).to_le_bytes())),
-        _ => {
-            for c in data.chunks_mut(8) {
-                let v = rng.next().to_le_bytes();
-                c.copy_from_slice(&v[..c.len()]);
-            }
-            let d = f16::from_f32(0.01).to_le_bytes();
-            let off = if ty == T::Q6_K { 208 } else { 0 };
-            for blk in data.chunks_exact_mut(ts) {
-                blk[off..off + 2].copy_from_slice(&d);
-                if matches!(ty, T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K) {
-                    blk[2..4].copy_from_slice(&d);
-                }
-            }
-        }
-    }
-    data
 }
 
 /// Seconds per call of `f`, called with an increasing counter, within `budget` (at least
@@ -393,7 +345,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
     };
     let densities = [0.01, 0.05, 0.10, 0.20, 0.50, 1.00];
     let mut results = Vec::new();
-    let mut rng = Rng(42);
+    let mut rng = SplitMix64(42);
     for &kind in &kinds {
         let pool = ThreadPool::with_kind(threads, kind);
         let mm = MatMul::with_backend(&pool, backend).map_err(|e| e.to_string())?;
@@ -563,7 +515,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         for _ in 0..n_sets {
                             let mut idx: Vec<usize> = (0..rows).collect();
                             for k in 0..n_active {
-                                let j = k + (rng.next() % (rows - k) as u64) as usize;
+                                let j = k + (rng.next_u64() % (rows - k) as u64) as usize;
                                 idx.swap(k, j);
                             }
                             let mut scores = vec![-1f32; rows];
