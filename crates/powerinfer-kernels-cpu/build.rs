@@ -1,6 +1,6 @@
 //! Build probe: sets `cfg(powerinfer_avx512)` when the compiler is Rust 1.89 or newer, whose
 //! stable `std::arch` has the AVX-512 intrinsics and target features that the blocked GEMM
-//! kernels (`src/matmul/x86_gemm.rs`) use. Older compilers (down to the crate's MSRV) build the
+//! kernels (`src/matmul/x86/gemm.rs`) use. Older compilers (down to the crate's MSRV) build the
 //! crate without those kernels.
 
 use std::process::Command;

@@ -44,3 +44,21 @@ pub enum KernelError {
     #[error("backend {0} is not available on this CPU")]
     BackendUnavailable(&'static str),
 }
+
+/// Returns a [`KernelError::Length`] unless `got == expected` (every kernel's length check).
+#[inline]
+pub(crate) fn check_len(
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), KernelError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(KernelError::Length {
+            what,
+            expected,
+            got,
+        })
+    }
+}

@@ -11,12 +11,14 @@
 //!
 //! Matrix kernels: [`MatMul`] over a [`Weights`] view ([`matmul`] lists the operators), on a
 //! caller-sized [`ThreadPool`], with the instruction set chosen at run time ([`Backend`]).
+//! [`probe`] holds the memory-read probes that benchmarks compare the kernels with.
 
 pub mod backend;
 pub mod error;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
+pub mod probe;
 pub mod reference;
 
 pub use backend::{Backend, CpuVendor};

@@ -10,9 +10,9 @@
 //!   while after each job (`SpinWindows`), then sleep on a condition variable; the caller, once
 //!   its own part is done, spins for the others (an adaptive time budget), then blocks until the
 //!   last one wakes it. Spin windows are measured in time, not in `pause` instructions, whose
-//!   cost varies tenfold between CPUs. Starting a job costs a few
-//!   hundred nanoseconds when the workers are still spinning, which matters for GEMV (a 4096×4096
-//!   Q4_0 product takes ~0.5 ms; a layer issues seven of them per token).
+//!   cost varies tenfold between CPUs. Starting a job is cheap while the workers are still
+//!   spinning, which matters for GEMV (short products, several per layer and token;
+//!   measurements: `docs/tuning.md`).
 //! * [`PoolKind::Rayon`]: a private rayon pool, each job run with `broadcast`. Kept so the two
 //!   can be measured side by side (`powerinfer bench kernels`).
 //!
@@ -224,37 +224,32 @@ impl ThreadPool {
 struct GrainSlot(AtomicU64);
 
 impl GrainSlot {
+    /// Takes the first untaken grain (the owner's end).
     fn take_front(&self) -> Option<usize> {
-        let mut cur = self.0.load(Ordering::Relaxed);
-        loop {
-            let (front, back) = (cur >> 32, cur & 0xffff_ffff);
-            if front >= back {
-                return None;
-            }
-            match self.0.compare_exchange_weak(
-                cur,
-                cur + (1 << 32),
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Some(front as usize),
-                Err(x) => cur = x,
-            }
-        }
+        self.take(|cur, front, _| (cur + (1 << 32), front))
     }
 
+    /// Takes the last untaken grain (a stealer's end).
     fn take_back(&self) -> Option<usize> {
+        self.take(|cur, _, back| (cur - 1, back - 1))
+    }
+
+    /// Takes one grain, or `None` once none is left: `pick(state, front, back)` gives the state
+    /// without the grain and the grain, applied with a compare-and-swap (retried on a race).
+    #[inline(always)]
+    fn take(&self, pick: impl Fn(u64, u64, u64) -> (u64, u64)) -> Option<usize> {
         let mut cur = self.0.load(Ordering::Relaxed);
         loop {
             let (front, back) = (cur >> 32, cur & 0xffff_ffff);
             if front >= back {
                 return None;
             }
+            let (next, grain) = pick(cur, front, back);
             match self
                 .0
-                .compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => return Some(back as usize - 1),
+                Ok(_) => return Some(grain as usize),
                 Err(x) => cur = x,
             }
         }
@@ -318,12 +313,9 @@ struct SpinPool {
     busy: Mutex<()>,
 }
 
-/// How long the threads of a spin pool spin before they block. Counted in time: the first
-/// version counted `pause` instructions (2000 for a worker, 100–4000 for the caller), which a
-/// Zen 4 takes tens of ns each for but a recent Xeon only 8.6 ns: its workers slept after 17 µs
-/// and its caller blocked after 1 µs, and a sparse TinyLlama-shaped prompt of 1036 tokens (FFN
-/// token by token) caused 67 000 context switches and ran at 137–148 tokens/s, against 195–199
-/// with [`SpinWindows::FITTING`] (~700 switches).
+/// How long the threads of a spin pool spin before they block. Counted in time: a count of
+/// `pause` instructions, whose cost varies tenfold between CPUs, made the threads block far too
+/// soon on some and switch context thousands of times (`docs/tuning.md`).
 #[derive(Clone, Copy, Debug)]
 struct SpinWindows {
     /// A worker spins this long for the next job, then sleeps.
@@ -347,9 +339,7 @@ impl SpinWindows {
         caller_max_ns: 400_000,
     };
     /// When it has more (oversubscribed): short, because a spinning thread then holds a core
-    /// that a working one needs. TinyLlama-shaped decode with 4 threads on 2 cores ran 2–2.6×
-    /// slower with the long windows (dense 15.8 vs 30.2–30.6 tokens/s, sparse 17.6–17.9 vs
-    /// 45.7–45.8).
+    /// that a working one needs (the long windows made oversubscribed decode much slower).
     const OVERSUBSCRIBED: SpinWindows = SpinWindows {
         worker: std::time::Duration::from_micros(15),
         caller_min_ns: 1_000,

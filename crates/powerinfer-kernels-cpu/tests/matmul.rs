@@ -11,7 +11,7 @@ use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
 use powerinfer_kernels_cpu::reference::matmul as r;
 use powerinfer_kernels_cpu::{
-    Backend, GemvJob, KernelError, MatMul, PackedGemvJob, RowSelect, ThreadPool, Weights,
+    probe, Backend, GemvJob, KernelError, MatMul, PackedGemvJob, RowSelect, ThreadPool, Weights,
 };
 use proptest::prelude::*;
 
@@ -795,7 +795,7 @@ fn read_rows_checksums_the_listed_rows() {
             for pool in pools() {
                 for backend in Backend::available() {
                     let mm = MatMul::with_backend(&pool, backend).unwrap();
-                    let got = mm.read_rows(&w, list).unwrap();
+                    let got = probe::read_rows(&mm, &w, list).unwrap();
                     assert_eq!(
                         got,
                         want,
@@ -808,11 +808,11 @@ fn read_rows_checksums_the_listed_rows() {
         let pool = ThreadPool::new(2);
         let mm = MatMul::new(&pool);
         assert!(matches!(
-            mm.read_rows(&w, &[3, rows as u32]),
+            probe::read_rows(&mm, &w, &[3, rows as u32]),
             Err(KernelError::IndexOutOfRange { .. })
         ));
         assert!(matches!(
-            mm.read_rows(&w, &[4, 4]),
+            probe::read_rows(&mm, &w, &[4, 4]),
             Err(KernelError::IndicesNotIncreasing { position: 1, .. })
         ));
     }
@@ -836,9 +836,8 @@ fn read_sequential_checksums_every_byte() {
             want = want.wrapping_add(b as u64);
         }
         for pool in pools() {
-            let mm = MatMul::new(&pool);
             assert_eq!(
-                mm.read_sequential(bytes),
+                probe::read_sequential(&pool, bytes),
                 want,
                 "{len} bytes, {} threads",
                 pool.n_threads()

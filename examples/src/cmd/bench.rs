@@ -6,12 +6,13 @@
 //! copies, so every call reads its weights from DRAM as in real inference. Figures are the
 //! median of the timed calls (as is the bandwidth: the median of several passes over a 1 GiB
 //! buffer), and the table's `best` column (JSON `best_gbps`, `best_ms`) gives the fastest call.
-//! On a shared VM the best call can be 15% faster than the median (4096×11008 Q4_0: 0.88 against
-//! 1.01 ms, the mean 1.10): the best figures overstated what decoding, which runs every call,
-//! gets, and earlier reports of this command used them.
+//! On a shared VM the best call can be much faster than the median, so the best figures
+//! overstate what decoding, which runs every call, gets. The measurements behind this
+//! benchmark's choices are in `docs/tuning.md`.
 
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
+use powerinfer_kernels_cpu::probe::{self, random_weights, SplitMix64};
 use powerinfer_kernels_cpu::{Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights};
 use serde_json::json;
 use std::time::{Duration, Instant};
@@ -86,55 +87,6 @@ pub fn run(args: Args) -> Result<(), String> {
     }
 }
 
-/// SplitMix64, enough for random weights.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
-/// Random weights of `ty` with finite scales (quantized values are random bytes).
-fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    use half::{bf16, f16};
-    use GgmlType as T;
-    let ts = ty.type_size();
-    let mut data = vec![0u8; rows * cols / ty.block_size() * ts];
-    match ty {
-        T::F32 => data
-            .chunks_exact_mut(4)
-            .for_each(|c| c.copy_from_slice(&rng.f32().to_le_bytes())),
-        T::F16 => data
-            .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&f16::from_f32(rng.f32()).to_le_bytes())),
-        T::BF16 => data
-            .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&bf16::from_f32(rng.f32()).to_le_bytes())),
-        _ => {
-            for c in data.chunks_mut(8) {
-                let v = rng.next().to_le_bytes();
-                c.copy_from_slice(&v[..c.len()]);
-            }
-            let d = f16::from_f32(0.01).to_le_bytes();
-            let off = if ty == T::Q6_K { 208 } else { 0 };
-            for blk in data.chunks_exact_mut(ts) {
-                blk[off..off + 2].copy_from_slice(&d);
-                if matches!(ty, T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K) {
-                    blk[2..4].copy_from_slice(&d);
-                }
-            }
-        }
-    }
-    data
-}
-
 /// Seconds per call of `f`, called with an increasing counter, within `budget` (at least
 /// `min_iters` calls, after one warm-up call): the median and the best call.
 fn time_calls(budget: Duration, min_iters: usize, mut f: impl FnMut(usize)) -> Timing {
@@ -206,19 +158,16 @@ pub(crate) fn bandwidth_rates(pool: &ThreadPool, bytes: usize, passes: usize) ->
 /// How fast `pool`'s threads read one buffer (bytes/s, medians over the passes), two ways.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ReadRates {
-    /// Through the row-sparse kernels' reading path ([`MatMul::read_rows`] over 4 KiB rows: on
+    /// Through the row-sparse kernels' reading path ([`probe::read_rows`] over 4 KiB rows: on
     /// AVX-512 their software prefetch stream, elsewhere plain word sums).
     pub(crate) stream: f64,
-    /// Plain loads, the hardware prefetchers alone ([`MatMul::read_sequential`]).
+    /// Plain loads, the hardware prefetchers alone ([`probe::read_sequential`]).
     pub(crate) plain: f64,
 }
 
 impl ReadRates {
-    /// The faster of the two: what this memory gives. Which one wins depends on the CPU. On a
-    /// Xeon VM a plain summing loop read 16–24 GB/s where the stream read ~28 (and the kernels
-    /// 25–36), so ratios against the plain loop alone overstated the kernels; on a Zen 4 VM the
-    /// plain read gave 31–33 GB/s against the stream's 27–29, and llama.cpp's F16 decode read
-    /// faster than the stream alone: ratios against the stream alone overstated them there.
+    /// The faster of the two: what this memory gives. Which one wins depends on the CPU, and a
+    /// ratio against the slower one alone would overstate the kernels (`docs/tuning.md`).
     pub(crate) fn best(&self) -> f64 {
         self.stream.max(self.plain)
     }
@@ -243,11 +192,11 @@ pub(crate) fn read_rates(pool: &ThreadPool, bytes: &[u8], passes: usize) -> Read
     for _ in 0..passes.max(1) {
         if let Some(w) = &w {
             let t = Instant::now();
-            sink = sink.wrapping_add(mm.read_rows(w, &all).unwrap_or(0));
+            sink = sink.wrapping_add(probe::read_rows(&mm, w, &all).unwrap_or(0));
             stream.push(t.elapsed().as_secs_f64());
         }
         let t = Instant::now();
-        sink = sink.wrapping_add(mm.read_sequential(bytes));
+        sink = sink.wrapping_add(probe::read_sequential(pool, bytes));
         plain.push(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(sink);
@@ -396,7 +345,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
     };
     let densities = [0.01, 0.05, 0.10, 0.20, 0.50, 1.00];
     let mut results = Vec::new();
-    let mut rng = Rng(42);
+    let mut rng = SplitMix64(42);
     for &kind in &kinds {
         let pool = ThreadPool::with_kind(threads, kind);
         let mm = MatMul::with_backend(&pool, backend).map_err(|e| e.to_string())?;
@@ -550,8 +499,8 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         // Call `i` reads set `i mod n_sets` of copy `i mod n_copies`; with the
                         // two counts coprime, a cycle reads n_sets · n_copies different row
                         // sets, at least 1 GiB where 256 sets allow it, so that the rows come
-                        // from memory and not from a large L3 (with 96 MiB of sets and
-                        // degenerate cycles, F16 sparse products had "read" 40–55 GB/s here).
+                        // from memory and not from a large L3 (fewer sets had let a large L3
+                        // serve the sparse products).
                         let n_active = ((dens * rows as f64).round() as usize).clamp(1, rows);
                         let active_bytes = bytes * n_active as f64 / rows as f64;
                         let n_copies = rot.copies.len();
@@ -566,7 +515,7 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         for _ in 0..n_sets {
                             let mut idx: Vec<usize> = (0..rows).collect();
                             for k in 0..n_active {
-                                let j = k + (rng.next() % (rows - k) as u64) as usize;
+                                let j = k + (rng.next_u64() % (rows - k) as u64) as usize;
                                 idx.swap(k, j);
                             }
                             let mut scores = vec![-1f32; rows];
@@ -612,13 +561,11 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                         }
                         if want("sparse_read") {
                             // The same rows read without arithmetic: the memory ceiling of
-                            // this access pattern (at 100%, of a dense pass). A plain C
-                            // reader with prefetches 2–16 rows ahead (Zen 4 VM, 2 threads,
-                            // 10% of 11008 rows of 2304 bytes, huge pages, best of 200) read
-                            // 19–20 GB/s against 33–35 dense, as `sparse_read` does here.
+                            // this access pattern (at 100%, of a dense pass); a plain C
+                            // reader gets no more (`docs/tuning.md`).
                             let s = time_calls(budget, 5, |i| {
                                 match w(i).and_then(|w| {
-                                    mm.read_rows(&w, &sets[i % n_sets].2)
+                                    probe::read_rows(&mm, &w, &sets[i % n_sets].2)
                                         .map_err(|e| e.to_string())
                                 }) {
                                     Ok(sum) => {

@@ -134,7 +134,7 @@ impl<'a> ActBuf<'a> {
         if fmt == ActFormat::Q8K {
             buf.bs = ScratchVec::zeroed(t * cols / 16);
         }
-        // Token by token on the calling thread: even 128 tokens take well under 1% of a GEMM.
+        // Token by token on the calling thread: cheap next to the GEMM that reads them.
         for tok in 0..t {
             let xs = &x[tok * cols..(tok + 1) * cols];
             let q = &mut buf.q[tok * cols..(tok + 1) * cols];
@@ -406,9 +406,8 @@ fn interleave_pairs(q: &mut [i8], po: &mut [i32]) {
     }
 }
 
-/// [`interleave_pairs`] with AVX2 (the same bytes and sums, exact integers). Measured on Zen 4:
-/// ~4 µs less per call for an 11008-long activation, which matters to the sparse GEMV (a Q4_0
-/// 4096 × 11008 product at 10% density takes ~100 µs).
+/// [`interleave_pairs`] with AVX2 (the same bytes and sums, exact integers): the scalar loop
+/// was a noticeable part of a sparse GEMV (measurements: `docs/tuning.md`).
 ///
 /// # Safety
 /// AVX2, FMA and F16C available.

@@ -157,14 +157,39 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// Q4_K row · Q8_K activation (144-byte super-blocks: f16 d, f16 dmin, 12 scale bytes, 128 qs).
-pub(crate) fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {
+/// The unsigned values of elements `64c + l` and `64c + 32 + l` (`l < 32`) of a Q4_K
+/// (`FIVE = false`: low nibbles, then high ones, of the 128 `qs` bytes) or Q5_K (`FIVE`: the
+/// fifth bits from the 32 `qh` bytes) super-block.
+#[inline(always)]
+fn k45_values<const FIVE: bool>(qs: &[u8], qh: &[u8], c: usize, l: usize) -> (i32, i32) {
+    let v = qs[c * 32 + l];
+    let (mut lo, mut hi) = ((v & 0xF) as i32, (v >> 4) as i32);
+    if FIVE {
+        lo |= (((qh[l] >> (2 * c)) & 1) as i32) << 4;
+        hi |= (((qh[l] >> (2 * c + 1)) & 1) as i32) << 4;
+    }
+    (lo, hi)
+}
+
+/// The `qh` (empty for Q4_K) and `qs` bytes of a Q4_K or Q5_K super-block.
+#[inline(always)]
+fn k45_bits<const FIVE: bool>(blk: &[u8]) -> (&[u8], &[u8]) {
+    if FIVE {
+        (&blk[16..48], &blk[48..176])
+    } else {
+        (&blk[0..0], &blk[16..144])
+    }
+}
+
+/// Q4_K (`FIVE = false`; 144-byte super-blocks: f16 d, f16 dmin, 12 scale bytes, 128 qs) or Q5_K
+/// (`FIVE`; 176 bytes: d, dmin, 12 scale bytes, 32 qh, 128 qs) row · Q8_K activation.
+fn dot_q45k<const FIVE: bool>(row: &[u8], a: &Act<'_>) -> f32 {
     let mut acc = 0f32;
-    for (b, blk) in row.chunks_exact(144).enumerate() {
+    for (b, blk) in row.chunks_exact(if FIVE { 176 } else { 144 }).enumerate() {
         let d = f16_at(blk, 0);
         let dmin = f16_at(blk, 2);
         let scales = &blk[4..16];
-        let qs = &blk[16..144];
+        let (qh, qs) = k45_bits::<FIVE>(blk);
         let qa = &a.q[b * 256..b * 256 + 256];
         let bs = &a.bs[b * 16..b * 16 + 16];
         let (mut sum_q, mut sum_m) = (0i32, 0i32);
@@ -173,9 +198,9 @@ pub(crate) fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {
             let (sc_hi, m_hi) = scale_min_k4(2 * c + 1, scales);
             let (mut s_lo, mut s_hi) = (0i32, 0i32);
             for l in 0..32 {
-                let v = qs[c * 32 + l];
-                s_lo += (v & 0xF) as i32 * qa[c * 64 + l] as i32;
-                s_hi += (v >> 4) as i32 * qa[c * 64 + 32 + l] as i32;
+                let (lo, hi) = k45_values::<FIVE>(qs, qh, c, l);
+                s_lo += lo * qa[c * 64 + l] as i32;
+                s_hi += hi * qa[c * 64 + 32 + l] as i32;
             }
             sum_q += sc_lo as i32 * s_lo + sc_hi as i32 * s_hi;
             sum_m += m_lo as i32 * (bs[4 * c] as i32 + bs[4 * c + 1] as i32)
@@ -186,36 +211,14 @@ pub(crate) fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {
     acc
 }
 
-/// Q5_K row · Q8_K activation (176-byte super-blocks: d, dmin, 12 scale bytes, 32 qh, 128 qs).
+/// Q4_K row · Q8_K activation.
+pub(crate) fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {
+    dot_q45k::<false>(row, a)
+}
+
+/// Q5_K row · Q8_K activation.
 pub(crate) fn dot_q5_k(row: &[u8], a: &Act<'_>) -> f32 {
-    let mut acc = 0f32;
-    for (b, blk) in row.chunks_exact(176).enumerate() {
-        let d = f16_at(blk, 0);
-        let dmin = f16_at(blk, 2);
-        let scales = &blk[4..16];
-        let qh = &blk[16..48];
-        let qs = &blk[48..176];
-        let qa = &a.q[b * 256..b * 256 + 256];
-        let bs = &a.bs[b * 16..b * 16 + 16];
-        let (mut sum_q, mut sum_m) = (0i32, 0i32);
-        for c in 0..4 {
-            let (sc_lo, m_lo) = scale_min_k4(2 * c, scales);
-            let (sc_hi, m_hi) = scale_min_k4(2 * c + 1, scales);
-            let (mut s_lo, mut s_hi) = (0i32, 0i32);
-            for l in 0..32 {
-                let v = qs[c * 32 + l];
-                let h_lo = ((qh[l] >> (2 * c)) & 1) as i32;
-                let h_hi = ((qh[l] >> (2 * c + 1)) & 1) as i32;
-                s_lo += ((v & 0xF) as i32 | (h_lo << 4)) * qa[c * 64 + l] as i32;
-                s_hi += ((v >> 4) as i32 | (h_hi << 4)) * qa[c * 64 + 32 + l] as i32;
-            }
-            sum_q += sc_lo as i32 * s_lo + sc_hi as i32 * s_hi;
-            sum_m += m_lo as i32 * (bs[4 * c] as i32 + bs[4 * c + 1] as i32)
-                + m_hi as i32 * (bs[4 * c + 2] as i32 + bs[4 * c + 3] as i32);
-        }
-        acc += a.d[b] * (d * sum_q as f32 - dmin * sum_m as f32);
-    }
-    acc
+    dot_q45k::<true>(row, a)
 }
 
 /// The 6-bit value of element `e` (0..256) of a Q6_K super-block, offset by -32, and the index
@@ -305,30 +308,8 @@ pub(crate) fn dequant_block(ty: powerinfer_gguf::GgmlType, blk: &[u8], out: &mut
                 out[j + 16] = d * hi as f32 + m;
             }
         }
-        T::Q4_K | T::Q5_K => {
-            let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-            let scales = &blk[4..16];
-            let five = ty == T::Q5_K;
-            let (qh, qs) = if five {
-                (&blk[16..48], &blk[48..176])
-            } else {
-                (&blk[0..0], &blk[16..144])
-            };
-            for c in 0..4 {
-                let (sc_lo, m_lo) = scale_min_k4(2 * c, scales);
-                let (sc_hi, m_hi) = scale_min_k4(2 * c + 1, scales);
-                for l in 0..32 {
-                    let v = qs[c * 32 + l];
-                    let (mut lo, mut hi) = ((v & 0xF) as i32, (v >> 4) as i32);
-                    if five {
-                        lo |= (((qh[l] >> (2 * c)) & 1) as i32) << 4;
-                        hi |= (((qh[l] >> (2 * c + 1)) & 1) as i32) << 4;
-                    }
-                    out[c * 64 + l] = d * sc_lo as f32 * lo as f32 - dmin * m_lo as f32;
-                    out[c * 64 + 32 + l] = d * sc_hi as f32 * hi as f32 - dmin * m_hi as f32;
-                }
-            }
-        }
+        T::Q4_K => dequant_k45::<false>(blk, out),
+        T::Q5_K => dequant_k45::<true>(blk, out),
         T::Q6_K => {
             let (ql, qh, sc) = (&blk[0..128], &blk[128..192], &blk[192..208]);
             let d = f16_at(blk, 208);
@@ -338,6 +319,22 @@ pub(crate) fn dequant_block(ty: powerinfer_gguf::GgmlType, blk: &[u8], out: &mut
             }
         }
         _ => out.fill(0.0),
+    }
+}
+
+/// Decodes one Q4_K (`FIVE = false`) or Q5_K super-block into `out` (256 values).
+fn dequant_k45<const FIVE: bool>(blk: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+    let scales = &blk[4..16];
+    let (qh, qs) = k45_bits::<FIVE>(blk);
+    for c in 0..4 {
+        let (sc_lo, m_lo) = scale_min_k4(2 * c, scales);
+        let (sc_hi, m_hi) = scale_min_k4(2 * c + 1, scales);
+        for l in 0..32 {
+            let (lo, hi) = k45_values::<FIVE>(qs, qh, c, l);
+            out[c * 64 + l] = d * sc_lo as f32 * lo as f32 - dmin * m_lo as f32;
+            out[c * 64 + 32 + l] = d * sc_hi as f32 * hi as f32 - dmin * m_hi as f32;
+        }
     }
 }
 

@@ -4,10 +4,7 @@
 //! A fresh allocation of a few MiB is memory the OS hands over page by page on first touch,
 //! zeroed (with transparent huge pages, 2 MiB at a time), in every call. A [`ScratchVec`] comes
 //! from its thread's pool and goes back there when dropped, so after the first call of a size
-//! the memory is already mapped. Measured when the F16 GEMM began to round its activations into
-//! a copy (two buffers of 128 × 5632 values per FFN down product): TinyLlama F16 128-token
-//! prompt, Zen 4, 5 alternated runs, 80–87 tok/s with fresh vectors, 88–93 with these
-//! (82–93 before the copy existed).
+//! the memory is already mapped (measurements: `docs/tuning.md`).
 //!
 //! Each thread keeps at most [`KEPT`] buffers per element type, the largest it has returned,
 //! none over [`MAX_KEPT_BYTES`]; they live as long as the thread (the caller's thread: products prepare their temporaries

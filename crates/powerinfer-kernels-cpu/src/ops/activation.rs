@@ -60,47 +60,43 @@ pub fn gelu(x: &mut [f32]) {
     }
 }
 
-/// `a ← a + b`. Errors: `b.len() != a.len()`.
-pub fn add(a: &mut [f32], b: &[f32]) -> Result<(), KernelError> {
-    check_len("add: b", a.len(), b.len())?;
+/// `a[i] ← f(a[i], b[i])` for every element, once `b` (named `what` in the error) is checked to
+/// be as long as `a`: the body of the two-operand operators below.
+#[inline]
+fn zip_with(
+    what: &'static str,
+    a: &mut [f32],
+    b: &[f32],
+    f: impl Fn(f32, f32) -> f32,
+) -> Result<(), KernelError> {
+    check_len(what, a.len(), b.len())?;
     for (x, &y) in a.iter_mut().zip(b) {
-        *x += y;
+        *x = f(*x, y);
     }
     Ok(())
+}
+
+/// `a ← a + b`. Errors: `b.len() != a.len()`.
+pub fn add(a: &mut [f32], b: &[f32]) -> Result<(), KernelError> {
+    zip_with("add: b", a, b, |x, y| x + y)
 }
 
 /// `a ← a · b` (element-wise). Errors: `b.len() != a.len()`.
 pub fn mul(a: &mut [f32], b: &[f32]) -> Result<(), KernelError> {
-    check_len("mul: b", a.len(), b.len())?;
-    for (x, &y) in a.iter_mut().zip(b) {
-        *x *= y;
-    }
-    Ok(())
+    zip_with("mul: b", a, b, |x, y| x * y)
 }
 
 /// ReGLU: `gate ← relu(gate) · up`. Errors: `up.len() != gate.len()`.
 pub fn reglu(gate: &mut [f32], up: &[f32]) -> Result<(), KernelError> {
-    check_len("reglu: up", gate.len(), up.len())?;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = relu1(*g) * u;
-    }
-    Ok(())
+    zip_with("reglu: up", gate, up, |g, u| relu1(g) * u)
 }
 
 /// dReLU: `gate ← relu(gate) · relu(up)`. Errors: `up.len() != gate.len()`.
 pub fn drelu(gate: &mut [f32], up: &[f32]) -> Result<(), KernelError> {
-    check_len("drelu: up", gate.len(), up.len())?;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = relu1(*g) * relu1(u);
-    }
-    Ok(())
+    zip_with("drelu: up", gate, up, |g, u| relu1(g) * relu1(u))
 }
 
 /// SwiGLU: `gate ← silu(gate) · up`. Errors: `up.len() != gate.len()`.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) -> Result<(), KernelError> {
-    check_len("swiglu: up", gate.len(), up.len())?;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = silu1(*g) * u;
-    }
-    Ok(())
+    zip_with("swiglu: up", gate, up, |g, u| silu1(g) * u)
 }

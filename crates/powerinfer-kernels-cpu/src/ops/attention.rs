@@ -21,8 +21,8 @@
 //! of 8), works on tiles of eight positions: their K head rows are widened to f32 once for all
 //! the group's query heads, each head's eight scores come from eight FMA accumulators reduced
 //! together, then the tile's V rows are widened once and added with the softmax weights, four
-//! independent 8-lane FMA chains at a time (TinyLlama shape, 881 positions, in cache: 1.6× the
-//! per-position path on one thread, 1.25× on two). With one query head per kv head (or other
+//! independent 8-lane FMA chains at a time (faster than the per-position path; measurements:
+//! `docs/tuning.md`). With one query head per kv head (or other
 //! head sizes) it computes each `q·k` with FMA over the f16 row (widened by F16C) and adds the
 //! weighted V rows four positions at a time. Both add the V rows position after position with
 //! the same FMAs (same bits); the scores' sums are grouped differently. The scalar path widens
@@ -227,7 +227,7 @@ fn attention_block_isa(
     // widened once for all the query heads of a group (not once per head), eight scores per
     // reduction. Chosen from the model's group size, not the item's, so that results do not
     // depend on how many threads split a group. With one query head per kv head (MHA) a tile
-    // saves nothing (measured slower: 7B shape, 881 positions); those, and head sizes that are
+    // saves nothing (it measured slower); those, and head sizes that are
     // not a multiple of 8, take the per-position path.
     let tiled = group >= 2;
     let item_len = heads_per_item * d;
@@ -293,10 +293,7 @@ fn attention_block_isa(
 /// Positions ahead whose K or V head row the per-position path prefetches (the tiled path
 /// prefetches the next tile's rows). The rows of one kv head are `kv_row` values apart (8 KiB
 /// for LLaMA-7B's 32 heads of 128, 1 KiB for TinyLlama's 4 kv heads of 64), strides the
-/// hardware prefetchers do not run far enough ahead on. Measured one token over a cache in
-/// DRAM (32 layers' caches visited in turn, 2 threads, Zen 4, alternated runs): 7B shape at
-/// 500 positions 380–560 µs per layer against 566–695 without, TinyLlama shape at 2000
-/// positions 283–345 µs against 399–605.
+/// hardware prefetchers do not run far enough ahead on (measurements: `docs/tuning.md`).
 const KV_PREFETCH_AHEAD: usize = 8;
 
 /// Prefetches the `d` values at `src[start..]` (as far as they exist) into L1.

@@ -1,7 +1,7 @@
 //! The non-matrix operators of a transformer layer.
 //!
 //! Every operator works on plain `f32` slices (the KV cache is `f16`), checks its argument
-//! lengths once per call and returns [`KernelError`] on a mismatch; it never
+//! lengths once per call and returns [`KernelError`](crate::KernelError) on a mismatch; it never
 //! panics on bad input. The maths each operator computes is defined by the f64 functions of
 //! [`crate::reference::ops`], which the tests compare against.
 //!
@@ -17,7 +17,7 @@
 //! AVX2+FMA+F16C path. The plain functions use [`Backend::detect`](crate::Backend::detect)
 //! (cached); the `*_with` variants take an explicit [`Backend`](crate::Backend) so tests and
 //! benchmarks can run every path on one machine, and refuse one this CPU cannot run with
-//! [`KernelError::BackendUnavailable`].
+//! [`KernelError::BackendUnavailable`](crate::KernelError::BackendUnavailable).
 //! [`Backend::Avx512`](crate::Backend::Avx512) runs the AVX2 code and
 //! [`Backend::Neon`](crate::Backend::Neon) the scalar code (no NEON operators yet).
 
@@ -32,22 +32,4 @@ mod x86;
 #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
 mod x86_512;
 
-use crate::KernelError;
-
-/// Returns a [`KernelError::Length`] unless `got == expected`.
-#[inline]
-pub(crate) fn check_len(
-    what: &'static str,
-    expected: usize,
-    got: usize,
-) -> Result<(), KernelError> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(KernelError::Length {
-            what,
-            expected,
-            got,
-        })
-    }
-}
+pub(crate) use crate::error::check_len;

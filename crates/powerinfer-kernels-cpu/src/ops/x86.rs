@@ -253,8 +253,8 @@ pub(crate) unsafe fn axpy_tile(acc: &mut [f32], w: &[f32], tile: &[f32]) {
     debug_assert!(w.len() <= 8 && tile.len() >= w.len() * d && d % 8 == 0);
     let (ap, tp) = (acc.as_mut_ptr(), tile.as_ptr());
     let mut c = 0;
-    // Four chunks of eight outputs at a time: four independent FMA chains (one chain runs at
-    // the FMA latency, 4 cycles a position).
+    // Four chunks of eight outputs at a time: four independent FMA chains (one chain would run
+    // at the FMA latency per position).
     while c + 32 <= d {
         // SAFETY: values `c..c + 32` of `acc` and of the first `w.len()` rows of `tile` exist.
         unsafe {

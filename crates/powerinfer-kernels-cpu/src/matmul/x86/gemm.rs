@@ -1,16 +1,12 @@
 //! Cache-blocked dense GEMM kernels (x86-64, [`Backend::Avx512`]) for F32, F16, BF16, Q8_0 and
-//! Q4_0 weights, used by [`MatMul::gemm`](super::MatMul::gemm) for at least [`MIN_TOKENS`] tokens
+//! Q4_0 weights, used by [`MatMul::gemm`](crate::MatMul::gemm) for at least [`MIN_TOKENS`] tokens
 //! (Q8_0: [`MIN_TOKENS_Q8_0`], Q4_0: [`MIN_TOKENS_Q4_0`]); other types, backends and sizes take
 //! the general GEMM frame.
 //! Compiled only with Rust ≥ 1.89 (stable AVX-512 intrinsics; `cfg(powerinfer_avx512)` from the
 //! crate's build.rs), so the crate keeps building with its MSRV.
 //!
-//! Measured on Zen 4 (2 threads, 128 tokens, LLaMA-7B shapes, best of 8 runs): F16 and Q8_0
-//! ~1.6× as fast as the general frame (whose 2 × 4 tile re-read 2 MiB of f32 activations from
-//! L3 per pair of rows), 1.05–1.2× llama.cpp; the float kernel runs near the FMA peak (~210
-//! GFLOP/s). 2–16 tokens: floats 1.5–2.5×, Q8_0 (≥ 8 tokens) 1.15–1.4×. Q4_0 (TinyLlama shapes
-//! 5632 × 2048, 2048 × 5632, 2048 × 2048, 2 threads, 64 tokens): ~2× the frame (~440 vs ~225
-//! GOP/s), 4–16 tokens 1.2–2×.
+//! They beat the general frame, whose 2 × 4 tile re-reads the f32 activations from L3 per pair
+//! of rows (measurements of this file's kernels and constants: `docs/tuning.md`).
 //!
 //! Loop order per thread (each thread owns a contiguous run of row tiles): a block of rows whose
 //! weights stay in L2 ([`ROW_BLOCK_BYTES`]); inside it, groups of `N` tokens whose activations
@@ -19,18 +15,14 @@
 //! weight vector loaded into a register serves `N` tokens.
 //!
 //! The micro-kernels keep the exact arithmetic of the one-row multi-token kernels
-//! (`RowOps::dot_batch`) of [`super::x86`] and [`super::x86_int`] per (row, token), so every
+//! (`RowOps::dot_batch`) of [`super::float`] and [`super::int`] per (row, token), so every
 //! result is bit-identical to the frame's other multi-token paths, and for Q8_0 to the GEMV
-//! (float GEMVs sum in the "wide" order of [`super::x86`] instead):
+//! (float GEMVs sum in the "wide" order of [`super::float`] instead):
 //! * float types: one 8-lane f32 accumulator per (row, token) over 8-element steps in order, the
 //!   fixed-order horizontal sum [`hsum`], then scalar FMAs over the last `cols % 8` elements.
 //!   Two tokens share one 512-bit register (one per 256-bit half, the weights loaded into both
 //!   halves), so a core with two 512-bit FMA units runs twice the 8-lane FMAs per cycle: the
-//!   4 rows × 6 pairs tile holds 24 such registers. Xeon VM, 2 threads, 128 tokens, F16 at
-//!   TinyLlama shapes: 213–240 GFLOP/s against 197–205 with 256-bit accumulators (the F16→f32
-//!   conversions, two µops per weight vector, share the FMA ports); 6 pairs measured 2–3%
-//!   faster than 5. TinyLlama F16 prompt of 128 tokens 107–109 tok/s, llama.cpp 100–101 (was
-//!   91).
+//!   4 rows × 6 pairs tile holds 24 such registers (6 pairs were faster than 5).
 //! * Q8_0: per block an exact i32 dot product in 8 lanes of four bytes each, converted to f32,
 //!   times `d_w·d_x`, added with one FMA to the accumulator of even or of odd blocks; at the end
 //!   `hsum(even + odd)`. Here one 512-bit accumulator holds both (even blocks in the low half,
@@ -43,7 +35,7 @@
 //!   16 rows; a `vpdpbusd` of it with four activation bytes broadcast to every lane adds four
 //!   products to each row's integer sum, so one instruction serves 16 rows and each weight
 //!   vector serves 2 tokens. The GEMV's 8-lane accumulator per (row, token)
-//!   (`x86_int::dot_q4_0_tile`: per pair of blocks, lane `l < 4` sums elements `4l..4l + 4` and
+//!   (`int::dot_q4_0_tile`: per pair of blocks, lane `l < 4` sums elements `4l..4l + 4` and
 //!   `16 + 4l..16 + 4l + 4` of the even block, lanes `4..8` those of the odd one, lane 0/4
 //!   starting from `−8·Σq_x` of its block; an odd last block one group of four per lane) becomes
 //!   8 vectors per token here, one row per element: the same exact integers, the same f32
@@ -57,10 +49,12 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::scratch::ScratchVec;
-use super::x86::{hsum, FloatLoad16, LBF16, LF16, LF32};
-use super::{OutPtr, Weights};
+use super::common::{hsum, FloatLoad16, LBF16, LF16, LF32};
 use crate::backend::Backend;
+use crate::matmul::act;
+use crate::matmul::frame::OutPtr;
+use crate::matmul::scratch::ScratchVec;
+use crate::matmul::weights::Weights;
 use crate::pool::ThreadPool;
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
@@ -68,17 +62,15 @@ use std::arch::x86_64::*;
 /// Float GEMMs of fewer tokens (one) go through the GEMV.
 pub(crate) const MIN_TOKENS: usize = 2;
 /// Q8_0 GEMMs of fewer tokens go through the general GEMM frame (`MatMul::gemm_core`): the
-/// weight repacking costs about as much as 4 tokens' dot products (measured at 4096 × 4096,
-/// 2 threads: blocked 0.75–0.87× as fast at 2 and 4 tokens, 1.3× at 6).
+/// weight repacking costs about as much as 4 tokens' dot products.
 const MIN_TOKENS_Q8_0: usize = 6;
 /// Q4_0 GEMMs of fewer tokens go through the general GEMM frame: repacking reads every weight
-/// from memory with 16 rows as 16 streams, slower than the frame's reading (measured at
-/// 5632 × 2048 and 2048 × 5632, 2 threads: blocked 0.73–1.1× as fast at 2 tokens, 1.2–1.3× at
-/// 4, 1.5× at 6, 1.5–2× at 8 and more).
+/// from memory with 16 rows as 16 streams, slower than the frame's reading.
 const MIN_TOKENS_Q4_0: usize = 4;
 
 /// Weight bytes (as the micro-kernel reads them) per row block: the block's weights stay in L2
-/// (1 MiB per core on Zen 4) while every token group passes over them.
+/// (at least 1 MiB per core on the AVX-512 cores this targets) while every token group passes
+/// over them.
 const ROW_BLOCK_BYTES: usize = 384 << 10;
 
 /// Rows per float micro-kernel tile.
@@ -115,7 +107,7 @@ pub(crate) fn dense_gemm(
             // The values every F16 product multiplies (`ActFormat::F16`): x rounded to f16.
             let n = n_tokens * w.cols;
             let (mut xr, mut bits) = (ScratchVec::zeroed(n), ScratchVec::zeroed(n));
-            super::act::round_f16(&x[..n], &mut xr, &mut bits);
+            act::round_f16(&x[..n], &mut xr, &mut bits);
             float_gemm::<LF16>(pool, w, &xr, n_tokens, y)
         }
         GgmlType::BF16 => float_gemm::<LBF16>(pool, w, x, n_tokens, y),
@@ -135,7 +127,7 @@ pub(crate) fn dense_gemm(
 
 /// `R` float rows (`w[r]`, `n` elements) · `2P` tokens, written to
 /// `out[(t0 + k)·stride + i0 + r]` for the first `nt` tokens: the arithmetic of
-/// `x86::dot_float_tile` per (row, token). Two tokens share each 512-bit accumulator, token
+/// `float::dot_float_tile` per (row, token). Two tokens share each 512-bit accumulator, token
 /// `2p` in the low 256 bits and `2p + 1` in the high ones, each half doing the 8-lane kernel's
 /// FMAs in its order (so the same bits); a weight vector is loaded into both halves
 /// ([`FloatLoad16::load8x2`]) and the activations of a pair come interleaved from `xp[p]`
@@ -226,27 +218,32 @@ fn pair_activations(x: &[f32], cols: usize, n_tokens: usize) -> ScratchVec<f32> 
     out
 }
 
-/// Calls `$f::<[$l,] r, n>$args` for the runtime tile size `($r, $n)`: `r` in `1..=4`, `n` one of
-/// the listed token counts.
+/// Evaluates `$call` with the runtime tile size `($r, $n)` as the constants `$R` and `$N`: `r`
+/// in `1..=4`, `n` one of the listed token counts.
 macro_rules! dispatch_tile {
-    ($f:ident, [$l:ty], $r:expr, $n:expr, $args:tt, [$($nn:literal),*]) => {
+    ($r:expr, $n:expr, [$($nn:literal),*], |$R:ident, $N:ident| $call:expr) => {
         match ($r, $n) {
-            $((4, $nn) => $f::<$l, 4, $nn> $args,)*
-            $((3, $nn) => $f::<$l, 3, $nn> $args,)*
-            $((2, $nn) => $f::<$l, 2, $nn> $args,)*
-            $((1, $nn) => $f::<$l, 1, $nn> $args,)*
+            $((4, $nn) => { const $R: usize = 4; const $N: usize = $nn; $call })*
+            $((3, $nn) => { const $R: usize = 3; const $N: usize = $nn; $call })*
+            $((2, $nn) => { const $R: usize = 2; const $N: usize = $nn; $call })*
+            $((1, $nn) => { const $R: usize = 1; const $N: usize = $nn; $call })*
             _ => unreachable!("tile sizes are 1..=4 rows × the listed tokens"),
         }
     };
-    ($f:ident, [], $r:expr, $n:expr, $args:tt, [$($nn:literal),*]) => {
-        match ($r, $n) {
-            $((4, $nn) => $f::<4, $nn> $args,)*
-            $((3, $nn) => $f::<3, $nn> $args,)*
-            $((2, $nn) => $f::<2, $nn> $args,)*
-            $((1, $nn) => $f::<1, $nn> $args,)*
-            _ => unreachable!("tile sizes are 1..=4 rows × the listed tokens"),
-        }
-    };
+}
+
+/// The first `K` of the `M` pointers of a full-size tile array.
+#[inline(always)]
+fn first<T: Copy, const M: usize, const K: usize>(a: &[T; M]) -> [T; K] {
+    std::array::from_fn(|k| a[k])
+}
+
+/// `(start, len)` of the consecutive pieces of at most `step` (> 0) that cover `r`, in order:
+/// the row blocks, token groups and row tiles of the blocked loops.
+#[inline(always)]
+fn steps(r: std::ops::Range<usize>, step: usize) -> impl Iterator<Item = (usize, usize)> {
+    let end = r.end;
+    r.step_by(step).map(move |s| (s, step.min(end - s)))
 }
 
 /// `R` pointers `base + (i + r)·step`, clamped to the last valid `i + r < end` (the unused
@@ -257,7 +254,7 @@ fn ptrs<T, const R: usize>(base: *const T, step: usize, i: usize, count: usize) 
 }
 
 /// The float GEMM (see the [module docs](self)). The weights are read in place: converting
-/// F16/BF16 rows to f32 once per row block measured no faster (the kernel is FMA-bound, the
+/// F16/BF16 rows to f32 once per row block was no faster (the kernel is FMA-bound, the
 /// conversions run beside the FMAs).
 fn float_gemm<L: FloatLoad16>(
     pool: &ThreadPool,
@@ -278,18 +275,12 @@ fn float_gemm<L: FloatLoad16>(
     pool.for_grains(n_tiles, block_rows / FR, |_, tiles| {
         let (wp, xp, pp) = (w.data.as_ptr(), x.as_ptr(), paired.as_ptr());
         let (r0, r1) = (tiles.start * FR, (tiles.end * FR).min(rows));
-        let mut b0 = r0;
-        while b0 < r1 {
-            let b1 = (b0 + block_rows).min(r1);
-            let mut t0 = 0;
-            while t0 < n_tokens {
-                let nt = (n_tokens - t0).min(FN);
+        for (b0, bn) in steps(r0..r1, block_rows) {
+            for (t0, nt) in steps(0..n_tokens, FN) {
                 let np = nt.div_ceil(2);
                 let xs = ptrs::<f32, FN>(xp, cols, t0, nt);
                 let pairs = ptrs::<f32, FP>(pp, pair_len, t0 / 2, np);
-                let mut i = b0;
-                while i < b1 {
-                    let nr = (b1 - i).min(FR);
+                for (i, nr) in steps(b0..b0 + bn, FR) {
                     let ws = ptrs::<u8, FR>(wp, rb_bytes, i, nr);
                     // SAFETY: rows `i..i + nr` < rows and tokens `t0..t0 + nt` < n_tokens, so
                     // every weight and token pointer is valid for `cols` elements and every
@@ -298,46 +289,24 @@ fn float_gemm<L: FloatLoad16>(
                     // and belong to this thread's rows (disjoint parts); `dense_gemm` checked
                     // that the CPU has AVX-512 F/VL (Backend::Avx512 implies AVX2/FMA/F16C).
                     unsafe {
-                        let (wsr, psr) = (&ws, &pairs);
-                        dispatch_tile!(
-                            float_tile_dyn,
-                            [L],
-                            nr,
-                            np,
-                            (wsr, psr, &xs, nt, cols, out, rows, i, t0),
-                            [6, 5, 4, 3, 2, 1]
-                        )
+                        dispatch_tile!(nr, np, [6, 5, 4, 3, 2, 1], |R, P| {
+                            float_tile::<L, R, P>(
+                                first(&ws),
+                                first(&pairs),
+                                &xs,
+                                nt,
+                                cols,
+                                out,
+                                rows,
+                                i,
+                                t0,
+                            )
+                        })
                     };
-                    i += nr;
                 }
-                t0 += nt;
             }
-            b0 = b1;
         }
     });
-}
-
-/// [`float_tile`] taking the first `R` / `P` pointers of the full-size arrays.
-///
-/// # Safety
-/// As [`float_tile`] for the first `R` rows and `P` pairs.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn float_tile_dyn<L: FloatLoad16, const R: usize, const P: usize>(
-    w: &[*const u8; FR],
-    xp: &[*const f32; FP],
-    x: &[*const f32; FN],
-    nt: usize,
-    n: usize,
-    out: OutPtr,
-    stride: usize,
-    i0: usize,
-    t0: usize,
-) {
-    let w: [*const u8; R] = std::array::from_fn(|r| w[r]);
-    let xp: [*const f32; P] = std::array::from_fn(|p| xp[p]);
-    // SAFETY: guaranteed by the caller.
-    unsafe { float_tile::<L, R, P>(w, xp, x, nt, n, out, stride, i0, t0) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -361,9 +330,9 @@ struct Q8Acts {
 
 impl Q8Acts {
     /// Quantizes `x` (`n_tokens` × `cols`, `cols` a multiple of 32) exactly as the GEMV does
-    /// ([`super::act::ActBuf`]) and stores it in this layout.
+    /// ([`act::ActBuf`]) and stores it in this layout.
     fn new(x: &[f32], cols: usize, n_tokens: usize) -> Self {
-        let acts = super::act::ActBuf::new(super::act::ActFormat::Q8_0, x, cols);
+        let acts = act::ActBuf::new(act::ActFormat::Q8_0, x, cols);
         let nb = cols / 32;
         let npairs = nb.div_ceil(2);
         let mut u = ScratchVec::zeroed(n_tokens * npairs * 64);
@@ -441,7 +410,7 @@ unsafe fn q8_0_pack(w: &Weights<'_>, rows: std::ops::Range<usize>, out: &mut [u8
 
 /// `R` repacked Q8_0 rows (`w[r]`, `npairs` pairs) · `N` tokens of [`Q8Acts`] (`u[k]`, `d[k]`),
 /// written to `out[(t0 + k)·stride + i0 + r]`: per (row, token) the arithmetic of
-/// `x86_int::dot_q8_0_tile` (see the [module docs](self)).
+/// `int::dot_q8_0_tile` (see the [module docs](self)).
 ///
 /// # Safety
 /// The pointers are valid for `npairs` pairs; the outputs are in bounds and written by this
@@ -494,29 +463,6 @@ unsafe fn q8_0_tile<const R: usize, const N: usize>(
     }
 }
 
-/// [`q8_0_tile`] taking the first `R` / `N` pointers of the full-size arrays.
-///
-/// # Safety
-/// As [`q8_0_tile`] for the first `R` rows and `N` tokens.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn q8_0_tile_dyn<const R: usize, const N: usize>(
-    w: &[*const u8; QR],
-    u: &[*const u8; QN],
-    d: &[*const f32; QN],
-    npairs: usize,
-    out: OutPtr,
-    stride: usize,
-    i0: usize,
-    t0: usize,
-) {
-    let w: [*const u8; R] = std::array::from_fn(|r| w[r]);
-    let u: [*const u8; N] = std::array::from_fn(|k| u[k]);
-    let d: [*const f32; N] = std::array::from_fn(|k| d[k]);
-    // SAFETY: guaranteed by the caller.
-    unsafe { q8_0_tile::<R, N>(w, u, d, npairs, out, stride, i0, t0) }
-}
-
 /// The Q8_0 GEMM (see the [module docs](self)); `cols` is a multiple of 32.
 fn q8_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
@@ -536,42 +482,35 @@ fn q8_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
         if packed.len() < need {
             packed.resize(need, 0);
         }
-        let mut b0 = r0;
-        while b0 < r1 {
-            let b1 = (b0 + block_rows).min(r1);
-            // SAFETY: `packed` holds `block_rows ≥ b1 − b0` packed rows; `dense_gemm` checked
-            // that the CPU has AVX-512 F/BW/VL/VNNI (Backend::Avx512, which implies F16C).
-            unsafe { q8_0_pack(w, b0..b1, &mut packed) };
+        for (b0, bn) in steps(r0..r1, block_rows) {
+            // SAFETY: `packed` holds `block_rows ≥ bn` packed rows; `dense_gemm` checked that
+            // the CPU has AVX-512 F/BW/VL/VNNI (Backend::Avx512, which implies F16C).
+            unsafe { q8_0_pack(w, b0..b0 + bn, &mut packed) };
             let pp = packed.as_ptr();
-            let mut t0 = 0;
-            while t0 < n_tokens {
-                let nt = (n_tokens - t0).min(QN);
+            for (t0, nt) in steps(0..n_tokens, QN) {
                 let us = ptrs::<u8, QN>(up, npairs * 64, t0, nt);
                 let ds = ptrs::<f32, QN>(dp, npairs * 16, t0, nt);
-                let mut i = b0;
-                while i < b1 {
-                    let nr = (b1 - i).min(QR);
+                for (i, nr) in steps(b0..b0 + bn, QR) {
                     let ws = ptrs::<u8, QR>(pp, packed_row, i - b0, nr);
-                    // SAFETY: packed rows `i − b0 + r` < `b1 − b0` and tokens `t0 + k` <
-                    // n_tokens hold `npairs` pairs each; outputs `(t0 + k)·rows + i + r` are in
-                    // bounds and belong to this thread's rows (disjoint parts); CPU features as
-                    // above.
+                    // SAFETY: packed rows `i − b0 + r` < `bn` and tokens `t0 + k` < n_tokens
+                    // hold `npairs` pairs each; outputs `(t0 + k)·rows + i + r` are in bounds
+                    // and belong to this thread's rows (disjoint parts); CPU features as above.
                     unsafe {
-                        let (wsr, usr, dsr) = (&ws, &us, &ds);
-                        dispatch_tile!(
-                            q8_0_tile_dyn,
-                            [],
-                            nr,
-                            nt,
-                            (wsr, usr, dsr, npairs, out, rows, i, t0),
-                            [4, 3, 2, 1]
-                        )
+                        dispatch_tile!(nr, nt, [4, 3, 2, 1], |R, N| {
+                            q8_0_tile::<R, N>(
+                                first(&ws),
+                                first(&us),
+                                first(&ds),
+                                npairs,
+                                out,
+                                rows,
+                                i,
+                                t0,
+                            )
+                        })
                     };
-                    i += nr;
                 }
-                t0 += nt;
             }
-            b0 = b1;
         }
         Q8_PACKED.set(packed);
     });
@@ -597,13 +536,13 @@ const Q4BLK: usize = 576;
 /// Bytes ahead of the block being repacked that [`q4_0_pack`] prefetches in each row.
 const Q4_PREFETCH: usize = 256;
 
-/// Activations for [`q4_0_gemm`]: the GEMV's Q8_0 values and scales ([`super::act::ActBuf`]
-/// in [`ActFormat::Q8_0`](super::act::ActFormat::Q8_0) order, the same numbers as the
+/// Activations for [`q4_0_gemm`]: the GEMV's Q8_0 values and scales ([`act::ActBuf`]
+/// in [`ActFormat::Q8_0`](act::ActFormat::Q8_0) order, the same numbers as the
 /// `Q8_0Pairs` order the GEMV reads), plus per token `nb + 8` i32 offsets: `−8·Σq` of each
 /// block, then `−8·Σq` of each group of four values of the last block (the GEMV's offsets for a
 /// pair of blocks and for an odd last block).
 struct Q4Acts<'a> {
-    acts: super::act::ActBuf<'a>,
+    acts: act::ActBuf<'a>,
     /// `nb + 8` values per token.
     off: ScratchVec<i32>,
 }
@@ -611,7 +550,7 @@ struct Q4Acts<'a> {
 impl<'a> Q4Acts<'a> {
     /// Quantizes `x` (`n_tokens` × `cols`, `cols` a multiple of 32) exactly as the GEMV does.
     fn new(x: &'a [f32], cols: usize, n_tokens: usize) -> Self {
-        let acts = super::act::ActBuf::new(super::act::ActFormat::Q8_0, x, cols);
+        let acts = act::ActBuf::new(act::ActFormat::Q8_0, x, cols);
         let nb = cols / 32;
         let mut off = ScratchVec::zeroed(n_tokens * (nb + 8));
         for t in 0..n_tokens {
@@ -720,7 +659,7 @@ unsafe fn q4_0_pack(w: &Weights<'_>, rows: std::ops::Range<usize>, out: &mut [u8
 /// One group of [`Q4R`] repacked Q4_0 rows (`w`, `nb` blocks) · `N` tokens (values `xq[k]`,
 /// scales `xd[k]`, offsets `xo[k]` of [`Q4Acts`]), the first `nr` rows written to
 /// `out[(t0 + k)·stride + i0 + r]`. Per (row, token) the arithmetic of
-/// `x86_int::dot_q4_0_tile` (see the [module docs](self)): lane `l` of its 8-lane accumulator
+/// `int::dot_q4_0_tile` (see the [module docs](self)): lane `l` of its 8-lane accumulator
 /// is the vector `acc[k][l]` here, one row per 32-bit element.
 ///
 /// # Safety
@@ -834,23 +773,20 @@ fn q4_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
     let n_groups = rows.div_ceil(Q4R);
     // One row block per grain, as in `float_gemm`.
     pool.for_grains(n_groups, block_groups, |_, groups| {
-        // The thread's packing buffer, kept between calls: a fresh ~400 KiB allocation per call
-        // cost page faults worth ~a third of a 2-token product (every byte read is packed first).
+        // The thread's packing buffer, kept between calls: a fresh allocation per call cost page
+        // faults worth a large part of a few-token product (every byte read is packed first).
         let mut packed = Q4_PACKED.take();
         let need = block_groups.min(groups.len()) * packed_group;
         if packed.len() < need {
             packed.resize(need, 0);
         }
-        let mut g0 = groups.start;
-        while g0 < groups.end {
-            let g1 = (g0 + block_groups).min(groups.end);
+        for (g0, gn) in steps(groups, block_groups) {
+            let g1 = g0 + gn;
             let (r0, r1) = (g0 * Q4R, (g1 * Q4R).min(rows));
             // SAFETY: `packed` holds `block_groups ≥ g1 − g0` packed groups; `dense_gemm`
             // checked that the CPU has AVX-512 F/BW/VL (Backend::Avx512, which implies F16C).
             unsafe { q4_0_pack(w, r0..r1, &mut packed) };
-            let mut t0 = 0;
-            while t0 < n_tokens {
-                let nt = (n_tokens - t0).min(Q4N);
+            for (t0, nt) in steps(0..n_tokens, Q4N) {
                 let tok = |k: usize| acts.acts.get(t0 + k.min(nt - 1));
                 let xq: [*const i8; Q4N] = std::array::from_fn(|k| tok(k).q.as_ptr());
                 let xd: [*const f32; Q4N] = std::array::from_fn(|k| tok(k).d.as_ptr());
@@ -883,9 +819,7 @@ fn q4_0_gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: 
                         }
                     };
                 }
-                t0 += nt;
             }
-            g0 = g1;
         }
         Q4_PACKED.set(packed);
     });
@@ -950,6 +884,33 @@ mod tests {
                 })
                 .collect(),
             _ => unreachable!(),
+        }
+    }
+
+    /// `steps` visits the pieces the hand-written loops did: `(s, min(step, end − s))` from the
+    /// start, in order, covering the range once.
+    #[test]
+    fn steps_cover_the_range_in_order() {
+        for (r, step) in [
+            (0..0, 4),
+            (0..1, 4),
+            (3..11, 4),
+            (3..12, 4),
+            (5..6, 1),
+            (0..7, 16),
+        ] {
+            let mut want = Vec::new();
+            let mut s = r.start;
+            while s < r.end {
+                let n = (r.end - s).min(step);
+                want.push((s, n));
+                s += n;
+            }
+            assert_eq!(
+                steps(r.clone(), step).collect::<Vec<_>>(),
+                want,
+                "{r:?} by {step}"
+            );
         }
     }
 

@@ -9,24 +9,26 @@
 //! instead of bursts of whole-row prefetches between rows.
 //!
 //! * `dot_list_*`: the row-sparse product. Each row's result is computed with exactly the
-//!   operations of the dense GEMV's VNNI kernel ([`super::x86_int`]), so sparse == dense with
+//!   operations of the dense GEMV's VNNI kernel ([`super::int`]), so sparse == dense with
 //!   zeroed rows, bit for bit.
 //! * `dense_q4_0_quad`: the dense Q4_0 product (`RowOps::dot_range`) with AVX-512
 //!   VBMI, one row at a time with near prefetches into L1, four blocks per 512-bit step; the
-//!   same bits as the row-sparse kernel. One sequential stream per thread read 1.15–1.25× as
-//!   fast as eight rows per pass with the far stream (TinyLlama- and 7B-shaped decode).
+//!   same bits as the row-sparse kernel. One sequential stream per thread reads faster than
+//!   eight rows per pass with the far stream.
 //! * `axpy_list_*`: `out += Σ a_i · row_i` over a thread's column slice, eight rows per pass
 //!   with 512-bit vectors. Each element takes `fma(a_i·d, q, y)` row after row in list order,
 //!   the same roundings as the AVX2 and scalar one-row kernels. The scales `a_i·d` of the
 //!   eight rows are converted together (eight f16 gathered in general registers, one
 //!   `vcvtph2ps`) and read back as broadcast loads, and Q4_0 nibbles become `q − 8` as f32
-//!   with one 16-entry `vpermps` lookup per 16 weights: ~1.35× less vector work than the
-//!   four-row AVX2 kernel (measured with the weights in L2).
+//!   with one 16-entry `vpermps` lookup per 16 weights: less vector work than the four-row
+//!   AVX2 kernel.
 //!
-//! Installed by [`override_sparse`] only for [`Backend::Avx512`](crate::Backend), which is
+//! The measurements behind this file's constants and choices are in `docs/tuning.md`.
+//!
+//! Installed by [`super::register`] only for [`Backend::Avx512`](crate::Backend), which is
 //! what makes calling the `#[target_feature]` functions from the safe wrappers sound. Built
 //! only by compilers that have the AVX-512 intrinsics (Rust ≥ 1.89, `cfg(powerinfer_avx512)`);
-//! older ones run the four-row kernels of [`super::x86`] and [`super::x86_int`].
+//! older ones run the four-row kernels of [`super::float`] and [`super::int`].
 
 // Block formats are defined by element index; indexed loops read closest to the format.
 #![allow(clippy::needless_range_loop)]
@@ -35,61 +37,28 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::act::Act;
-use super::table::{ListedRows, RowOps};
-use super::x86::{dot_float_rows512, with_act, FloatLoad16, LBF16, LF16, LF32};
-use powerinfer_gguf::GgmlType;
+use super::common::{
+    dot_float_rows512, f16_scalar, hsum, q4_0_pair_act, q4_0_pair_weights, range_blocks, with_act,
+    FloatLoad16,
+};
+use super::int::vnni;
+use crate::matmul::act::Act;
+use crate::matmul::rowops::ListedRows;
 use std::arch::x86_64::*;
 
-/// Bytes the row-sparse products keep requested beyond the rows of the current pass. Measured
-/// on Zen 4 (2 threads, Q4_0 at 10%, weights not in cache): 32 KiB ~1.2× faster than 4 KiB,
-/// 64 KiB about the same as 32 KiB.
+/// Bytes the row-sparse products keep requested beyond the rows of the current pass (less
+/// lead was slower, more no faster).
 const LEAD_DOT: usize = 32 << 10;
 /// Bytes the axpy kernels keep requested beyond the rows of the current pass (as above).
 const LEAD_AXPY: usize = 32 << 10;
 
-/// Rows per pass of the row-sparse products (sharing each activation load). Eight scattered
-/// rows in flight instead of four: Zen 4, 2 threads, weights not in cache, four alternated
-/// pairs of runs, Q4_0 11008×4096 at 10% 0.097–0.106 vs 0.108–0.116 ms (faster in every pair),
-/// 5632×2048 equal (0.039–0.042 ms); Q8_0 11008×4096 at 50% 0.50–0.75 vs 0.52–0.76 ms, 5632×2048
-/// at 50% 0.166–0.172 vs 0.188–0.202 ms.
+/// Rows per pass of the row-sparse products (sharing each activation load): eight scattered
+/// rows in flight were faster than four.
 const DOT_ROWS: usize = 8;
 /// Rows per pass of the row-sparse float products (four zmm accumulators per row).
 const FLOAT_ROWS: usize = 4;
 /// Rows per pass of the axpy kernels (sharing each load and store of the output).
 const AXPY_ROWS: usize = 8;
-
-/// Installs the list kernels of `ty` (Q4_0, Q8_0) in `ops`. The caller has checked that
-/// [`Backend::Avx512`](crate::Backend) is available.
-pub(crate) fn override_sparse(ty: GgmlType, ops: &mut RowOps) {
-    match ty {
-        GgmlType::Q4_0 => {
-            ops.dot_list = Some(dot_list_q4_0);
-            ops.axpy_list = Some(axpy_list_q4_0);
-            if std::arch::is_x86_feature_detected!("avx512vbmi") {
-                ops.dot_range = Some(dot_range_q4_0);
-            }
-        }
-        GgmlType::Q8_0 => {
-            ops.dot_list = Some(dot_list_q8_0);
-            ops.axpy_list = Some(axpy_list_q8_0);
-            ops.dot_range = Some(dot_range_q8_0);
-        }
-        GgmlType::F32 => {
-            ops.dot_list = Some(dot_list_float::<LF32>);
-            ops.axpy_list = Some(axpy_list_float::<LF32>);
-        }
-        GgmlType::F16 => {
-            ops.dot_list = Some(dot_list_float::<LF16>);
-            ops.axpy_list = Some(axpy_list_float::<LF16>);
-        }
-        GgmlType::BF16 => {
-            ops.dot_list = Some(dot_list_float::<LBF16>);
-            ops.axpy_list = Some(axpy_list_float::<LBF16>);
-        }
-        _ => {}
-    }
-}
 
 /// Checks what the kernels rely on: every listed row slice lies inside `rows.data`, and the
 /// slice is `blocks` whole blocks of `block_bytes`. Panics otherwise (a frame bug).
@@ -100,6 +69,16 @@ fn check_rows(rows: &ListedRows<'_>, block_bytes: usize, blocks: usize) {
     if let Some(n_rows) = rows.data.len().checked_div(rows.row_bytes) {
         assert!(rows.list.iter().all(|&i| (i as usize) < n_rows));
     }
+}
+
+/// Blocks of `block_bytes` per row of a row-sparse product over whole listed rows, after
+/// checking what its kernels rely on ([`check_rows`], one result per listed row). Panics
+/// otherwise (a frame bug).
+fn list_blocks(rows: &ListedRows<'_>, block_bytes: usize, res: &[f32]) -> usize {
+    let nb = rows.row_bytes / block_bytes;
+    check_rows(rows, block_bytes, nb);
+    assert!(rows.start == 0 && res.len() == rows.list.len());
+    nb
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -164,9 +143,8 @@ impl<'a> Stream<'a> {
                 // A slice that does not start and end on line boundaries takes more lines
                 // than its bytes fill: credit the difference back, so that the stream stays
                 // `lead` bytes of row data ahead however the slices are aligned (charging a
-                // whole line for every partial one lost a line of lead per row: at 20–100%
-                // density with rows at 32 mod 64 the prefetches fell behind the reads and the
-                // product ran up to 2× slower).
+                // whole line for every partial one lost a line of lead per row, and with rows
+                // not on 64-byte boundaries the prefetches fell behind the reads).
                 let lines = (self.end - self.cur).div_ceil(64);
                 self.credit += (lines * 64 - self.len) as isize;
             }
@@ -180,29 +158,7 @@ impl<'a> Stream<'a> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Row-sparse products (the same operations as `x86_int::vnni`).
-
-/// The activation side of a Q4_0 pair step at blocks `b`, `b + 1`: `d_x` of block `b` in lanes
-/// 0..4 and of `b + 1` in lanes 4..8, the values that meet the low and the high nibbles, and the
-/// pair's offset vector ([`ActFormat::Q8_0Pairs`](super::act::ActFormat)).
-///
-/// # Safety
-/// `a` holds values, scales and pair offsets for blocks `b`, `b + 1` (`b` even); AVX2 available.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn q4_0_pair_act(a: &Act<'_>, b: usize) -> (__m256, __m256i, __m256i, __m256i) {
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    // SAFETY: the entries of blocks b, b + 1 exist (caller).
-    unsafe {
-        let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
-        let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
-        let xq = a.q.as_ptr().add(b * 32);
-        let x0 = _mm256_loadu_si256(xq as *const __m256i);
-        let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
-        let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
-        (dx, x0, x1, init)
-    }
-}
+// Row-sparse products (the same operations as `int::vnni`).
 
 /// One row's pair step at blocks `b`, `b + 1` (`q` points at block `b`) against
 /// [`q4_0_pair_act`]'s vectors: the exact integer sums as f32 and the scale products
@@ -216,29 +172,16 @@ unsafe fn q4_0_pair_row(
     q: *const u8,
     (dx, x0, x1, init): (__m256, __m256i, __m256i, __m256i),
 ) -> (__m256, __m256) {
-    let mask = _mm256_set1_epi8(0x0F);
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     // SAFETY: the pair's 36 bytes are readable (caller).
     unsafe {
-        let raw = _mm256_loadu2_m128i(q.add(18 + 2) as *const __m128i, q.add(2) as *const __m128i);
-        let lo = _mm256_and_si256(raw, mask);
-        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-        let h0 = std::ptr::read_unaligned(q as *const u16) as i32;
-        let h1 = std::ptr::read_unaligned(q.add(18) as *const u16) as i32;
-        let dw = _mm256_permutevar8x32_ps(
-            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
-                _mm_cvtsi32_si128(h0),
-                h1,
-            ))),
-            spread,
-        );
+        let (lo, hi, dw) = q4_0_pair_weights(q);
         let si = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(init, lo, x0), hi, x1);
         (_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw, dx))
     }
 }
 
 /// `R` Q4_0 rows (block 0 at `p[r]`, `nb` blocks, `nb` even) · an activation in
-/// [`ActFormat::Q8_0Pairs`](super::act::ActFormat) order, with the operations of the dense
+/// [`ActFormat::Q8_0Pairs`](crate::matmul::act::ActFormat) order, with the operations of the dense
 /// VNNI kernel (`q4_0_pair` then `hsum`), feeding `st` as it reads.
 ///
 /// # Safety
@@ -269,7 +212,7 @@ unsafe fn dot_q4_0_rows<const R: usize>(
     let mut out = [0f32; R];
     for r in 0..R {
         // SAFETY: AVX2 available (caller).
-        out[r] = unsafe { super::x86::hsum(acc[r]) };
+        out[r] = unsafe { hsum(acc[r]) };
     }
     out
 }
@@ -302,22 +245,14 @@ const QUAD_SCALES: [u8; 64] = {
     t
 };
 
-/// Bytes ahead of the block being read that [`dense_q4_0_quad`] asks to have in L1. Without
-/// these prefetches the hardware brings the stream no closer than L2 and the product reads
-/// ~35% slower. Xeon, TinyLlama-shaped Q4_0 dense decode, 2 threads, alternated runs (tok/s):
-/// no prefetch 28.4–29.0, 512 bytes 39.4–40.4, 1024 43.2–44.1, 2048 45.7–46.8, 4096
-/// 46.0–47.0, 8192 46.0–46.5, 16384 45.3–45.7; 7B-shaped, 1024: 6.22–6.31, 4096: 6.89–6.90.
-/// Into L2 instead (T1 hint), 4096 or 8192 bytes: 39.5–40.1 against T0's 42.3 in the same
-/// minutes.
+/// Bytes ahead of the block being read that [`dense_q4_0_quad`] asks to have in L1 (T0): without
+/// these prefetches the hardware brings the stream no closer than L2; the best of the distances
+/// swept, and T1 was slower.
 const DENSE_AHEAD: usize = 4096;
 
 /// Bytes ahead that [`dense_q4_0_quad`] also asks to have in L2 (T1 hint), beside the near
-/// L1 requests, for rows of at least [`DENSE_FAR_ROW_BYTES`]. 7B-shaped Q4_0 dense decode
-/// (2304- and 6192-byte rows), one build against the other in alternated runs: faster in 7 of
-/// 8 pairs, by 0–8% (e.g. 6.27–6.31 vs 5.81–6.03 tok/s); a distance sweep gave 6.30 without,
-/// 6.61–6.62 at 8 KiB, 6.56–6.65 at 16 KiB, 6.51–6.56 at 32 KiB, 6.08 at 64 KiB.
-/// TinyLlama-shaped products (1152-byte rows but for `ffn_down`) ran 2–5% slower with them,
-/// and as fast as before once rows under 2 KiB went without.
+/// L1 requests, for rows of at least [`DENSE_FAR_ROW_BYTES`]: they help long rows (7B-shaped)
+/// and slowed short ones.
 const DENSE_FAR: usize = 16 << 10;
 
 /// Rows of at least this many bytes get the [`DENSE_FAR`] requests.
@@ -389,13 +324,7 @@ unsafe fn dense_q4_0_quad(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
             unsafe {
                 while b + 4 <= nb {
                     let q = p.add(b * 18);
-                    // Prefetches never fault: past the end they touch the next row or nothing.
-                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD + 64) as *const i8);
-                    if far {
-                        _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR) as *const i8);
-                        _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR + 64) as *const i8);
-                    }
+                    dense_prefetch(q, far);
                     let v = qa.add(3 * (b / 4));
                     let (x0, x1) = (_mm512_load_si512(v), _mm512_load_si512(v.add(1)));
                     let dx = _mm512_castsi512_ps(_mm512_load_si512(v.add(2)));
@@ -424,7 +353,7 @@ unsafe fn dense_q4_0_quad(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
                     let (f, sc) = q4_0_pair_row(p.add(b * 18), q4_0_pair_act(a, b));
                     acc = _mm256_fmadd_ps(f, sc, acc);
                 }
-                *yk = super::x86::hsum(acc);
+                *yk = hsum(acc);
             }
         }
     }
@@ -464,7 +393,7 @@ unsafe fn dot_q8_0_rows<const R: usize>(
             let dx = _mm256_broadcast_ss(a.d.get_unchecked(b));
             for r in 0..R {
                 let blk = p[r].add(b * 34);
-                let dw = _mm256_set1_ps(super::x86::f16_scalar(blk));
+                let dw = _mm256_set1_ps(f16_scalar(blk));
                 let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                 let aw = _mm256_sign_epi8(w, w);
                 let sx = _mm256_sign_epi8(x, w);
@@ -476,7 +405,7 @@ unsafe fn dot_q8_0_rows<const R: usize>(
     let mut out = [0f32; R];
     for r in 0..R {
         // SAFETY: AVX2 available (caller).
-        out[r] = unsafe { super::x86::hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
+        out[r] = unsafe { hsum(_mm256_add_ps(acc[0][r], acc[1][r])) };
     }
     out
 }
@@ -559,45 +488,21 @@ unsafe fn dot_list<D: DotRows, const R: usize>(
     }
 }
 
-fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
-    let nb = rows.row_bytes / 18;
-    check_rows(rows, 18, nb);
-    assert!(rows.start == 0 && res.len() == rows.list.len());
+pub(super) fn dot_list_q4_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+    let nb = list_blocks(rows, 18, res);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.po.len() >= nb / 2 * 8);
     if nb % 2 == 1 {
-        // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
-        for (r, &i) in res.iter_mut().zip(rows.list) {
-            let i = i as usize;
-            *r = super::x86_int::vnni::dot_q4_0(
-                &rows.data[i * rows.row_bytes..(i + 1) * rows.row_bytes],
-                a,
-            );
-        }
-        return;
+        let list = rows.list.iter().map(|&i| i as usize);
+        return odd_rows_q4_0(rows.data, rows.row_bytes, list, a, res);
     }
     // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above,
     // `nb` even, the activation holds `nb` blocks.
     unsafe { dot_list::<DQ4_0, DOT_ROWS>(rows, a, res) }
 }
 
-/// Blocks per row of a dense range product, after checking what its kernel relies on: rows
-/// of whole `block_bytes` blocks, rows `r` inside `data`, one output per row. Panics otherwise
-/// (a frame bug).
-pub(super) fn range_blocks(
-    data: &[u8],
-    row_bytes: usize,
-    r: &std::ops::Range<usize>,
-    y: &[f32],
-    block_bytes: usize,
-) -> usize {
-    let nb = row_bytes / block_bytes;
-    assert!(row_bytes == nb * block_bytes && r.end * row_bytes <= data.len() && y.len() == r.len());
-    nb
-}
-
 /// The dense Q4_0 GEMV over rows `r` with [`dense_q4_0_quad`]; installed only where AVX-512
 /// VBMI was detected.
-fn dot_range_q4_0(
+pub(super) fn dot_range_q4_0(
     data: &[u8],
     row_bytes: usize,
     r: std::ops::Range<usize>,
@@ -607,25 +512,51 @@ fn dot_range_q4_0(
     let nb = range_blocks(data, row_bytes, &r, y, 18);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.po.len() >= nb / 2 * 8);
     if nb % 2 == 1 {
-        // An odd last block: the dense kernel, row by row (rare: rows of 32·odd values).
-        for (yi, i) in y.iter_mut().zip(r) {
-            *yi = super::x86_int::vnni::dot_q4_0(&data[i * row_bytes..(i + 1) * row_bytes], a);
-        }
-        return;
+        return odd_rows_q4_0(data, row_bytes, r, a, y);
     }
     // SAFETY: installed only for Backend::Avx512 with VBMI detected; rows `r` checked above,
     // `nb` even, the activation holds `nb` blocks.
     unsafe { dense_q4_0_quad(data, nb, r.start, a, y) }
 }
 
+/// Q4_0 rows `rows` of `data` (rows of `row_bytes`) · `a` into `out`, one row at a time with the
+/// dense VNNI kernel: the Q4_0 list and range kernels' way with rows of an odd number of blocks
+/// (rare: 32·odd values), which their pair steps cannot take.
+fn odd_rows_q4_0(
+    data: &[u8],
+    row_bytes: usize,
+    rows: impl IntoIterator<Item = usize>,
+    a: &Act<'_>,
+    out: &mut [f32],
+) {
+    for (o, i) in out.iter_mut().zip(rows) {
+        *o = vnni::dot_q4_0(&data[i * row_bytes..(i + 1) * row_bytes], a);
+    }
+}
+
+/// The prefetches of the dense range kernels at `q` (a row's block being read): two lines
+/// [`DENSE_AHEAD`] bytes on into L1 and, when `far`, two lines [`DENSE_FAR`] bytes on into L2.
+/// Prefetches never fault: past the end they touch the next row or nothing.
+#[inline(always)]
+fn dense_prefetch(q: *const u8, far: bool) {
+    // SAFETY: a prefetch never faults and changes no state the program can observe; SSE is part
+    // of the x86-64 baseline.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD + 64) as *const i8);
+        if far {
+            _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR + 64) as *const i8);
+        }
+    }
+}
+
 /// The dense Q8_0 GEMV over rows `r`, one row at a time with [`dot_q8_0_rows`] (the bits of
 /// the list kernel and of the dense VNNI kernel) and the prefetches of [`dense_q4_0_quad`]:
 /// lines [`DENSE_AHEAD`] bytes on into L1 and, for rows of at least [`DENSE_FAR_ROW_BYTES`],
-/// [`DENSE_FAR`] bytes on into L2, two lines every second block. Against the list kernel
-/// (eight rows per pass behind the far stream), Xeon, 2 threads, alternated runs: 0.80–0.88 →
-/// 0.83–0.97 of the bandwidth in `bench kernels` (4096×4096 31.0–31.5 → 34.2–34.7 GB/s),
-/// TinyLlama-shaped Q8_0 dense decode 19.8–20.3 → 20.9–21.8 tok/s.
-fn dot_range_q8_0(
+/// [`DENSE_FAR`] bytes on into L2, two lines every second block: faster than the list kernel
+/// (eight rows per pass behind the far stream).
+pub(super) fn dot_range_q8_0(
     data: &[u8],
     row_bytes: usize,
     r: std::ops::Range<usize>,
@@ -651,16 +582,9 @@ unsafe fn dense_q8_0_rows(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
     for (k, yk) in y.iter_mut().enumerate() {
         // SAFETY: row first + k lies in `data` (caller).
         let p = unsafe { data.as_ptr().add((first + k) * rb) };
-        // Prefetches never fault: past the end they touch the next row or nothing.
         let ahead = |b: usize| {
             if b % 2 == 0 {
-                let q = p.wrapping_add(b * 34);
-                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(DENSE_AHEAD + 64) as *const i8);
-                if far {
-                    _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(DENSE_FAR + 64) as *const i8);
-                }
+                dense_prefetch(p.wrapping_add(b * 34), far);
             }
         };
         // SAFETY: a whole row of `nb` blocks; the activation holds `nb` blocks (caller).
@@ -668,10 +592,8 @@ unsafe fn dense_q8_0_rows(data: &[u8], nb: usize, first: usize, a: &Act<'_>, y: 
     }
 }
 
-fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
-    let nb = rows.row_bytes / 34;
-    check_rows(rows, 34, nb);
-    assert!(rows.start == 0 && res.len() == rows.list.len());
+pub(super) fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+    let nb = list_blocks(rows, 34, res);
     assert!(a.q.len() >= nb * 32 && a.d.len() >= nb);
     // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above, the
     // activation holds `nb` blocks.
@@ -681,10 +603,9 @@ fn dot_list_q8_0(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
 /// Every listed float row (`L`'s elements) · `a.f` into `res` (list order), with the
 /// arithmetic of the dense one-token float dot ([`dot_float_rows512`]: the same bits for any
 /// row count per pass) and the prefetch stream instead of its in-row prefetches.
-fn dot_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
-    let n = rows.row_bytes / L::SIZE;
-    check_rows(rows, L::SIZE, n);
-    assert!(rows.start == 0 && res.len() == rows.list.len() && a.f.len() == n);
+pub(super) fn dot_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &Act<'_>, res: &mut [f32]) {
+    let n = list_blocks(rows, L::SIZE, res);
+    assert!(a.f.len() == n);
     // SAFETY: installed only for Backend::Avx512 (features detected); rows checked above, the
     // activation has a row's length.
     unsafe { dot_list::<DFloat<L>, FLOAT_ROWS>(rows, a, res) }
@@ -713,20 +634,21 @@ impl<L: FloatLoad16> DotRows for DFloat<L> {
 // ---------------------------------------------------------------------------------------------
 // Reading alone.
 
-/// The wrapping sum of the listed row slices' bytes as little-endian u64 words (a tail of
-/// fewer than 64 bytes per slice byte by byte, so the result equals the portable reading's),
-/// read in list order through the row-sparse products' prefetch stream: their memory access
-/// without their arithmetic.
-pub(crate) fn read_list(rows: &ListedRows<'_>) -> u64 {
+/// The wrapping sum of the listed row slices' bytes as little-endian u64 words, read in list
+/// order through the row-sparse products' prefetch stream: their memory access without their
+/// arithmetic (`probe::read_rows`). Each slice's whole 64-byte lines are summed here, the
+/// rest of it (fewer than 64 bytes) by `tail_sum`, so that the result can equal the portable
+/// reading's.
+pub(crate) fn read_list(rows: &ListedRows<'_>, tail_sum: impl Fn(&[u8]) -> u64) -> u64 {
     check_rows(rows, 1, rows.end - rows.start);
     // SAFETY: installed only for Backend::Avx512 (the caller checks); rows checked above.
-    unsafe { read_list_avx512(rows) }
+    unsafe { read_list_avx512(rows, tail_sum) }
 }
 
 /// # Safety
 /// Every listed slice lies inside `rows.data`; AVX-512 F available.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-unsafe fn read_list_avx512(rows: &ListedRows<'_>) -> u64 {
+unsafe fn read_list_avx512(rows: &ListedRows<'_>, tail_sum: impl Fn(&[u8]) -> u64) -> u64 {
     let mut st = Stream::new(rows, LEAD_DOT);
     let len = rows.end - rows.start;
     let mut acc = _mm512_setzero_si512();
@@ -745,7 +667,7 @@ unsafe fn read_list_avx512(rows: &ListedRows<'_>) -> u64 {
                 o += 64;
             }
             let rest = std::slice::from_raw_parts(p.add(o), len - o);
-            tail = tail.wrapping_add(super::word_sum(rest));
+            tail = tail.wrapping_add(tail_sum(rest));
         }
     }
     (_mm512_reduce_add_epi64(acc) as u64).wrapping_add(tail)
@@ -841,16 +763,8 @@ unsafe fn bcast(p: *const f32) -> __m512 {
 /// scales of a step are converted for all rows at once ([`scales8`]) and read back as
 /// broadcasts.
 ///
-/// For Q4_0 this is arithmetic-bound. On Zen 4 (one thread, rows in L1) it measures 4.5
-/// cycles per 32-weight block without the scales and 6.2 with them. A zmm FMA issues once
-/// per cycle, and a `vpermps` once per cycle beside it. Variants tried in a C
-/// microbenchmark, each slower or no faster:
-/// - `vcvtdq2ps` with the −8 folded in once per block: 6.7–7.4 cycles;
-/// - SSE nibble decoding to int8: 7.5–8.2;
-/// - a 128-bit broadcast load with `vpsrlvd` in place of `vpmovzxbd`: 5.1 without scales;
-/// - two accumulator chains per output register: unchanged.
-///
-/// Dropping the two `vpermps` alone gives 3.0 cycles.
+/// For Q4_0 this is arithmetic-bound (FMAs and `vpermps` lookups); the other decodings tried
+/// were no faster (`docs/tuning.md`).
 ///
 /// # Safety
 /// `nb` whole blocks at every `p[k]`; `out` has `32·nb` values; the CPU features available.
@@ -1015,26 +929,27 @@ unsafe fn axpy_list<A: AxpyRows, const R: usize>(
     tail!(1 2 3 4 5 6 7);
 }
 
-fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
-    let nb = out.len() / 32;
-    check_rows(rows, 18, nb);
-    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
-    // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
-    unsafe { axpy_list::<Blocks<BQ4_0>, AXPY_ROWS>(rows, a, out) }
+pub(super) fn axpy_list_q4_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    axpy_list_blocks::<BQ4_0>(rows, a, out)
 }
 
-fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+pub(super) fn axpy_list_q8_0(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    axpy_list_blocks::<BQ8_0>(rows, a, out)
+}
+
+/// [`axpy_list`] over rows of 32-value blocks of `B`, after checking what it relies on.
+fn axpy_list_blocks<B: Block32>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     let nb = out.len() / 32;
-    check_rows(rows, 34, nb);
+    check_rows(rows, B::BYTES, nb);
     assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
     // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
-    unsafe { axpy_list::<Blocks<BQ8_0>, AXPY_ROWS>(rows, a, out) }
+    unsafe { axpy_list::<Blocks<B>, AXPY_ROWS>(rows, a, out) }
 }
 
 /// `out += Σ a[i] · row_i[start..end]` over the listed float row slices (`L`'s elements),
 /// [`AXPY_ROWS`] per pass behind the prefetch stream: each element takes `fma(a_i, w, y)` row
 /// after row in list order, the roundings of the AVX2 and scalar one-row kernels.
-fn axpy_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+pub(super) fn axpy_list_float<L: FloatLoad16>(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
     check_rows(rows, L::SIZE, out.len());
     assert!(rows.list.iter().all(|&i| (i as usize) < a.len()));
     // SAFETY: installed only for Backend::Avx512 (features detected); slices checked above.
@@ -1097,8 +1012,8 @@ unsafe fn axpy_float_rows<L: FloatLoad16, const N: usize>(
 
 /// Appends to `out` the rows `i` with `scores[i] >= threshold`, `skip[i]` false (when given)
 /// and `nonzero[i] != 0` (when given), in increasing order: the same rows as the portable
-/// `select_rows` of the frame, sixteen per step with mask compares (~10× faster on 11008
-/// rows: ~0.8 µs instead of 6–12 µs, a noticeable part of a sparse product at 10%).
+/// `select_rows` of the frame, sixteen per step with mask compares (much faster than the
+/// portable loop, which was a noticeable part of a sparse product at 10%).
 ///
 /// # Safety
 /// `skip` and `nonzero`, when given, are at least as long as `scores`; AVX-512 F/BW/VL
@@ -1150,8 +1065,9 @@ pub(crate) unsafe fn select_rows_avx512(
 
 #[cfg(test)]
 mod tests {
-    use super::super::act::{ActBuf, ActFormat};
     use super::*;
+    use crate::matmul::act::{ActBuf, ActFormat};
+    use powerinfer_gguf::GgmlType;
 
     /// A xorshift generator for test data.
     fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
@@ -1212,7 +1128,7 @@ mod tests {
             dot_range_q4_0(&data, rb, 3..20, &a, &mut via_range);
             for k in 0..17 {
                 let i = 3 + k;
-                let one = super::super::x86_int::vnni::dot_q4_0(&data[i * rb..(i + 1) * rb], &a);
+                let one = vnni::dot_q4_0(&data[i * rb..(i + 1) * rb], &a);
                 assert_eq!(quad[k].to_bits(), pair[k].to_bits(), "nb {nb}, row {i}");
                 assert_eq!(quad[k].to_bits(), one.to_bits(), "nb {nb}, row {i}");
                 assert_eq!(via_range[k].to_bits(), one.to_bits(), "nb {nb}, row {i}");
@@ -1247,7 +1163,7 @@ mod tests {
             dot_range_q8_0(&data, rb, 3..20, &a, &mut dense);
             for k in 0..17 {
                 let i = 3 + k;
-                let one = super::super::x86_int::vnni::dot_q8_0(&data[i * rb..(i + 1) * rb], &a);
+                let one = vnni::dot_q8_0(&data[i * rb..(i + 1) * rb], &a);
                 assert_eq!(dense[k].to_bits(), listed[k].to_bits(), "nb {nb}, row {i}");
                 assert_eq!(dense[k].to_bits(), one.to_bits(), "nb {nb}, row {i}");
             }

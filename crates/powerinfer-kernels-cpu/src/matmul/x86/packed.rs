@@ -1,6 +1,6 @@
 //! The one-token Q4_0 product over a row-interleaved copy of the weights (x86-64, AVX-512
-//! F/VL/BW/VNNI): [`MatMul::pack_q4_0`](super::MatMul::pack_q4_0) /
-//! [`MatMul::gemv_packed`](super::MatMul::gemv_packed).
+//! F/VL/BW/VNNI): [`MatMul::pack_q4_0`](crate::MatMul::pack_q4_0) /
+//! [`MatMul::gemv_packed`](crate::MatMul::gemv_packed).
 //!
 //! Layout ([`pack_into`]): rows in groups of 8; per group, per pair of blocks `(b, b + 1)`, first the
 //! 16 f16 scales (row `r`'s `d_b`, `d_b+1` at positions `2r`, `2r + 1`: 32 bytes), then each
@@ -9,29 +9,26 @@
 //! whole group stay in ggml's layout and go through the ordinary dot.
 //!
 //! The kernel does, for every row, exactly the operations of the file-layout kernel
-//! (`x86_int::vnni`'s pair step, then `hsum`), so results are bit-identical to
-//! [`MatMul::gemv`](super::MatMul::gemv). What it saves is data movement: one 256-bit load and
+//! (`int::vnni`'s pair step, then `hsum`), so results are bit-identical to
+//! [`MatMul::gemv`](crate::MatMul::gemv). What it saves is data movement: one 256-bit load and
 //! one conversion give the scales of eight rows (the file layout needs two scalar loads, two
 //! inserts, a conversion and a permute per row and pair), and each row's nibbles of a pair are
 //! one contiguous load; two rows' nibbles of a pair are 64 contiguous bytes, so 512-bit vectors
-//! do two rows per instruction, each 256-bit half with one row's lanes. Measured on Zen 4, one
-//! thread, weights in L2 (4096 columns), 256-bit version: 90–95 vs 61–67 ns per row, 1.42–1.48×
-//! as fast. On a Xeon (same setting, `bench kernels --threads 1 --shapes 512x4096 --cold-mib 0`)
-//! the 256-bit version ran no faster than the file-layout kernel (25 GB/s each), the 512-bit
-//! one at 50.8 GB/s.
+//! do two rows per instruction, each 256-bit half with one row's lanes (a 256-bit version was
+//! not faster than the file-layout kernel on every CPU; measurements: `docs/tuning.md`).
 
 // The AVX-512 intrinsics are stable since Rust 1.89, above the workspace MSRV: this module is
 // compiled only with such compilers (`cfg(powerinfer_avx512)`, set by the crate's build.rs).
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::act::Act;
+use super::common::{hsum, q4_0_pair_act};
+use crate::matmul::act::Act;
 use std::arch::x86_64::*;
 
-/// Bytes ahead of the pair being computed that the kernel asks to have in L1. The hardware
-/// prefetchers bring the stream to L2 but not far enough into L1: on a Xeon (2 threads, 4096
-/// and 11008 rows × 4096, weights not in cache) 21.5–22.0 GB/s without, 27.4–27.7 at 1024
-/// bytes, 26.9–27.9 at 1536, 24.9–26.3 at 2048, 24.1–26.1 at 3072 (T0 hint).
+/// Bytes ahead of the pair being computed that the kernel asks to have in L1 (T0): the
+/// hardware prefetchers bring the stream to L2 but not far enough into L1; the best of the
+/// distances swept.
 const PREFETCH_AHEAD: usize = 1024;
 /// Rows per interleaved group.
 pub(crate) const GROUP: usize = 8;
@@ -92,9 +89,7 @@ pub(crate) fn gemv_groups(packed: &[u8], nb: usize, a: &Act<'_>, out: &mut [f32]
 /// pair's nibbles are 64 contiguous bytes, so one load, one decode and one `vpdpbusd` pair
 /// serve both, the low 256 bits doing row `2k`'s lanes and the high 256 bits row `2k + 1`'s.
 /// Every lane does the file-layout kernel's operations in its order (lanes never mix until
-/// the final `hsum` of each half), so the results equal `x86_int::vnni`'s bit for bit; the
-/// 256-bit version ran at the same speed as the file-layout kernel on a Xeon (both 25 GB/s,
-/// one thread, weights in L2).
+/// the final `hsum` of each half), so the results equal `int::vnni`'s bit for bit.
 ///
 /// # Safety
 /// `group_bytes(nb)` readable bytes at `q`; `a` has values, scales and pair offsets for `nb`
@@ -132,7 +127,7 @@ unsafe fn group(q: *const u8, nb: usize, a: &Act<'_>) -> [f32; GROUP] {
     unsafe {
         while b + 2 <= nb {
             let p = q.add(b / 2 * PAIR_BYTES);
-            let (dx, x0, x1, init) = super::x86_sparse::q4_0_pair_act(a, b);
+            let (dx, x0, x1, init) = q4_0_pair_act(a, b);
             let dx = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
                 _mm512_castpd256_pd512(_mm256_castps_pd(dx)),
                 _mm256_castps_pd(dx),
@@ -166,9 +161,9 @@ unsafe fn group(q: *const u8, nb: usize, a: &Act<'_>) -> [f32; GROUP] {
     for k in 0..PAIRS {
         // SAFETY: AVX2 and AVX-512 F available (caller).
         unsafe {
-            out[2 * k] = super::x86::hsum(_mm512_castps512_ps256(acc[k]));
+            out[2 * k] = hsum(_mm512_castps512_ps256(acc[k]));
             let hi = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[k]));
-            out[2 * k + 1] = super::x86::hsum(_mm256_castpd_ps(hi));
+            out[2 * k + 1] = hsum(_mm256_castpd_ps(hi));
         }
     }
     out

@@ -8,55 +8,13 @@
 #![allow(clippy::needless_range_loop)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::act::ActFormat;
-use super::table::RowOps;
-use powerinfer_gguf::GgmlType;
-
-/// Replaces the dot kernels of the quantized type `ty` in `ops`; `vnni` selects the AVX-512
-/// VNNI instantiation (`vpdpbusd`). The caller has checked that the CPU has the features of the choice.
-pub(crate) fn override_int(ty: GgmlType, ops: &mut RowOps, vnni: bool) {
-    use GgmlType as T;
-    macro_rules! set {
-        ($m:ident) => {
-            match ty {
-                T::Q8_0 => {
-                    (ops.dot, ops.dot4) = ($m::dot_q8_0, $m::dot4_q8_0);
-                    ops.rows4 = Some($m::rows4_q8_0);
-                }
-                T::Q4_0 => {
-                    (ops.dot, ops.dot4) = ($m::dot_q4_0, $m::dot4_q4_0);
-                    ops.rows4 = Some($m::rows4_q4_0);
-                    ops.tile = Some($m::tile_q4_0);
-                    ops.act = ActFormat::Q8_0Pairs;
-                }
-                T::Q4_1 => (ops.dot, ops.dot4) = ($m::dot_q4_1, $m::dot4_q4_1),
-                T::Q5_0 => (ops.dot, ops.dot4) = ($m::dot_q5_0, $m::dot4_q5_0),
-                T::Q5_1 => (ops.dot, ops.dot4) = ($m::dot_q5_1, $m::dot4_q5_1),
-                T::Q4_K => (ops.dot, ops.dot4) = ($m::dot_q4_k, $m::dot4_q4_k),
-                T::Q5_K => (ops.dot, ops.dot4) = ($m::dot_q5_k, $m::dot4_q5_k),
-                T::Q6_K => (ops.dot, ops.dot4) = ($m::dot_q6_k, $m::dot4_q6_k),
-                _ => {}
-            }
-        };
-    }
-    if vnni {
-        set!(vnni)
-    } else {
-        set!(avx2)
-    }
-    // Integer sums are exact: multi-token products use the one-token dot as it is.
-    if !matches!(ty, T::F32 | T::F16 | T::BF16) {
-        ops.dot_batch = ops.dot;
-    }
-}
-
 macro_rules! int_kernels {
     ($m:ident, $feat:literal, $doc:literal, { $($helpers:item)* }) => {
         #[doc = $doc]
         pub(crate) mod $m {
         use crate::matmul::act::Act;
         use crate::matmul::scalar::scale_min_k4;
-        use crate::matmul::x86::{f16_scalar, hsum};
+        use crate::matmul::x86::common::{f16_scalar, hsum, q4_0_pair_act, q4_0_pair_weights};
         use std::arch::x86_64::*;
 
         $($helpers)*
@@ -151,38 +109,14 @@ macro_rules! int_kernels {
         ) {
             // SAFETY: guaranteed by the caller.
             unsafe {
-                let mask = _mm256_set1_epi8(0x0F);
                 let mut lo = [_mm256_setzero_si256(); R];
                 let mut hi = [_mm256_setzero_si256(); R];
-                let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
                 let mut dw = [_mm256_setzero_ps(); R];
                 for r in 0..R {
-                    let p = blk[r];
-                    let raw = _mm256_loadu2_m128i(
-                        p.add(18 + 2) as *const __m128i,
-                        p.add(2) as *const __m128i,
-                    );
-                    lo[r] = _mm256_and_si256(raw, mask);
-                    hi[r] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-                    let h0 = std::ptr::read_unaligned(p as *const u16) as i32;
-                    let h1 = std::ptr::read_unaligned(p.add(18) as *const u16) as i32;
-                    // Lanes 0..4: block b's scale, lanes 4..8: block b + 1's.
-                    dw[r] = _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(_mm_cvtph_ps(_mm_insert_epi16::<1>(
-                            _mm_cvtsi32_si128(h0),
-                            h1,
-                        ))),
-                        spread,
-                    );
+                    (lo[r], hi[r], dw[r]) = q4_0_pair_weights(blk[r]);
                 }
                 for k in 0..N {
-                    let a = acts[k];
-                    let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
-                    let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx), spread);
-                    let xq = a.q.as_ptr().add(b * 32);
-                    let x0 = _mm256_loadu_si256(xq as *const __m256i);
-                    let x1 = _mm256_loadu_si256(xq.add(32) as *const __m256i);
-                    let init = _mm256_loadu_si256(a.po.as_ptr().add(b / 2 * 8) as *const __m256i);
+                    let (dx, x0, x1, init) = q4_0_pair_act(acts[k], b);
                     for r in 0..R {
                         // d_w·d_x per lane: the same products as in scalar code.
                         let sc = _mm256_mul_ps(dw[r], dx);
@@ -279,33 +213,27 @@ macro_rules! int_kernels {
             out
         }
 
-        pub(crate) fn dot_q8_0(row: &[u8], a: &Act<'_>) -> f32 {
-            // SAFETY: installed only when this module's CPU features were detected; the frame
-            // passes whole rows and activations prepared for the row length.
-            unsafe { dot_q8_0_tile::<1, 1>([row], [a])[0][0] }
+        macro_rules! tile_wrappers {
+            ($tile:ident, $dot:ident, $dot4:ident, $rows4:ident) => {
+                pub(crate) fn $dot(row: &[u8], a: &Act<'_>) -> f32 {
+                    // SAFETY: installed only when this module's CPU features were detected; the
+                    // frame passes whole rows and activations prepared for the row length.
+                    unsafe { $tile::<1, 1>([row], [a])[0][0] }
+                }
+                pub(crate) fn $dot4(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
+                    // SAFETY: as above, for four activations.
+                    *out = unsafe { $tile::<1, 4>([row], [&acts[0], &acts[1], &acts[2], &acts[3]])[0] };
+                }
+                pub(crate) fn $rows4(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
+                    // SAFETY: as above, four rows of the same length.
+                    unsafe { $tile::<4, 1>(rows, [a]) }.map(|r| r[0])
+                }
+            };
         }
-        pub(crate) fn dot4_q8_0(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
-            // SAFETY: as in `dot_q8_0`.
-            *out = unsafe { dot_q8_0_tile::<1, 4>([row], [&acts[0], &acts[1], &acts[2], &acts[3]])[0] };
-        }
-        pub(crate) fn rows4_q8_0(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
-            // SAFETY: as in `dot_q8_0`, four rows of the same length.
-            unsafe { dot_q8_0_tile::<4, 1>(rows, [a]) }.map(|r| r[0])
-        }
-        pub(crate) fn dot_q4_0(row: &[u8], a: &Act<'_>) -> f32 {
-            // SAFETY: as in `dot_q8_0`.
-            unsafe { dot_q4_0_tile::<1, 1>([row], [a])[0][0] }
-        }
-        pub(crate) fn dot4_q4_0(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
-            // SAFETY: as in `dot_q8_0`.
-            *out = unsafe { dot_q4_0_tile::<1, 4>([row], [&acts[0], &acts[1], &acts[2], &acts[3]])[0] };
-        }
-        pub(crate) fn rows4_q4_0(rows: [&[u8]; 4], a: &Act<'_>) -> [f32; 4] {
-            // SAFETY: as in `dot_q8_0`, four rows of the same length.
-            unsafe { dot_q4_0_tile::<4, 1>(rows, [a]) }.map(|r| r[0])
-        }
+        tile_wrappers!(dot_q8_0_tile, dot_q8_0, dot4_q8_0, rows4_q8_0);
+        tile_wrappers!(dot_q4_0_tile, dot_q4_0, dot4_q4_0, rows4_q4_0);
         pub(crate) fn tile_q4_0(rows: [&[u8]; 2], acts: &[Act<'_>; 4], out: &mut [[f32; 4]; 2]) {
-            // SAFETY: as in `dot_q8_0`, two rows of the same length.
+            // SAFETY: as in the wrappers of `tile_wrappers!`, two rows of the same length.
             *out = unsafe { dot_q4_0_tile::<2, 4>(rows, [&acts[0], &acts[1], &acts[2], &acts[3]]) };
         }
         // ---------------------------------------------------------------------------------------------

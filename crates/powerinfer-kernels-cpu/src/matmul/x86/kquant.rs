@@ -1,6 +1,6 @@
 //! K-quant row dots (Q4_K, Q5_K, Q6_K · Q8_K) on 512-bit vectors (x86-64, AVX-512
 //! F/VL/BW/VNNI), installed for [`Backend::Avx512`](crate::Backend) in place of the 256-bit
-//! kernels of [`super::x86_int`].
+//! kernels of [`super::int`].
 //!
 //! The 256-bit kernels are bound by their arithmetic, not by memory: per 256-value super-block
 //! they unpack the eight 6-bit scales and mins one at a time, broadcast each scale from a
@@ -24,7 +24,7 @@
 //! Every integer sum is exact, and the 16 lanes fold into the 8 lanes of the 256-bit kernels
 //! before the same float steps in the same order (conversion, FMA with `d · d_x` into the row's
 //! accumulator, the scalar mins FMA, the final horizontal sum), so the results equal
-//! [`super::x86_int`]'s bit for bit (test `avx512_matches_avx2_bitwise`).
+//! [`super::int`]'s bit for bit (test `avx512_matches_avx2_bitwise`).
 
 // The AVX-512 intrinsics are stable since Rust 1.89, above the workspace MSRV: this module is
 // compiled only with such compilers (`cfg(powerinfer_avx512)`, set by the crate's build.rs).
@@ -33,33 +33,9 @@
 #![allow(clippy::needless_range_loop)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::act::Act;
-use super::table::RowOps;
-use super::x86::{f16_scalar, hsum};
-use powerinfer_gguf::GgmlType;
+use super::common::{f16_scalar, hsum, range_blocks};
+use crate::matmul::act::Act;
 use std::arch::x86_64::*;
-
-/// Installs the 512-bit K-quant dots for `ty` in `ops` (other types are left alone). The caller
-/// has checked that the CPU has [`Backend::Avx512`](crate::Backend)'s features.
-pub(crate) fn override_kquant(ty: GgmlType, ops: &mut RowOps) {
-    match ty {
-        GgmlType::Q4_K => {
-            (ops.dot, ops.dot4) = (dot_q4_k, dot4_q4_k);
-            ops.dot_range = Some(dot_range_k::<144>);
-        }
-        GgmlType::Q5_K => {
-            (ops.dot, ops.dot4) = (dot_q5_k, dot4_q5_k);
-            ops.dot_range = Some(dot_range_k::<176>);
-        }
-        GgmlType::Q6_K => {
-            (ops.dot, ops.dot4) = (dot_q6_k, dot4_q6_k);
-            ops.dot_range = Some(dot_range_k::<210>);
-        }
-        _ => return,
-    }
-    // Integer sums are exact: multi-token products use the one-token dot as it is.
-    ops.dot_batch = ops.dot;
-}
 
 /// The eight 6-bit scales and the eight 6-bit mins of a Q4_K/Q5_K super-block, one per byte,
 /// from its 12 packed scale bytes at `p` (ggml's layout: scales 0–3 and mins 0–3 in the low six
@@ -322,37 +298,34 @@ unsafe fn dot_q6k_n<const N: usize, const STREAM: bool>(
     out
 }
 
-fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {
+pub(super) fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {
     // SAFETY: installed only for Backend::Avx512 (features detected); the frame passes whole
     // rows and Q8_K activations prepared for the row length.
     unsafe { dot_q45k::<1, false, false>(row, [a])[0] }
 }
-fn dot4_q4_k(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
+pub(super) fn dot4_q4_k(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
     // SAFETY: as in `dot_q4_k`.
     *out = unsafe { dot_q45k::<4, false, false>(row, [&acts[0], &acts[1], &acts[2], &acts[3]]) };
 }
-fn dot_q5_k(row: &[u8], a: &Act<'_>) -> f32 {
+pub(super) fn dot_q5_k(row: &[u8], a: &Act<'_>) -> f32 {
     // SAFETY: as in `dot_q4_k`.
     unsafe { dot_q45k::<1, true, false>(row, [a])[0] }
 }
-fn dot4_q5_k(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
+pub(super) fn dot4_q5_k(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
     // SAFETY: as in `dot_q4_k`.
     *out = unsafe { dot_q45k::<4, true, false>(row, [&acts[0], &acts[1], &acts[2], &acts[3]]) };
 }
-fn dot_q6_k(row: &[u8], a: &Act<'_>) -> f32 {
+pub(super) fn dot_q6_k(row: &[u8], a: &Act<'_>) -> f32 {
     // SAFETY: as in `dot_q4_k`.
     unsafe { dot_q6k_n::<1, false>(row, [a])[0] }
 }
-fn dot4_q6_k(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
+pub(super) fn dot4_q6_k(row: &[u8], acts: &[Act<'_>; 4], out: &mut [f32; 4]) {
     // SAFETY: as in `dot_q4_k`.
     *out = unsafe { dot_q6k_n::<4, false>(row, [&acts[0], &acts[1], &acts[2], &acts[3]]) };
 }
 
 /// Bytes ahead of the super-block being computed whose lines the dense range kernels request
-/// into L1. Xeon, 2 threads, `bench kernels` (4096×11008 and 11008×4096, weights not in cache),
-/// two alternated sweeps, GB/s: Q4_K 14.7–18.1 through the one-row loop without requests,
-/// 26.5–30.3 at 1 KiB, **28.0–31.4 at 2 KiB**, 25.6–27.1 at 4 KiB,
-/// 25.1–26.8 at 8 KiB; Q5_K and Q6_K the same shape (25.2–27.2 and 28.4–31.4 at 2 KiB).
+/// into L1: the best of the distances swept (measurements: `docs/tuning.md`).
 const STREAM_AHEAD: usize = 2048;
 
 /// Requests the lines of the super-block [`STREAM_AHEAD`] bytes past `blk` (`bytes` long) into
@@ -372,14 +345,14 @@ fn stream_ahead(blk: *const u8, bytes: usize) {
 /// The dense product over rows `r` of `data` (K-quant rows of `row_bytes`, super-blocks of
 /// `BYTES`: 144 Q4_K, 176 Q5_K, 210 Q6_K), one row after another with a prefetch stream that
 /// runs on into the next rows.
-fn dot_range_k<const BYTES: usize>(
+pub(super) fn dot_range_k<const BYTES: usize>(
     data: &[u8],
     row_bytes: usize,
     r: std::ops::Range<usize>,
     a: &Act<'_>,
     y: &mut [f32],
 ) {
-    let nb = super::x86_sparse::range_blocks(data, row_bytes, &r, y, BYTES);
+    let nb = range_blocks(data, row_bytes, &r, y, BYTES);
     assert!(a.q.len() >= nb * 256 && a.bs.len() >= nb * 16 && a.d.len() >= nb);
     for (yi, i) in y.iter_mut().zip(r) {
         let row = &data[i * row_bytes..][..row_bytes];
