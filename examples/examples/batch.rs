@@ -35,10 +35,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let outs = engine.eval(&mut cache, &prompts_batch, EvalOptions::new())?;
     let mut samplers: Vec<Sampler> = (0..seqs.len())
         .map(|i| {
-            Sampler::new(SamplingParams {
-                seed: 42 + i as u64,
-                ..Default::default()
-            })
+            Sampler::new(SamplingParams::default().with(|p| {
+                p.seed = 42 + i as u64;
+            }))
         })
         .collect();
     let mut next: Vec<u32> = outs

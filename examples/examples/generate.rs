@@ -14,11 +14,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt = args.next().unwrap_or_else(|| "Once upon a time".into());
     let engine = Engine::load(&model, EngineOptions::default())?;
     let mut session = engine.session();
-    let params = SamplingParams {
-        max_tokens: 32,
-        seed: 42,
-        ..Default::default()
-    };
+    let params = SamplingParams::default().with(|p| {
+        p.max_tokens = 32;
+        p.seed = 42;
+    });
     for token in session.generate(&prompt, params) {
         print!("{}", token?.text);
     }

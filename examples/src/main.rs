@@ -33,6 +33,11 @@ enum Command {
     Run(Box<cmd::run::Args>),
     /// Write the logits of every position of a token sequence (little-endian f32 rows).
     Logits(cmd::logits::Args),
+    /// Decode N continuations of one prompt together (one batch per step), against one after
+    /// another.
+    Batched(Box<cmd::batched::Args>),
+    /// Perplexity of a model on a text, as llama.cpp's `llama-perplexity` computes it.
+    Perplexity(Box<cmd::perplexity::Args>),
     /// Plan which FFN neurons go to the GPU under a VRAM budget (writes the GPU index).
     Plan(cmd::plan::Args),
     /// Convert a Hugging Face LLaMA/Bamboo checkpoint and its predictors to a PowerInfer file.
@@ -78,6 +83,8 @@ fn main() -> ExitCode {
         Command::Quantize(args) => cmd::quantize::run(args),
         Command::Reorder(args) => cmd::reorder::run(args),
         Command::Run(args) => cmd::run::run(*args),
+        Command::Batched(args) => cmd::batched::run(*args),
+        Command::Perplexity(args) => cmd::perplexity::run(*args),
         Command::Logits(args) => cmd::logits::run(args),
         Command::Plan(args) => cmd::plan::run(args),
         Command::Convert(args) => cmd::convert::run(args),

@@ -69,6 +69,9 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `--gpu sim` with PowerInfer's GPU-index flags: the placement is built and written, reused,
+/// rebuilt, or disabled, and reported; the greedy text is the CPU engine's (Q8_0 weights: the
+/// device's partial sums change no token).
 #[test]
 fn gpu_index_flags_build_reuse_reset_disable() {
     let f = synth();
@@ -83,27 +86,42 @@ fn gpu_index_flags_build_reuse_reset_disable() {
         "--temp",
         "0",
     ];
-    let plain = powerinfer(&base);
+    let mut cpu = base.to_vec();
+    cpu.extend(["--gpu", "none"]);
+    let plain = powerinfer(&cpu);
     let gpuidx = PathBuf::from(format!("{}.generated.gpuidx", s(&f.sparse)));
     assert!(!gpuidx.exists());
 
     let run = |extra: &[&str]| {
         let mut a: Vec<&str> = base.to_vec();
+        a.extend(["--gpu", "sim"]);
         a.extend_from_slice(extra);
         let out = powerinfer(&a);
-        // The flags never change the text (every neuron runs on the CPU in this build).
         assert_eq!(out.stdout, plain.stdout, "{extra:?}");
         String::from_utf8(out.stderr).unwrap()
     };
-    let err = run(&["--vram-budget", "0.001"]);
-    assert!(err.contains("GPU index: built"), "{err}");
+    let err = run(&["--vram-budget", "0.01"]);
+    assert!(
+        err.contains("device: sim") && err.contains("(no cached GPU index)"),
+        "{err}"
+    );
     assert!(gpuidx.is_file());
-    let err = run(&["--vram-budget", "0.001"]);
-    assert!(err.contains("GPU index: reused"), "{err}");
-    let err = run(&["--vram-budget", "0.001", "--reset-gpu-index"]);
-    assert!(err.contains("GPU index: built"), "{err}");
-    let err = run(&["--vram-budget", "0.001", "--disable-gpu-index"]);
-    assert!(err.contains("GPU index: disabled"), "{err}");
+    let err = run(&["--vram-budget", "0.01"]);
+    assert!(err.contains("reused"), "{err}");
+    let err = run(&["--vram-budget", "0.01", "--reset-gpu-index"]);
+    assert!(err.contains("(--reset-gpu-index)"), "{err}");
+    let err = run(&["--vram-budget", "0.01", "--disable-gpu-index"]);
+    assert!(err.contains("GPU index disabled"), "{err}");
+    // `auto` without a GPU says so in one line and runs on the CPU.
+    if powerinfer_kernels_cuda::Gpu::detect().is_err() {
+        let out = powerinfer(&base);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("no usable GPU") && err.contains("runs on the CPU"),
+            "{err}"
+        );
+        assert_eq!(out.stdout, plain.stdout);
+    }
     // The index is read by our gguf reader as a PowerInfer GPU-index file.
     powerinfer(&["inspect", s(&gpuidx)]);
 }
@@ -370,6 +388,7 @@ fn run_profile_reports_every_operation() {
             "predictor",
             "ffn_up_gate",
             "ffn_down",
+            "device_wait",
             "output_head",
             "other",
             "total"
@@ -384,7 +403,7 @@ fn run_profile_reports_every_operation() {
     }
     for r in ops_rows {
         let op = r["op"].as_str().unwrap();
-        let reads = !matches!(op, "norm" | "other");
+        let reads = !matches!(op, "norm" | "other" | "device_wait");
         assert_eq!(f64_of(r, "mb_per_token") > 0.0, reads, "{op}");
         assert!(f64_of(r, "bandwidth_gbps") > 0.0);
     }
@@ -440,9 +459,9 @@ fn demo_runs_and_profiles_both_modes() {
     assert!(v["ffn_density"].as_f64().unwrap() < 0.5);
     for key in ["profile", "dense_profile"] {
         let rows = v[key].as_array().unwrap();
-        assert_eq!(rows.len(), 10, "{key}");
-        assert_eq!(rows[9]["op"], "total", "{key}");
-        assert!(rows[9]["mb_per_token"].as_f64().unwrap() > 0.0, "{key}");
+        assert_eq!(rows.len(), 11, "{key}");
+        assert_eq!(rows[10]["op"], "total", "{key}");
+        assert!(rows[10]["mb_per_token"].as_f64().unwrap() > 0.0, "{key}");
     }
     // The sparse run reads its predictor; the dense twin has none.
     let predictor_mb = |key: &str| {

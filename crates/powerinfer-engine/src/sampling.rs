@@ -2,8 +2,10 @@
 //! and a seeded random generator, applied in llama.cpp's order (penalties → top-k → top-p →
 //! min-p → temperature → draw). A temperature ≤ 0 picks the most likely token (greedy).
 
-/// Sampling settings.
+/// Sampling settings. Start from [`SamplingParams::default`] (llama.cpp's defaults) or
+/// [`SamplingParams::greedy`] and set what differs.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct SamplingParams {
     /// Temperature; ≤ 0 = greedy.
     pub temperature: f32,
@@ -53,6 +55,12 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// These settings changed by `f`: `SamplingParams::greedy(8).with(|p| p.seed = 3)`.
+    pub fn with(mut self, f: impl FnOnce(&mut Self)) -> Self {
+        f(&mut self);
+        self
+    }
+
     /// Greedy decoding of `max_tokens` tokens.
     pub fn greedy(max_tokens: usize) -> Self {
         SamplingParams {

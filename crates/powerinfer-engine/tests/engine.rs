@@ -225,10 +225,9 @@ fn block_equals_token_by_token() {
 fn generation_leaves_its_last_token_to_the_session() {
     let f = make(GgmlType::F32, Arch::Llama, 5);
     let engine = Engine::load(&f.dense, opts(false)).unwrap();
-    let params = SamplingParams {
-        stop_at_eog: false,
-        ..SamplingParams::greedy(4)
-    };
+    let params = SamplingParams::greedy(4).with(|p| {
+        p.stop_at_eog = false;
+    });
     let mut s = engine.session();
     let prompt = engine.tokenizer().encode("hello world", true, true);
     let toks: Vec<u32> = s
@@ -306,35 +305,33 @@ fn sampling_is_reproducible() {
             toks.iter().map(|t| t.text.as_str()).collect(),
         )
     };
-    let params = |seed| SamplingParams {
-        seed,
-        max_tokens: 12,
-        stop_at_eog: false,
-        temperature: 1.5,
-        ..Default::default()
+    let params = |seed| {
+        SamplingParams::default().with(|p| {
+            p.seed = seed;
+            p.max_tokens = 12;
+            p.stop_at_eog = false;
+            p.temperature = 1.5;
+        })
     };
     let a = run(params(5));
     assert_eq!(a.0.len(), 12);
     assert_eq!(a, run(params(5)));
-    let g = run(SamplingParams {
-        stop_at_eog: false,
-        ..SamplingParams::greedy(8)
-    });
+    let g = run(SamplingParams::greedy(8).with(|p| {
+        p.stop_at_eog = false;
+    }));
     assert_eq!(g.0.len(), 8);
     assert_eq!(
         g,
-        run(SamplingParams {
-            stop_at_eog: false,
-            ..SamplingParams::greedy(8)
-        })
+        run(SamplingParams::greedy(8).with(|p| {
+            p.stop_at_eog = false;
+        }))
     );
     // Stop strings end the generation at the token that completes them.
     if let Some(piece) = g.1.chars().next().map(String::from) {
-        let stopped = run(SamplingParams {
-            stop: vec![piece],
-            stop_at_eog: false,
-            ..SamplingParams::greedy(8)
-        });
+        let stopped = run(SamplingParams::greedy(8).with(|p| {
+            p.stop = vec![piece];
+            p.stop_at_eog = false;
+        }));
         assert!(stopped.0.len() < 8 || g.1.chars().count() == 1);
     }
 }

@@ -524,15 +524,14 @@ fn seeded_generation_is_deterministic() {
         let temperature = if arch == Family::Opt { 100.0 } else { 1.5 };
         let run = |seed| -> Vec<u32> {
             let mut s = engine.session();
-            let params = SamplingParams {
-                seed,
-                max_tokens: 16,
-                stop_at_eog: false,
-                temperature,
-                top_p: 1.0,
-                min_p: 0.0,
-                ..Default::default()
-            };
+            let params = SamplingParams::default().with(|p| {
+                p.seed = seed;
+                p.max_tokens = 16;
+                p.stop_at_eog = false;
+                p.temperature = temperature;
+                p.top_p = 1.0;
+                p.min_p = 0.0;
+            });
             s.generate("hello world", params)
                 .map(|t| t.unwrap().id)
                 .collect()

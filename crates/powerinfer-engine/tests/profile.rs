@@ -39,11 +39,10 @@ fn generate(
 ) {
     let mut s = engine.session();
     s.set_profiling(profile);
-    let params = SamplingParams {
-        temperature: 0.0,
-        max_tokens: n,
-        ..Default::default()
-    };
+    let params = SamplingParams::default().with(|p| {
+        p.temperature = 0.0;
+        p.max_tokens = n;
+    });
     let toks: Vec<u32> = s
         .generate("once upon a time", params)
         .map(|t| t.unwrap().id)

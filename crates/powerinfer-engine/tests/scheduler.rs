@@ -14,9 +14,7 @@ mod common;
 use common::make_family;
 
 fn greedy(n: usize) -> SamplingParams {
-    let mut p = SamplingParams::greedy(n);
-    p.stop_at_eog = false;
-    p
+    SamplingParams::greedy(n).with(|p| p.stop_at_eog = false)
 }
 
 /// Runs the scheduler to the end; each sequence's tokens and finish reason.

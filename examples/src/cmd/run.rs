@@ -31,9 +31,21 @@ pub struct Args {
     /// Read the prompt from this file instead (UTF-8, used as is).
     #[arg(short = 'f', long = "file", conflicts_with = "prompt")]
     pub file: Option<PathBuf>,
-    /// Tokens to generate.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
-    pub n_predict: usize,
+    /// Tokens to generate; -1: until an end-of-generation token or a stop string (the context
+    /// is shifted when it fills); -2: until the context is full.
+    #[arg(
+        short = 'n',
+        long = "n-predict",
+        default_value_t = 64,
+        allow_negative_numbers = true
+    )]
+    pub n_predict: i64,
+    /// Context shift: tokens kept at the start (besides a BOS) when a full context is halved.
+    #[arg(long = "keep", default_value_t = 0)]
+    pub keep: usize,
+    /// Stop with an error when the context is full instead of shifting it.
+    #[arg(long = "no-context-shift")]
+    pub no_context_shift: bool,
     /// Threads (0 = all cores).
     #[arg(short = 't', long = "threads", default_value_t = 0)]
     pub threads: usize,
@@ -108,20 +120,23 @@ pub struct Args {
 
 impl Args {
     fn sampling(&self) -> SamplingParams {
-        SamplingParams {
-            temperature: self.temp,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repeat_penalty: self.repeat_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            penalty_last_n: self.repeat_last_n,
-            seed: self.seed,
-            max_tokens: self.n_predict,
-            stop: self.stop.clone(),
-            stop_at_eog: !self.ignore_eos,
-        }
+        SamplingParams::default().with(|p| {
+            p.temperature = self.temp;
+            p.top_k = self.top_k;
+            p.top_p = self.top_p;
+            p.min_p = self.min_p;
+            p.repeat_penalty = self.repeat_penalty;
+            p.presence_penalty = self.presence_penalty;
+            p.frequency_penalty = self.frequency_penalty;
+            p.penalty_last_n = self.repeat_last_n;
+            p.seed = self.seed;
+            p.max_tokens = match self.n_predict {
+                n if n >= 0 => n as usize,
+                _ => usize::MAX,
+            };
+            p.stop = self.stop.clone();
+            p.stop_at_eog = !self.ignore_eos;
+        })
     }
 
     /// The prompt: `--file`'s contents, else `--prompt`.
@@ -157,11 +172,31 @@ struct Run {
 fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<Run, String> {
     let mut session = engine.session();
     session.set_profiling(args.profile);
+    // -2: until the context is full (then stop quietly); otherwise shift unless told not to.
+    let until_full = args.n_predict == -2;
+    session.set_context_shift((!args.no_context_shift && !until_full).then_some(args.keep));
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut out = std::io::stdout().lock();
     for tok in session.generate(prompt, args.sampling()) {
-        let tok = tok.map_err(|e| e.to_string())?;
+        let tok = match tok {
+            Ok(t) => t,
+            Err(powerinfer_engine::EngineError::ContextFull { .. }) if until_full => break,
+            Err(e) => {
+                if stream {
+                    let _ = writeln!(out);
+                }
+                return Err(format!(
+                    "{e} after {} generated tokens{}",
+                    tokens.len(),
+                    if args.no_context_shift {
+                        " (--no-context-shift; without it the context is shifted)"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+        };
         if stream {
             let _ = out.write_all(tok.text.as_bytes());
             let _ = out.flush();

@@ -24,11 +24,27 @@ use super::{
     WorkShape,
 };
 use crate::error::{EngineError, Result};
-use crate::exec::weights::{Slot, SLOTS};
 use crate::model::{Ffn, Model, Qkv, TensorRef};
 
 /// Neurons per placement group (PowerInfer's solver batch).
 const GROUP: usize = 256;
+
+/// A dense matrix of a layer: the ones one-token products may read repacked, and the ones
+/// a device may hold.
+#[derive(Clone, Copy)]
+pub(crate) enum Slot {
+    Q,
+    K,
+    V,
+    Qkv,
+    Wo,
+    Gate,
+    Up,
+    Down,
+}
+
+/// Number of [`Slot`]s.
+pub(crate) const SLOTS: usize = 8;
 
 /// A layer's hot neurons on the device.
 pub(crate) struct HotLayer {

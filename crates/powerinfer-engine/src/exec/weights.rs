@@ -7,7 +7,7 @@ use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_kernels_cpu::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
 use powerinfer_predictor::predictor::Predictor;
 
-use crate::device::placement::{Hybrid, HybridLayer};
+use crate::device::placement::{Hybrid, HybridLayer, Slot, SLOTS};
 use crate::device::{Device, HotId, MatId};
 use crate::error::Result;
 use crate::model::{Ffn, Model, Qkv, TensorRef};
@@ -110,23 +110,6 @@ pub(crate) struct ModelMats<'m> {
     /// The output head.
     pub(crate) output: Mat<'m>,
 }
-
-/// A dense matrix of a layer: the ones one-token products may read repacked, and the ones
-/// a device may hold.
-#[derive(Clone, Copy)]
-pub(crate) enum Slot {
-    Q,
-    K,
-    V,
-    Qkv,
-    Wo,
-    Gate,
-    Up,
-    Down,
-}
-
-/// Number of [`Slot`]s.
-pub(crate) const SLOTS: usize = 8;
 
 /// Repacked copies of the dense Q4_0 matrices of one-token products (`EngineOptions::repack`):
 /// each is made at the matrix's first one-token product (so loading and prompts, which read
