@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -338,7 +338,7 @@ impl Device for SimDevice {
             t,
             reply,
         })?;
-        let out = answer.recv().map_err(stopped)??;
+        let out = wait(&answer, REPLY_SPIN).map_err(stopped)??;
         copy_out(&out, y)
     }
 
@@ -351,7 +351,7 @@ impl Device for SimDevice {
             t,
             reply,
         })?;
-        let scores = answer.recv().map_err(stopped)??;
+        let scores = wait(&answer, REPLY_SPIN).map_err(stopped)??;
         copy_out(&scores, out)
     }
 
@@ -380,7 +380,7 @@ impl Device for SimDevice {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&ticket.0)
             .ok_or_else(|| EngineError::Device(format!("unknown device job {}", ticket.0)))?;
-        let (y, done) = answer.recv().map_err(stopped)??;
+        let (y, done) = wait(&answer, REPLY_SPIN).map_err(stopped)??;
         if y.len() != out.len() {
             return Err(EngineError::Device(format!(
                 "device output of {} values for {}",
@@ -394,6 +394,26 @@ impl Device for SimDevice {
 
     fn overruns(&self) -> u64 {
         self.overruns.load(Ordering::Relaxed)
+    }
+}
+
+/// How long the worker polls for the next command before it sleeps: a layer's commands come
+/// in bursts, and waking a sleeping thread costs tens of microseconds on a busy machine.
+const COMMAND_SPIN: Duration = Duration::from_micros(300);
+
+/// How long a caller polls for its answer before it sleeps (its core has nothing else to do).
+const REPLY_SPIN: Duration = Duration::from_millis(2);
+
+/// The next message of `rx`: polled for `spin`, then waited for.
+fn wait<T>(rx: &Receiver<T>, spin: Duration) -> std::result::Result<T, RecvError> {
+    let until = Instant::now() + spin;
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(TryRecvError::Disconnected) => return Err(RecvError),
+            Err(TryRecvError::Empty) if Instant::now() < until => std::hint::spin_loop(),
+            Err(TryRecvError::Empty) => return rx.recv(),
+        }
     }
 }
 
@@ -435,7 +455,7 @@ impl Stream {
         let pool = ThreadPool::new(self.threads);
         let mm = MatMul::new(&pool);
         let mut work = Work::empty();
-        while let Ok(cmd) = rx.recv() {
+        while let Ok(cmd) = wait(&rx, COMMAND_SPIN) {
             let start = Instant::now();
             match cmd {
                 Cmd::Work { shape, reply } => {
