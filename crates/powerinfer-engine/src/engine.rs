@@ -7,6 +7,7 @@ use powerinfer_gguf::GgufFile;
 use powerinfer_kernels_cpu::ops::rope::rope_shift;
 use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
 
+use crate::chat::ChatTemplate;
 use crate::device::placement::{self, Opened};
 use crate::device::{DeviceOptions, DeviceReport};
 use crate::error::Result;
@@ -184,6 +185,14 @@ impl Engine {
             note: self.device_note.clone(),
             ..DeviceReport::default()
         })
+    }
+
+    /// The chat template: `source` (a template name such as `chatml`, or Jinja text) when
+    /// given, else the model's `tokenizer.chat_template`, else ChatML.
+    pub fn chat_template(&self, source: Option<&str>) -> Result<ChatTemplate> {
+        let md = self.model.file().metadata();
+        let file = md.get("tokenizer.chat_template").and_then(|v| v.as_str());
+        ChatTemplate::for_model(&self.tokenizer, file, source)
     }
 
     /// The model.

@@ -33,6 +33,7 @@
 
 #![warn(missing_docs)]
 
+pub mod chat;
 #[cfg(feature = "tools")]
 pub mod convert;
 pub mod device;
@@ -52,6 +53,7 @@ mod session;
 pub mod synth;
 pub mod tokenizer;
 
+pub use chat::{ChatMessage, ChatTemplate};
 pub use device::{DeviceChoice, DeviceOptions, DeviceReport, GpuIndexMode, SimOptions, SimSpeed};
 pub use engine::{Engine, EngineOptions};
 pub use error::{EngineError, Result};
