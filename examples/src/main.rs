@@ -38,6 +38,8 @@ enum Command {
     Batched(Box<cmd::batched::Args>),
     /// Perplexity of a model on a text, as llama.cpp's `llama-perplexity` computes it.
     Perplexity(Box<cmd::perplexity::Args>),
+    /// An OpenAI-compatible HTTP server (completions, chat, streaming) with a chat page.
+    Serve(Box<cmd::serve::Args>),
     /// Plan which FFN neurons go to the GPU under a VRAM budget (writes the GPU index).
     Plan(cmd::plan::Args),
     /// Convert a Hugging Face LLaMA/Bamboo checkpoint and its predictors to a PowerInfer file.
@@ -85,6 +87,7 @@ fn main() -> ExitCode {
         Command::Run(args) => cmd::run::run(*args),
         Command::Batched(args) => cmd::batched::run(*args),
         Command::Perplexity(args) => cmd::perplexity::run(*args),
+        Command::Serve(args) => cmd::serve::run(*args),
         Command::Logits(args) => cmd::logits::run(args),
         Command::Plan(args) => cmd::plan::run(args),
         Command::Convert(args) => cmd::convert::run(args),

@@ -295,3 +295,15 @@ impl Engine {
         self.exec.eval(&self.model, &self.pool, cache, batch, opts)
     }
 }
+
+#[cfg(test)]
+mod send_sync {
+    fn is_send_sync<T: Send + Sync>() {}
+
+    /// One engine can be shared by threads (a server's handlers tokenize while a worker thread
+    /// decodes).
+    #[test]
+    fn engine_is_send_and_sync() {
+        is_send_sync::<super::Engine>();
+    }
+}

@@ -149,6 +149,8 @@ pub struct Scheduler<'e> {
     /// Steps evaluated, and tokens in them.
     steps: u64,
     tokens: u64,
+    /// Sum over evaluated tokens of their mean FFN density.
+    density: f64,
 }
 
 impl<'e> Scheduler<'e> {
@@ -166,6 +168,7 @@ impl<'e> Scheduler<'e> {
             next_handle: 0,
             steps: 0,
             tokens: 0,
+            density: 0.0,
         }
     }
 
@@ -246,6 +249,15 @@ impl<'e> Scheduler<'e> {
         (self.steps, self.tokens)
     }
 
+    /// Mean FFN density (share of neurons computed) over every token evaluated so far.
+    pub fn ffn_density(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.density / self.tokens as f64
+        }
+    }
+
     fn free(&mut self, s: &Seq<'_>) {
         if let Some(slot) = s.slot {
             let _ = self.cache.remove_sequence(slot);
@@ -283,11 +295,12 @@ impl<'e> Scheduler<'e> {
         self.steps += 1;
         let mut ended = Vec::new();
         for ((i, tokens), out) in plan.iter().zip(outputs) {
-            let Some(mut logits) = out else {
+            let Some((mut logits, density)) = out else {
                 ended.push(*i);
                 continue;
             };
             self.tokens += tokens.len() as u64;
+            self.density += density;
             let s = &mut self.seqs[*i];
             if let Phase::Prefill { done } = &mut s.phase {
                 *done += tokens.len();
@@ -408,7 +421,7 @@ impl<'e> Scheduler<'e> {
         &mut self,
         plan: &[(usize, Vec<u32>)],
         events: &mut Vec<Event>,
-    ) -> Vec<Option<Vec<f32>>> {
+    ) -> Vec<Option<(Vec<f32>, f64)>> {
         let mut batch = Batch::new();
         for (i, tokens) in plan {
             batch.push(
@@ -420,7 +433,7 @@ impl<'e> Scheduler<'e> {
             .engine
             .eval(&mut self.cache, &batch, EvalOptions::new())
         {
-            Ok(outs) => outs.into_iter().map(|o| Some(o.logits)).collect(),
+            Ok(outs) => outs.into_iter().map(|o| Some(split(o))).collect(),
             Err(_) => {
                 // A failed evaluation leaves the cache as it was: each segment is tried alone.
                 let mut out = Vec::with_capacity(plan.len());
@@ -428,7 +441,7 @@ impl<'e> Scheduler<'e> {
                     let slot = self.seqs[*i].slot.expect("a planned sequence has a slot");
                     let one = Batch::one(slot, tokens);
                     match self.engine.eval(&mut self.cache, &one, EvalOptions::new()) {
-                        Ok(mut o) => out.push(o.pop().map(|o| o.logits)),
+                        Ok(mut o) => out.push(o.pop().map(split)),
                         Err(e) => {
                             events.push(finished(&self.seqs[*i], Finish::Error(e.to_string())));
                             out.push(None);
@@ -439,6 +452,12 @@ impl<'e> Scheduler<'e> {
             }
         }
     }
+}
+
+/// An output's logits and the sum of its tokens' FFN densities.
+fn split(o: crate::exec::EvalOutput) -> (Vec<f32>, f64) {
+    let d = o.density.iter().map(|&d| f64::from(d)).sum();
+    (o.logits, d)
 }
 
 fn finished(s: &Seq<'_>, reason: Finish) -> Event {

@@ -31,6 +31,9 @@ enum What {
     /// Decode speed of the engine (dense and sparse), bytes read per token against memory
     /// bandwidth, optionally side by side with llama.cpp's `llama-bench`.
     Decode(super::bench_decode::DecodeArgs),
+    /// A bounded load test of `powerinfer serve`: concurrent streaming clients on the loopback
+    /// address; throughput, time to first token and between tokens.
+    Serve(super::bench_serve::ServeArgs),
 }
 
 /// Arguments of `powerinfer bench kernels`.
@@ -84,6 +87,7 @@ pub fn run(args: Args) -> Result<(), String> {
     match args.what {
         What::Kernels(a) => kernels(a),
         What::Decode(a) => super::bench_decode::run(a),
+        What::Serve(a) => super::bench_serve::run(a),
     }
 }
 

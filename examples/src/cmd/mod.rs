@@ -4,6 +4,7 @@
 pub mod batched;
 pub mod bench;
 pub mod bench_decode;
+pub mod bench_serve;
 pub mod convert;
 pub mod device;
 pub mod inspect;
@@ -15,6 +16,7 @@ pub mod progress;
 pub mod quantize;
 pub mod reorder;
 pub mod run;
+pub mod serve;
 pub mod synth;
 pub mod tokenize;
 pub mod train_predictor;

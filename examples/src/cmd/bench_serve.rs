@@ -1,0 +1,260 @@
+//! `powerinfer bench serve -m MODEL [--clients 64 --requests 128 --max-tokens 32]`: a bounded
+//! load test of `powerinfer serve` on the loopback address. The server is started as a child
+//! process (`--parallel`, `-t` and the device flags go to it); `--clients` concurrent clients
+//! send streaming chat requests until `--requests` have been made, then everything stops. It
+//! reports throughput (generated tokens per second of wall time), time to first token and the
+//! time between tokens (p50, p99), and every failed request.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::json;
+use tokio::sync::Mutex;
+
+/// Arguments of `powerinfer bench serve`.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Model file.
+    #[arg(short = 'm', long = "model")]
+    model: PathBuf,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Requests in all.
+    #[arg(long, default_value_t = 128)]
+    requests: usize,
+    /// Tokens each request generates.
+    #[arg(long = "max-tokens", default_value_t = 32)]
+    max_tokens: usize,
+    /// The server's decoding slots.
+    #[arg(long, default_value_t = 8)]
+    parallel: usize,
+    /// The server's threads (0: all cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    threads: usize,
+    /// Extra flags for `powerinfer serve` (e.g. `--server-args=--gpu=sim`).
+    #[arg(long = "server-args", allow_hyphen_values = true)]
+    server_args: Vec<String>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What one request measured.
+#[derive(Default)]
+struct Sample {
+    ttft: Option<Duration>,
+    gaps: Vec<Duration>,
+    tokens: usize,
+    error: Option<String>,
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i]
+}
+
+async fn one(client: &reqwest::Client, url: &str, i: usize, max_tokens: usize) -> Sample {
+    let body = json!({
+        "messages": [{"role": "user", "content": format!("Tell me story number {i}.")}],
+        "max_tokens": max_tokens, "stream": true, "temperature": 0.7, "seed": i,
+    });
+    let start = Instant::now();
+    let mut s = Sample::default();
+    let resp = match client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+    {
+        Ok(r) if r.status().is_success() => r,
+        Ok(r) => {
+            s.error = Some(format!("HTTP {}", r.status()));
+            return s;
+        }
+        Err(e) => {
+            s.error = Some(e.to_string());
+            return s;
+        }
+    };
+    let mut last = start;
+    let mut buf = String::new();
+    let mut stream = resp.bytes_stream();
+    let mut done = false;
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                s.error = Some(e.to_string());
+                return s;
+            }
+        };
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(cut) = buf.find("\n\n") {
+            let event: String = buf.drain(..cut + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+            let has_text = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty());
+            if has_text {
+                let now = Instant::now();
+                match s.ttft {
+                    None => s.ttft = Some(now - start),
+                    Some(_) => s.gaps.push(now - last),
+                }
+                last = now;
+                s.tokens += 1;
+            }
+        }
+    }
+    if !done {
+        s.error = Some("the stream ended without [DONE]".into());
+    }
+    s
+}
+
+/// Runs `powerinfer bench serve`.
+pub fn run(a: ServeArgs) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(exe)
+        .args(["serve", "-m"])
+        .arg(&a.model)
+        .args(["--port", "0", "--parallel", &a.parallel.to_string()])
+        .args([
+            "-t",
+            &a.threads.to_string(),
+            "--queue",
+            &a.requests.to_string(),
+        ])
+        .args(&a.server_args)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut lines = BufReader::new(child.stderr.take().expect("piped")).lines();
+    let url = loop {
+        match lines.next() {
+            Some(Ok(l)) => {
+                if let Some(u) = l.strip_prefix("listening on ") {
+                    break u.to_string();
+                }
+                eprintln!("server: {l}");
+            }
+            _ => {
+                let _ = child.kill();
+                return Err("the server did not start".into());
+            }
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let (samples, wall) = rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .pool_max_idle_per_host(a.clients)
+            .build()
+            .expect("an HTTP client");
+        let next = Arc::new(Mutex::new(0usize));
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..a.clients)
+            .map(|_| {
+                let (client, url, next, samples) =
+                    (client.clone(), url.clone(), next.clone(), samples.clone());
+                let (total, max_tokens) = (a.requests, a.max_tokens);
+                tokio::spawn(async move {
+                    loop {
+                        let i = {
+                            let mut n = next.lock().await;
+                            if *n >= total {
+                                return;
+                            }
+                            *n += 1;
+                            *n - 1
+                        };
+                        let s = one(&client, &url, i, max_tokens).await;
+                        samples.lock().await.push(s);
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+        let wall = start.elapsed();
+        let samples = std::mem::take(&mut *samples.lock().await);
+        (samples, wall)
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let failed: Vec<&String> = samples.iter().filter_map(|s| s.error.as_ref()).collect();
+    let tokens: usize = samples.iter().map(|s| s.tokens).sum();
+    let mut ttft: Vec<f64> = samples
+        .iter()
+        .filter_map(|s| s.ttft.map(|d| d.as_secs_f64() * 1e3))
+        .collect();
+    let mut gaps: Vec<f64> = samples
+        .iter()
+        .flat_map(|s| s.gaps.iter().map(|d| d.as_secs_f64() * 1e3))
+        .collect();
+    let tps = tokens as f64 / wall.as_secs_f64();
+    let report = json!({
+        "model": a.model.display().to_string(),
+        "clients": a.clients, "requests": samples.len(), "failed": failed.len(),
+        "parallel": a.parallel, "max_tokens": a.max_tokens,
+        "tokens": tokens, "seconds": wall.as_secs_f64(), "tokens_per_second": tps,
+        "ttft_ms_p50": percentile(&mut ttft, 0.5), "ttft_ms_p99": percentile(&mut ttft, 0.99),
+        "token_ms_p50": percentile(&mut gaps, 0.5), "token_ms_p99": percentile(&mut gaps, 0.99),
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        let f = |k: &str| report[k].as_f64().unwrap_or(0.0);
+        println!(
+            "{} requests from {} clients ({} slots): {} failed; {tokens} tokens in {:.2} s = {tps:.1} tokens/s",
+            samples.len(),
+            a.clients,
+            a.parallel,
+            failed.len(),
+            wall.as_secs_f64()
+        );
+        println!(
+            "time to first token: p50 {:.1} ms, p99 {:.1} ms; between tokens: p50 {:.2} ms, p99 {:.2} ms",
+            f("ttft_ms_p50"),
+            f("ttft_ms_p99"),
+            f("token_ms_p50"),
+            f("token_ms_p99")
+        );
+        for e in failed.iter().take(5) {
+            println!("failed: {e}");
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} of {} requests failed",
+            failed.len(),
+            samples.len()
+        ))
+    }
+}

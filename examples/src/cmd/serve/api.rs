@@ -1,0 +1,656 @@
+//! The OpenAI-compatible handlers: request validation (OpenAI-style error bodies), sampling
+//! parameters as OpenAI and llama.cpp name them, completions and chat completions, streamed as
+//! server-sent events or not.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream, StreamExt};
+use powerinfer_engine::{ChatMessage, ChatTemplate, Engine, Finish, SamplingParams};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use super::metrics::Metrics;
+use super::worker::{Command, Refused, Update};
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// The engine (tokenizer and hyper-parameters; the decoding thread shares it).
+    pub engine: Arc<Engine>,
+    /// The model's id in requests and `/v1/models`.
+    pub model_id: String,
+    /// To the decoding thread.
+    pub commands: std::sync::mpsc::Sender<Command>,
+    /// The chat template.
+    pub template: Arc<ChatTemplate>,
+    /// Required `Authorization: Bearer` key, if any.
+    pub api_key: Option<String>,
+    /// Counters.
+    pub metrics: Arc<Metrics>,
+    /// KV positions per sequence.
+    pub ctx: usize,
+}
+
+/// An OpenAI-style error response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
+    }
+
+    /// 401 for a wrong or missing key.
+    pub fn unauthorized() -> ApiError {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "Invalid or missing API key (Authorization: Bearer ...)".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    /// The response, counted in `metrics`.
+    pub fn respond(self, metrics: &Metrics) -> Response {
+        metrics.response(self.status.as_u16());
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        });
+        (self.status, Json(body)).into_response()
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn request_id(prefix: &str) -> String {
+    let n = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{prefix}-{n:x}")
+}
+
+/// Checks the API key of a request.
+pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    match &state.api_key {
+        None => true,
+        Some(key) => headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|k| k == key),
+    }
+}
+
+/// An optional number field.
+fn num(body: &Value, key: &'static str) -> Result<Option<f64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad(format!("'{key}' must be a number"), Some(key))),
+    }
+}
+
+/// An optional integer field.
+fn int(body: &Value, key: &'static str) -> Result<Option<i64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad(format!("'{key}' must be an integer"), Some(key))),
+    }
+}
+
+/// An optional boolean field.
+fn boolean(body: &Value, key: &'static str) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::bad(
+            format!("'{key}' must be a boolean"),
+            Some(key),
+        )),
+    }
+}
+
+/// A number field within `lo ..= hi`.
+fn ranged(body: &Value, key: &'static str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    match num(body, key)? {
+        Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::bad(
+            format!("'{key}' must be between {lo} and {hi}, got {v}"),
+            Some(key),
+        )),
+        v => Ok(v),
+    }
+}
+
+/// What a request asks for beyond its prompt.
+struct Ask {
+    params: SamplingParams,
+    n: usize,
+    stream: bool,
+}
+
+/// Sampling parameters of `body` for a prompt of `prompt_len` tokens.
+fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiError> {
+    if let Some(m) = body.get("model").and_then(Value::as_str) {
+        if m != state.model_id {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "The model '{m}' does not exist; this server serves '{}'",
+                    state.model_id
+                ),
+                kind: "invalid_request_error",
+                param: Some("model"),
+                code: Some("model_not_found"),
+            });
+        }
+    }
+    if prompt_len == 0 {
+        return Err(ApiError::bad("the prompt has no tokens", Some("prompt")));
+    }
+    if prompt_len >= state.ctx {
+        return Err(ApiError::bad(
+            format!(
+                "the prompt has {prompt_len} tokens; the context holds {} (one is needed to \
+                 generate)",
+                state.ctx
+            ),
+            Some("prompt"),
+        ));
+    }
+    let room = state.ctx - prompt_len;
+    let max_tokens = match int(body, "max_tokens")?.or(int(body, "max_completion_tokens")?) {
+        None => room,
+        Some(n) if n <= 0 => {
+            return Err(ApiError::bad(
+                format!("'max_tokens' must be at least 1, got {n}"),
+                Some("max_tokens"),
+            ))
+        }
+        Some(n) if n as u64 > room as u64 => return Err(ApiError::bad(
+            format!(
+                "'max_tokens' {n} and the prompt's {prompt_len} tokens exceed the context of {}",
+                state.ctx
+            ),
+            Some("max_tokens"),
+        )),
+        Some(n) => n as usize,
+    };
+    let stop = match body.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(String::from))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ApiError::bad("'stop' must be a string or strings", Some("stop")))?,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'stop' must be a string or strings",
+                Some("stop"),
+            ))
+        }
+    };
+    let n = match int(body, "n")? {
+        None => 1,
+        Some(n) if (1..=8).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::bad(
+                format!("'n' must be 1 to 8, got {n}"),
+                Some("n"),
+            ))
+        }
+    };
+    let stream = boolean(body, "stream")?;
+    if stream && n > 1 {
+        return Err(ApiError::bad("'n' > 1 cannot be streamed", Some("n")));
+    }
+    let temperature = ranged(body, "temperature", 0.0, 2.0)?;
+    let top_p = ranged(body, "top_p", f64::MIN_POSITIVE, 1.0)?;
+    let min_p = ranged(body, "min_p", 0.0, 1.0)?;
+    let presence = ranged(body, "presence_penalty", -2.0, 2.0)?;
+    let frequency = ranged(body, "frequency_penalty", -2.0, 2.0)?;
+    let repeat = ranged(body, "repeat_penalty", 0.0, 10.0)?;
+    let top_k = match int(body, "top_k")? {
+        Some(k) if k < 0 => return Err(ApiError::bad("'top_k' must be 0 or more", Some("top_k"))),
+        k => k,
+    };
+    let seed = int(body, "seed")?.map(|s| s as u64).unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let params = SamplingParams::default().with(|p| {
+        p.temperature = temperature.map_or(p.temperature, |v| v as f32);
+        p.top_p = top_p.map_or(p.top_p, |v| v as f32);
+        p.min_p = min_p.map_or(p.min_p, |v| v as f32);
+        p.presence_penalty = presence.map_or(0.0, |v| v as f32);
+        p.frequency_penalty = frequency.map_or(0.0, |v| v as f32);
+        p.repeat_penalty = repeat.map_or(1.0, |v| v as f32);
+        p.top_k = top_k.map_or(p.top_k, |k| k as usize);
+        p.seed = seed;
+        p.max_tokens = max_tokens;
+        p.stop = stop;
+    });
+    Ok(Ask { params, n, stream })
+}
+
+/// Starts a sequence on the decoding thread; its updates.
+async fn submit(
+    state: &AppState,
+    tokens: Vec<u32>,
+    params: SamplingParams,
+) -> Result<mpsc::UnboundedReceiver<Update>, ApiError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (reply, answer) = oneshot::channel();
+    let cmd = Command::Submit {
+        tokens,
+        params,
+        updates: tx,
+        reply,
+    };
+    let down = || ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        message: "the decoding thread has stopped".into(),
+        kind: "server_error",
+        param: None,
+        code: None,
+    };
+    state.commands.send(cmd).map_err(|_| down())?;
+    match answer.await.map_err(|_| down())? {
+        Ok(_) => Ok(rx),
+        Err(Refused::Busy) => Err(ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: "every decoding slot and the queue are full; retry later".into(),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("server_busy"),
+        }),
+        Err(Refused::Invalid(m)) => Err(ApiError::bad(m, Some("prompt"))),
+    }
+}
+
+/// OpenAI's name for how a sequence ended.
+fn finish_reason(f: &Finish) -> &'static str {
+    match f {
+        Finish::Length | Finish::ContextFull => "length",
+        _ => "stop",
+    }
+}
+
+/// A finished sequence's text, cut before its stop string.
+fn cut_at_stop(text: &str, f: &Finish) -> String {
+    match f {
+        Finish::Stop(s) => text
+            .find(s.as_str())
+            .map_or(text, |i| &text[..i])
+            .to_string(),
+        _ => text.to_string(),
+    }
+}
+
+/// Collects a whole sequence: text, finish, prompt and generated token counts.
+async fn collect(
+    mut rx: mpsc::UnboundedReceiver<Update>,
+) -> Result<(String, Finish, usize, usize), ApiError> {
+    let mut text = String::new();
+    while let Some(u) = rx.recv().await {
+        match u {
+            Update::Text(t) => text.push_str(&t),
+            Update::Done {
+                reason: Finish::Error(e),
+                ..
+            } => {
+                return Err(ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: e,
+                    kind: "server_error",
+                    param: None,
+                    code: None,
+                })
+            }
+            Update::Done {
+                reason,
+                prompt_tokens,
+                generated,
+            } => {
+                let text = cut_at_stop(&text, &reason);
+                return Ok((text, reason, prompt_tokens, generated));
+            }
+        }
+    }
+    Err(ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message: "the sequence ended without a result".into(),
+        kind: "server_error",
+        param: None,
+        code: None,
+    })
+}
+
+/// The streamed text of one sequence: pieces held back while they could begin a stop string,
+/// then cut before it; the last item carries the finish and the token counts.
+fn text_stream(
+    rx: mpsc::UnboundedReceiver<Update>,
+    stops: Vec<String>,
+) -> impl Stream<Item = (String, Option<(Finish, usize, usize)>)> {
+    stream::unfold(
+        (rx, String::new(), false),
+        move |(mut rx, mut held, done)| {
+            let stops = stops.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    match rx.recv().await {
+                        Some(Update::Text(t)) => {
+                            held.push_str(&t);
+                            // Keep what could be the start of a stop string.
+                            let keep = stops
+                                .iter()
+                                .filter(|s| !s.is_empty())
+                                .flat_map(|s| {
+                                    (1..s.len())
+                                        .filter(|&k| s.is_char_boundary(k))
+                                        .filter(|&k| held.ends_with(&s[..k]))
+                                })
+                                .max()
+                                .unwrap_or(0);
+                            let cut = held.len() - keep;
+                            if cut > 0 {
+                                let out: String = held.drain(..cut).collect();
+                                return Some(((out, None), (rx, held, false)));
+                            }
+                        }
+                        Some(Update::Done {
+                            reason,
+                            prompt_tokens,
+                            generated,
+                        }) => {
+                            let out = cut_at_stop(&held, &reason);
+                            return Some((
+                                (out, Some((reason, prompt_tokens, generated))),
+                                (rx, String::new(), true),
+                            ));
+                        }
+                        None => return None,
+                    }
+                }
+            }
+        },
+    )
+}
+
+fn usage(prompt: usize, generated: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated})
+}
+
+/// The JSON body of a request, or a 400.
+fn body_json(bytes: &Bytes) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::bad("the body must be a JSON object", None));
+    }
+    Ok(v)
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> Response {
+    if !authorized(&state, &headers) {
+        return ApiError::unauthorized().respond(&state.metrics);
+    }
+    match completions_inner(&state, &bytes).await {
+        Ok(r) => r,
+        Err(e) => e.respond(&state.metrics),
+    }
+}
+
+async fn completions_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiError> {
+    let body = body_json(bytes)?;
+    let tok = state.engine.tokenizer();
+    let bad_prompt = || {
+        ApiError::bad(
+            "'prompt' must be a string, one string in an array, or an array of token ids",
+            Some("prompt"),
+        )
+    };
+    let tokens: Vec<u32> = match body.get("prompt") {
+        Some(Value::String(s)) => tok.encode(s, true, false),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            tok.encode(a[0].as_str().unwrap_or(""), true, false)
+        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
+            .iter()
+            .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(bad_prompt)?,
+        None => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
+        _ => return Err(bad_prompt()),
+    };
+    let ask = ask(state, &body, tokens.len())?;
+    let id = request_id("cmpl");
+    let model = state.model_id.clone();
+    if ask.stream {
+        let rx = submit(state, tokens, ask.params.clone()).await?;
+        state.metrics.response(200);
+        let events = text_stream(rx, ask.params.stop.clone()).flat_map(move |(text, end)| {
+            let mut out = vec![];
+            let mut chunk = json!({
+                "id": id, "object": "text_completion", "created": now(), "model": model,
+                "choices": [{"text": text, "index": 0, "logprobs": null,
+                             "finish_reason": end.as_ref().map(|e| finish_reason(&e.0))}],
+            });
+            if let Some((_, p, g)) = &end {
+                chunk["usage"] = usage(*p, *g);
+            }
+            out.push(Ok::<_, Infallible>(
+                SseEvent::default().data(chunk.to_string()),
+            ));
+            if end.is_some() {
+                out.push(Ok(SseEvent::default().data("[DONE]")));
+            }
+            stream::iter(out)
+        });
+        return Ok(Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut generated) = (0, 0);
+    let mut pending = Vec::new();
+    for i in 0..ask.n {
+        let params = ask.params.clone().with(|p| p.seed += i as u64);
+        pending.push(submit(state, tokens.clone(), params).await?);
+    }
+    for (i, rx) in pending.into_iter().enumerate() {
+        let (text, reason, p, g) = collect(rx).await?;
+        prompt_tokens = p;
+        generated += g;
+        choices.push(json!({"text": text, "index": i, "logprobs": null,
+                            "finish_reason": finish_reason(&reason)}));
+    }
+    state.metrics.response(200);
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": now(), "model": model,
+        "choices": choices, "usage": usage(prompt_tokens, generated),
+    }))
+    .into_response())
+}
+
+/// The messages of a chat request.
+fn messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+    let bad = |m: &str| ApiError::bad(m, Some("messages"));
+    let list = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("'messages' must be an array of messages"))?;
+    if list.is_empty() {
+        return Err(bad("'messages' is empty"));
+    }
+    list.iter()
+        .map(|m| {
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("every message needs a 'role' string"))?;
+            let content = match m.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| match (p.get("type"), p.get("text")) {
+                        (Some(t), Some(Value::String(s))) if t == "text" => Ok(s.as_str()),
+                        _ => Err(bad("only text content parts are supported")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat(),
+                Some(Value::Null) | None => String::new(),
+                _ => return Err(bad("a message's 'content' must be a string or text parts")),
+            };
+            Ok(ChatMessage::new(role, content))
+        })
+        .collect()
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> Response {
+    if !authorized(&state, &headers) {
+        return ApiError::unauthorized().respond(&state.metrics);
+    }
+    match chat_inner(&state, &bytes).await {
+        Ok(r) => r,
+        Err(e) => e.respond(&state.metrics),
+    }
+}
+
+async fn chat_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiError> {
+    let body = body_json(bytes)?;
+    let msgs = messages(&body)?;
+    let prompt = state
+        .template
+        .render(&msgs, true)
+        .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
+    let bos = state.template.bos_token();
+    let add_bos = bos.is_empty() || !prompt.starts_with(bos);
+    let tokens = state.engine.tokenizer().encode(&prompt, add_bos, true);
+    let ask = ask(state, &body, tokens.len())?;
+    let id = request_id("chatcmpl");
+    let model = state.model_id.clone();
+    if ask.stream {
+        let rx = submit(state, tokens, ask.params.clone()).await?;
+        state.metrics.response(200);
+        let first = json!({
+            "id": id, "object": "chat.completion.chunk", "created": now(), "model": model,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "finish_reason": null}],
+        });
+        let head = stream::iter(vec![Ok::<_, Infallible>(
+            SseEvent::default().data(first.to_string()),
+        )]);
+        let body = text_stream(rx, ask.params.stop.clone()).flat_map(move |(text, end)| {
+            let mut out = vec![];
+            let delta = if text.is_empty() {
+                json!({})
+            } else {
+                json!({"content": text})
+            };
+            let mut chunk = json!({
+                "id": id, "object": "chat.completion.chunk", "created": now(), "model": model,
+                "choices": [{"index": 0, "delta": delta,
+                             "finish_reason": end.as_ref().map(|e| finish_reason(&e.0))}],
+            });
+            if let Some((_, p, g)) = &end {
+                chunk["usage"] = usage(*p, *g);
+            }
+            out.push(Ok::<_, Infallible>(
+                SseEvent::default().data(chunk.to_string()),
+            ));
+            if end.is_some() {
+                out.push(Ok(SseEvent::default().data("[DONE]")));
+            }
+            stream::iter(out)
+        });
+        return Ok(Sse::new(head.chain(body))
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut generated) = (0, 0);
+    let mut pending = Vec::new();
+    for i in 0..ask.n {
+        let params = ask.params.clone().with(|p| p.seed += i as u64);
+        pending.push(submit(state, tokens.clone(), params).await?);
+    }
+    for (i, rx) in pending.into_iter().enumerate() {
+        let (text, reason, p, g) = collect(rx).await?;
+        prompt_tokens = p;
+        generated += g;
+        choices.push(
+            json!({"index": i, "message": {"role": "assistant", "content": text},
+                            "finish_reason": finish_reason(&reason)}),
+        );
+    }
+    state.metrics.response(200);
+    Ok(Json(json!({
+        "id": id, "object": "chat.completion", "created": now(), "model": model,
+        "choices": choices, "usage": usage(prompt_tokens, generated),
+    }))
+    .into_response())
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if !authorized(&state, &headers) {
+        return ApiError::unauthorized().respond(&state.metrics);
+    }
+    state.metrics.response(200);
+    Json(json!({
+        "object": "list",
+        "data": [{"id": state.model_id, "object": "model", "created": now(),
+                  "owned_by": "powerinfer-rs"}],
+    }))
+    .into_response()
+}
