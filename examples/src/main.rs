@@ -74,9 +74,49 @@ fn exit_quietly_on_broken_pipe() {
     }));
 }
 
+/// llama.cpp's multi-letter short flags (one dash, several letters), which a parser of single
+/// letters would read as a short flag with a value (`-ngl 99` as `-n gl`): each is rewritten
+/// to its long form here, or refused with what to use instead.
+const LLAMA_SHORT: &[(&str, Result<&str, &str>)] = &[
+    ("-cnv", Ok("--conversation")),
+    ("-sys", Ok("--system-prompt")),
+    ("-ngl", Ok("--n-gpu-layers")),
+    ("-np", Ok("--parallel")),
+    ("-fa", Err("flash attention is not a switch here: attention always runs as one fused kernel; drop -fa")),
+    ("-ctk", Err("the KV cache is always F16 here; drop -ctk")),
+    ("-ctv", Err("the KV cache is always F16 here; drop -ctv")),
+    ("-mli", Err("multi-line input is not supported; end each message with Enter")),
+];
+
+/// The command line with llama.cpp's multi-letter short flags rewritten (see [`LLAMA_SHORT`]),
+/// or the message refusing one.
+fn llama_flags(
+    args: impl Iterator<Item = std::ffi::OsString>,
+) -> Result<Vec<std::ffi::OsString>, String> {
+    args.map(|a| {
+        let flag = a.to_str().map(|s| s.split_once('=').map_or(s, |(f, _)| f));
+        match flag.and_then(|f| LLAMA_SHORT.iter().find(|(k, _)| *k == f)) {
+            None => Ok(a),
+            Some((k, Ok(long))) => {
+                let s = a.to_str().unwrap_or_default();
+                Ok(format!("{long}{}", &s[k.len()..]).into())
+            }
+            Some((k, Err(why))) => Err(format!("{k}: {why}")),
+        }
+    })
+    .collect()
+}
+
 fn main() -> ExitCode {
     exit_quietly_on_broken_pipe();
-    let cli = Cli::parse();
+    let argv = match llama_flags(std::env::args_os()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     let result = match cli.command {
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Bench(args) => cmd::bench::run(args),

@@ -178,6 +178,18 @@ impl KvCache {
         Ok(())
     }
 
+    /// Keeps only the first `n` positions of `seq` (no-op when it holds fewer).
+    pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        let w = self.n_embd_kv;
+        let s = self.slot_mut(seq)?;
+        s.pos = s.pos.min(n);
+        let len = s.pos * w;
+        s.k.iter_mut()
+            .chain(s.v.iter_mut())
+            .for_each(|r| r.truncate(len));
+        Ok(())
+    }
+
     /// Drops the rows appended to `seq` since its last advance (an evaluation that failed).
     pub(crate) fn rollback(&mut self, seq: SeqId) {
         let n = self.n_embd_kv;

@@ -292,20 +292,41 @@ impl<'e> Session<'e> {
     /// one token per call; it ends after `max_tokens` tokens, at an end-of-generation token
     /// (not returned) if `stop_at_eog`, or after the token whose text completes a stop string.
     pub fn generate<'s>(&'s mut self, prompt: &str, params: SamplingParams) -> Generate<'s, 'e> {
-        let engine = self.engine;
         let add_bos = self.n_past() == 0;
-        let prompt_tokens = engine.tokenizer().encode(prompt, add_bos, true);
+        let tokens = self.engine.tokenizer().encode(prompt, add_bos, true);
+        self.generate_tokens(tokens, params)
+    }
+
+    /// [`generate`](Self::generate) after the given prompt tokens (a chat turn rendered by a
+    /// template, say) instead of a text.
+    pub fn generate_tokens<'s>(
+        &'s mut self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Generate<'s, 'e> {
         Generate {
-            decoder: engine.tokenizer().stream_decoder(false),
+            decoder: self.engine.tokenizer().stream_decoder(false),
             session: self,
             sampler: Sampler::new(params),
-            prompt: Some(prompt_tokens),
+            prompt: Some(prompt),
             logits: Vec::new(),
             pending: None,
             text: String::new(),
             n_generated: 0,
             done: false,
         }
+    }
+
+    /// Forgets every token after the first `n` (a conversation rewound to where it still
+    /// agrees with a new rendering); a last generated token not yet in the cache is dropped too.
+    pub fn truncate(&mut self, n: usize) -> Result<()> {
+        let pos = self.cache.pos(self.seq)?;
+        if n > pos && self.unevaluated.is_some() {
+            // The pending token is position `pos`: it stays when `n` reaches past it.
+            return Ok(());
+        }
+        self.unevaluated = None;
+        self.cache.truncate(self.seq, n)
     }
 }
 

@@ -5,6 +5,7 @@ pub mod batched;
 pub mod bench;
 pub mod bench_decode;
 pub mod bench_serve;
+pub mod chat;
 pub mod convert;
 pub mod device;
 pub mod inspect;

@@ -46,6 +46,18 @@ pub struct Args {
     /// Stop with an error when the context is full instead of shifting it.
     #[arg(long = "no-context-shift")]
     pub no_context_shift: bool,
+    /// Chat in the terminal (llama.cpp's `-cnv`): each line you type is a user message, the
+    /// answer streams back; the conversation stays in the KV cache; Ctrl-C stops the answer,
+    /// Ctrl-D (end of input) ends the chat.
+    #[arg(short = 'i', long = "conversation", visible_alias = "interactive")]
+    pub conversation: bool,
+    /// The system message of a conversation (`-sys`).
+    #[arg(long = "system-prompt")]
+    pub system_prompt: Option<String>,
+    /// Chat template: a file of Jinja text or a name (chatml, llama2, mistral, zephyr, vicuna,
+    /// gemma, llama3); default: the model's, else ChatML.
+    #[arg(long = "chat-template")]
+    pub chat_template: Option<String>,
     /// Threads (0 = all cores).
     #[arg(short = 't', long = "threads", default_value_t = 0)]
     pub threads: usize,
@@ -119,7 +131,7 @@ pub struct Args {
 }
 
 impl Args {
-    fn sampling(&self) -> SamplingParams {
+    pub(crate) fn sampling(&self) -> SamplingParams {
         SamplingParams::default().with(|p| {
             p.temperature = self.temp;
             p.top_k = self.top_k;
@@ -342,6 +354,9 @@ pub fn run(args: Args) -> Result<(), String> {
     warn_unused(&engine);
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
+    }
+    if args.conversation {
+        return super::chat::run(&engine, &args);
     }
     let run = generate(&engine, &args, &prompt, !args.json)?;
     let bw = run.profile.as_ref().map(|_| bandwidth(&engine));

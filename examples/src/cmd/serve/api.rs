@@ -201,13 +201,15 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
                 Some("max_tokens"),
             ))
         }
-        Some(n) if n as u64 > room as u64 => return Err(ApiError::bad(
-            format!(
+        Some(n) if n as u64 > room as u64 => {
+            return Err(ApiError::bad(
+                format!(
                 "'max_tokens' {n} and the prompt's {prompt_len} tokens exceed the context of {}",
                 state.ctx
             ),
-            Some("max_tokens"),
-        )),
+                Some("max_tokens"),
+            ))
+        }
         Some(n) => n as usize,
     };
     let stop = match body.get("stop") {

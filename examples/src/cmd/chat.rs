@@ -1,0 +1,128 @@
+//! `powerinfer run -cnv`: a conversation in the terminal (llama.cpp's conversation mode).
+//!
+//! Each line read is a user message; the whole conversation is rendered by the chat template
+//! and only the part the KV cache does not hold yet is evaluated (the cache is rewound to the
+//! longest prefix it shares with the new rendering). The answer streams to stdout. Ctrl-C while
+//! an answer is generated stops that answer; at the prompt it ends the program; so does the end
+//! of input.
+
+use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use powerinfer_engine::{ChatMessage, Engine};
+
+/// Runs the conversation of `powerinfer run -cnv`.
+pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
+    let source = match &args.chat_template {
+        Some(t) if std::path::Path::new(t).is_file() => {
+            Some(std::fs::read_to_string(t).map_err(|e| format!("{t}: {e}"))?)
+        }
+        other => other.clone(),
+    };
+    let template = engine
+        .chat_template(source.as_deref())
+        .map_err(|e| e.to_string())?;
+    let generating = Arc::new(AtomicBool::new(false));
+    let interrupted = Arc::new(AtomicBool::new(false));
+    {
+        let (g, i) = (generating.clone(), interrupted.clone());
+        ctrlc::set_handler(move || {
+            if g.load(Ordering::SeqCst) {
+                i.store(true, Ordering::SeqCst);
+            } else {
+                eprintln!();
+                std::process::exit(130);
+            }
+        })
+        .map_err(|e| format!("Ctrl-C handler: {e}"))?;
+    }
+    let mut messages: Vec<ChatMessage> = args
+        .system_prompt
+        .iter()
+        .map(|s| ChatMessage::new("system", s.clone()))
+        .collect();
+    let mut session = engine.session();
+    session.set_context_shift((!args.no_context_shift).then_some(args.keep));
+    // The tokens the session's cache holds, in order.
+    let mut held: Vec<u32> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    let bos = template.bos_token().to_string();
+    eprintln!("== chat: type a message and press Enter; Ctrl-C stops an answer, Ctrl-D ends ==");
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin
+            .lock()
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?
+            == 0
+        {
+            break;
+        }
+        let text = line.trim_end_matches(['\n', '\r']);
+        if text.is_empty() {
+            continue;
+        }
+        messages.push(ChatMessage::new("user", text));
+        let rendered = template
+            .render(&messages, true)
+            .map_err(|e| e.to_string())?;
+        let add_bos = bos.is_empty() || !rendered.starts_with(&bos);
+        let tokens = engine.tokenizer().encode(&rendered, add_bos, true);
+        // Reuse what the cache already holds of this rendering.
+        let common = held
+            .iter()
+            .zip(&tokens)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(tokens.len() - 1);
+        session.truncate(common).map_err(|e| e.to_string())?;
+        held.truncate(common);
+        let new = tokens[common..].to_vec();
+        held.extend_from_slice(&new);
+        interrupted.store(false, Ordering::SeqCst);
+        generating.store(true, Ordering::SeqCst);
+        let mut answer = String::new();
+        let mut result = Ok(());
+        for tok in session.generate_tokens(new, args_sampling(args)) {
+            if interrupted.load(Ordering::SeqCst) {
+                break;
+            }
+            match tok {
+                Ok(t) => {
+                    let _ = out.write_all(t.text.as_bytes());
+                    let _ = out.flush();
+                    answer.push_str(&t.text);
+                    held.push(t.id);
+                }
+                Err(e) => {
+                    result = Err(e.to_string());
+                    break;
+                }
+            }
+        }
+        generating.store(false, Ordering::SeqCst);
+        let _ = writeln!(out);
+        if interrupted.load(Ordering::SeqCst) {
+            eprintln!("[stopped]");
+        }
+        result?;
+        messages.push(ChatMessage::new("assistant", answer));
+    }
+    let st = session.stats();
+    eprintln!(
+        "{} turns: {} prompt tokens evaluated ({:.1} tokens/s), {} generated ({:.1} tokens/s)",
+        messages.iter().filter(|m| m.role == "user").count(),
+        st.prompt_tokens,
+        st.prompt_tps(),
+        st.decode_tokens,
+        st.decode_tps()
+    );
+    Ok(())
+}
+
+fn args_sampling(args: &super::run::Args) -> powerinfer_engine::SamplingParams {
+    args.sampling()
+}
