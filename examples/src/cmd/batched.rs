@@ -172,16 +172,17 @@ pub fn run(a: Args) -> Result<(), String> {
     let b_tps = tps(&batched);
     let s_tps = sequential.as_ref().map(tps);
     if a.json {
-        let texts: Vec<String> = batched
-            .tokens
-            .iter()
-            .map(|t| {
-                engine
-                    .tokenizer()
-                    .decode_lossy(t, false, false)
-                    .unwrap_or_default()
-            })
-            .collect();
+        let texts = |d: &Decoded| -> Vec<String> {
+            d.tokens
+                .iter()
+                .map(|t| {
+                    engine
+                        .tokenizer()
+                        .decode_lossy(t, false, false)
+                        .unwrap_or_default()
+                })
+                .collect()
+        };
         println!(
             "{}",
             json!({
@@ -193,7 +194,8 @@ pub fn run(a: Args) -> Result<(), String> {
                 "batched_tps": b_tps,
                 "sequential_tps": s_tps,
                 "speedup": s_tps.map(|s| b_tps / s),
-                "texts": texts,
+                "texts": texts(&batched),
+                "sequential_texts": sequential.as_ref().map(texts),
                 "device": super::device::json(&engine.device_report()),
             })
         );
