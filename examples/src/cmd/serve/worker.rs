@@ -124,6 +124,7 @@ pub fn run(
                     if matches!(sent, Some(Err(_))) {
                         sched.cancel(seq);
                         routes.remove(&seq);
+                        metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 Event::Finished {
