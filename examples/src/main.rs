@@ -18,7 +18,8 @@ enum Command {
     /// List a GGUF or PowerInfer file's header, metadata and tensors.
     Inspect(cmd::inspect::Args),
     /// Benchmarks (`bench kernels`: CPU kernel throughput against memory bandwidth; `bench
-    /// decode`: engine decode speed, bytes per token, llama.cpp side by side).
+    /// decode`: engine decode speed, bytes per token, llama.cpp side by side; `bench serve`: a
+    /// load test of the server; `bench schedule`: the run-time scheduling on the simulated GPU).
     Bench(cmd::bench::Args),
     /// Print the token ids of a text under a GGUF file's tokenizer.
     Tokenize(cmd::tokenize::Args),

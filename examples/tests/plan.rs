@@ -163,3 +163,56 @@ fn plan_lifecycle_on_a_synthetic_model() {
     ]);
     assert!(!o.status.success());
 }
+
+/// `plan --predict`: nothing written; both policies predicted for the given hardware, the
+/// balanced one never slower; a GPU as slow as the CPU gains from balancing, a much faster one
+/// computes everything it holds (the two policies agree); bad figures are refused.
+#[test]
+fn plan_predict_compares_static_and_balanced() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    let m = model.to_str().unwrap();
+    let o = powerinfer(&["synth", "--shape", "tiny", "--layers", "3", "--out", m]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let predict = |gpu_bw: &str| {
+        let (v, _) = plan(
+            m,
+            &[
+                "--vram-budget",
+                "0.005",
+                "--predict",
+                "--cpu-bw",
+                "20",
+                "--gpu-bw",
+                gpu_bw,
+                "--gpu-launch-us",
+                "0",
+                "--link-bw",
+                "1000",
+            ],
+        );
+        v
+    };
+    let slow = predict("20");
+    assert!(!dir.path().join("m.gguf.generated.gpuidx").exists());
+    let (s, b) = (&slow["static"], &slow["balanced"]);
+    assert!(slow["held_neurons"].as_u64().unwrap() > 0);
+    assert!(s["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(b["tokens_per_s"].as_f64().unwrap() > s["tokens_per_s"].as_f64().unwrap());
+    assert!(b["computed_on_gpu"].as_u64() < s["computed_on_gpu"].as_u64());
+    let fast = predict("2000");
+    let (s, b) = (&fast["static"], &fast["balanced"]);
+    assert_eq!(b["computed_on_gpu"], s["computed_on_gpu"]);
+    let o = powerinfer(&[
+        "plan",
+        "-m",
+        m,
+        "--vram-budget",
+        "0.005",
+        "--predict",
+        "--gpu-bw",
+        "0",
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--gpu-bw"));
+}

@@ -566,3 +566,84 @@ fn run_generation_flags() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the prompt file"));
 }
+
+/// Sampling values outside their range are refused before anything loads, with the flag named
+/// and clap's usage exit code.
+#[test]
+fn out_of_range_sampling_values_are_refused() {
+    for (flag, value) in [
+        ("--top-p", "2"),
+        ("--top-p", "0"),
+        ("--min-p", "-3"),
+        ("--min-p", "1.5"),
+        ("--repeat-penalty", "0"),
+        ("--temp", "nan"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+            .args(["run", "-m", "no-such-file.gguf", flag, value])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
+}
+
+/// `bench schedule` on the tiny model: three schedules, the cost model's prediction and the
+/// topic-shift rows, as JSON (the synthetic two-topic model goes to a temporary cache folder).
+#[test]
+fn bench_schedule_reports_schedules_prediction_and_topics() {
+    let f = synth();
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .env("XDG_CACHE_HOME", cache.path())
+        .args([
+            "bench",
+            "schedule",
+            "-m",
+            s(&f.sparse),
+            "-n",
+            "16",
+            "--rounds",
+            "1",
+            "--sim-bandwidth",
+            "0.5",
+            "--topic-tokens",
+            "16",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let schedules = v["schedules"].as_array().unwrap();
+    let names: Vec<&str> = schedules
+        .iter()
+        .map(|s| s["schedule"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["static", "balanced", "calibrated"]);
+    for s in schedules {
+        assert!(s["tps"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(s["held"].as_u64().unwrap() > 0, "{s}");
+    }
+    // The static split never moves; the balanced one computes part of the held rows on the CPU
+    // (a device at 0.5 GB/s is far slower than the CPU on this model).
+    assert_eq!(schedules[0]["rebalances"].as_u64(), Some(0));
+    assert_eq!(schedules[0]["enabled"], schedules[0]["held"]);
+    assert!(schedules[1]["rebalances"].as_u64().unwrap() > 0);
+    assert!(schedules[1]["enabled"].as_u64() < schedules[1]["held"].as_u64());
+    assert!(v["prediction"]["static_tps"].as_f64().unwrap() > 0.0);
+    assert!(
+        v["prediction"]["balanced_tps"].as_f64().unwrap()
+            >= v["prediction"]["static_tps"].as_f64().unwrap()
+    );
+    let rows = v["topic_shift"]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert!(rows
+        .iter()
+        .all(|r| (0.0..=1.0).contains(&r["recall"].as_f64().unwrap())));
+}

@@ -9,7 +9,7 @@ use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
 
 use crate::chat::ChatTemplate;
 use crate::device::placement::{self, Opened};
-use crate::device::{DeviceOptions, DeviceReport};
+use crate::device::{BalanceReport, DeviceOptions, DeviceReport};
 use crate::error::Result;
 use crate::exec::{Batch, EvalOptions, EvalOutput, ExecOptions, Executor};
 use crate::kv_cache::{KvCache, SeqId};
@@ -146,7 +146,15 @@ impl Engine {
         let batch = options.batch.max(1);
         let (hybrid, device_note) = match placement::open(&options.device, &model, batch)? {
             Opened::Device(d) => (
-                Some(placement::place(&model, path, &options.device, d, batch)?),
+                Some(placement::place(
+                    &model,
+                    path,
+                    &options.device,
+                    d,
+                    batch,
+                    &mm,
+                    threshold,
+                )?),
                 None,
             ),
             Opened::Cpu(note) => (None, note),
@@ -185,6 +193,19 @@ impl Engine {
             note: self.device_note.clone(),
             ..DeviceReport::default()
         })
+    }
+
+    /// The executor (tests drive its device's schedule).
+    #[cfg(test)]
+    pub(crate) fn executor(&self) -> &Executor {
+        &self.exec
+    }
+
+    /// What the run-time scheduling of the device and the CPU did: per layer, the two sides'
+    /// times, the recall of the device's neurons, moves of the split and of the hot-neuron
+    /// cache (`None` without a device).
+    pub fn balance_report(&self) -> Option<BalanceReport> {
+        self.exec.balance_report()
     }
 
     /// The chat template: `source` (a template name such as `chatml`, or Jinja text) when

@@ -54,7 +54,10 @@ pub mod synth;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use device::{DeviceChoice, DeviceOptions, DeviceReport, GpuIndexMode, SimOptions, SimSpeed};
+pub use device::{
+    BalanceOptions, BalanceReport, Calibration, DeviceChoice, DeviceOptions, DeviceReport,
+    GpuIndexMode, LayerBalance, LinearCost, SimOptions, SimSpeed,
+};
 pub use engine::{Engine, EngineOptions};
 pub use error::{EngineError, Result};
 pub use exec::{Batch, EvalOptions, EvalOutput, Logits, Segment};

@@ -49,6 +49,11 @@ fn options(device: DeviceChoice, budget: Option<u64>) -> EngineOptions {
     o.device.choice = device;
     o.device.vram_budget = budget;
     o.device.gpu_index = GpuIndexMode::Reset;
+    // PowerInfer's static split: every held neuron computed on the device (tests/balance.rs
+    // covers the run-time scheduling).
+    o.device.balance.balance = false;
+    o.device.balance.hot_cache = false;
+    o.device.balance.calibrate = false;
     o
 }
 
@@ -132,9 +137,11 @@ fn sim_matches_cpu_for_every_family_type_and_budget() {
                     .map(|(g, w)| rel(g, w))
                     .fold(0.0, f64::max);
                 eprintln!("{family:?} {ty:?} budget {budget:?}: max logit diff {d:e} of std");
-                // F16 products round activations to f16 (as ggml does): a reordered sum can
-                // move one such rounding by a step (2^-11 relative), which later layers carry.
-                let bound = if ty == GgmlType::F16 { 1e-3 } else { 1e-5 };
+
+                // F16 products round activations to f16 (as ggml does), Q8_0/Q4_0 products
+                // quantize them to 8 bits per block: a reordered sum can move one such rounding
+                // by a step, which later layers carry.
+                let bound = if ty == GgmlType::F16 { 1e-3 } else { 1e-4 };
                 assert!(d <= bound, "{what}: logits differ by {d:e} of their std");
                 match budget {
                     Some(0) => {

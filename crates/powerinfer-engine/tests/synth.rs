@@ -9,7 +9,7 @@ use std::process::Command;
 use powerinfer_engine::synth::math::{gaussian, stream_key};
 use powerinfer_engine::synth::{
     quantize, synthesize, Arch, PredictorRule, QuantizeOptions, Shape, SynthConfig, SynthOutputs,
-    SynthReport, VocabSource, BIAS_CHANNEL, BIAS_VALUE, RMS_EPS,
+    SynthReport, VocabSource, BIAS_CHANNEL, BIAS_VALUE, RMS_EPS, TOPIC_CHANNEL,
 };
 use powerinfer_gguf::quants::{dequantize_to_vec, quantize_to_vec};
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
@@ -362,6 +362,89 @@ fn density_and_skew_are_met_when_running_the_ffn() {
                 // 1024 neurons: a 5.5 s.e. outlier has probability ~4e-5 under the model.
                 assert!(worst < 5.5, "a neuron is {worst} standard errors off");
             }
+        }
+    }
+}
+
+/// With topics, inputs of each topic fire each neuron with that topic's probability (every
+/// neuron within 5.5 standard errors), the two topics' hot sets differ, the statistics are
+/// their average, and the predictor stays exact.
+#[test]
+fn topics_have_their_own_hot_neurons() {
+    for arch in [Arch::Llama, Arch::Bamboo] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = SynthConfig::new(tiny(1));
+        cfg.ty = GgmlType::F32;
+        cfg.arch = arch;
+        cfg.seed = 5;
+        cfg.topics = true;
+        let (out, report) = run_synth(dir.path(), &cfg, false, true);
+        let f = GgufFile::open(&out.model).unwrap();
+        let plan = &report.layers[0];
+        let [pa, pb] = plan.topics.clone().expect("per-topic probabilities");
+        for ((m, a), b) in plan.probabilities.iter().zip(&pa).zip(&pb) {
+            assert!((m - 0.5 * (a + b)).abs() < 1e-6);
+        }
+        // (bamboo's statistics count non-zero outputs: the gate's probability times Φ(4))
+        let stats = ActivationStats::read_pt_dir(out.activation_dir.as_ref().unwrap()).unwrap();
+        for (s, p) in stats.layers[0].iter().zip(&plan.probabilities) {
+            assert!((s - p).abs() <= 1e-4 * p, "{s} vs {p}");
+        }
+        // The two hot sets (top 20%) overlap about as much as random sets do.
+        let n_ff = pa.len();
+        let top = |p: &[f32]| {
+            let mut o: Vec<usize> = (0..n_ff).collect();
+            o.sort_by(|&x, &y| p[y].total_cmp(&p[x]));
+            o.truncate(n_ff / 5);
+            o
+        };
+        let (ta, tb) = (top(&pa), top(&pb));
+        let common = ta.iter().filter(|j| tb.contains(j)).count();
+        assert!(
+            common < n_ff / 5 / 2,
+            "{common} of {} hot neurons shared",
+            n_ff / 5
+        );
+        let emb = tensor(&f, "token_embd.weight").0;
+        let n = cfg.shape.n_embd;
+        assert!(emb.chunks_exact(n).enumerate().all(
+            |(t, row)| row[TOPIC_CHANNEL] == if t % 2 == 0 { BIAS_VALUE } else { -BIAS_VALUE }
+        ));
+        let layer = Layer::load(&f, 0);
+        let count = 1500;
+        for (topic, p) in [(BIAS_VALUE, &pa), (-BIAS_VALUE, &pb)] {
+            let mut counts = vec![0u32; n_ff];
+            for mut x in inputs(200, layer.n, plan.residual_std, count) {
+                x[TOPIC_CHANNEL] = topic;
+                for (c, a) in counts.iter_mut().zip(layer.activations(&x, arch)) {
+                    *c += u32::from(a != 0.0);
+                }
+                // Noise 0: the predictor's score is the gate's pre-activation times the RMS.
+                let rms = (x.iter().map(|v| v * v).sum::<f32>() / n as f32 + RMS_EPS).sqrt();
+                for (s, g) in layer.predictor(&x).iter().zip(layer.gate_pre(&x)) {
+                    assert!(
+                        (s - g * rms).abs() < 1e-4 * (1.0 + s.abs()),
+                        "{s} vs {}",
+                        g * rms
+                    );
+                }
+            }
+            let worst = counts
+                .iter()
+                .zip(p.iter())
+                .map(|(&c, &p)| {
+                    let p = f64::from(p);
+                    let se = (p * (1.0 - p) / count as f64)
+                        .sqrt()
+                        .max(1.0 / count as f64);
+                    ((c as f64 / count as f64) - p).abs() / se
+                })
+                .fold(0.0, f64::max);
+            println!("{arch:?} topic {topic}: worst neuron {worst:.1} s.e.");
+            assert!(
+                worst < 5.5,
+                "{arch:?}: a neuron is {worst} standard errors off"
+            );
         }
     }
 }

@@ -211,6 +211,44 @@ impl GpuSlice {
     pub fn is_empty(&self) -> bool {
         self.weight.rows() == 0
     }
+
+    /// Overwrites device rows `slots` with the host matrix's rows of their neurons in
+    /// `bucket` (the slice's whole new bucket, same length, unique and in range): a dynamic
+    /// neuron cache moving neurons in and out without reallocating. Copies one row per slot
+    /// and the new bucket; refused for a full slice (it has no bucket).
+    pub fn replace_rows(
+        &mut self,
+        stream: &Stream,
+        host: &[u8],
+        slots: &[u32],
+        bucket: &[u32],
+    ) -> Result<()> {
+        let Some(dev_bucket) = self.bucket.as_mut() else {
+            return Err(CudaError::Shape(
+                "a full-GPU slice has no bucket to replace rows of".into(),
+            ));
+        };
+        check_len("bucket", self.weight.rows(), bucket.len())?;
+        validate_bucket(bucket, self.n_neurons)?;
+        let rb = self.weight.row_bytes();
+        check_len("weight bytes", self.n_neurons * rb, host.len())?;
+        for &s in slots {
+            let s = s as usize;
+            if s >= bucket.len() {
+                return Err(CudaError::Index {
+                    what: "slot",
+                    index: s,
+                    len: bucket.len(),
+                });
+            }
+            let n = bucket[s] as usize;
+            let mut dst = self.weight.data.slice.slice_mut(s * rb..(s + 1) * rb);
+            stream
+                .inner
+                .memcpy_htod(&host[n * rb..(n + 1) * rb], &mut dst)?;
+        }
+        dev_bucket.copy_from(stream, bucket)
+    }
 }
 
 #[cfg(test)]

@@ -15,16 +15,22 @@
 //!   when stale, disable, no statistics → all-CPU FFN).
 //! - [`lifecycle`]: all of the above for a model file ([`plan_model`]), as `powerinfer plan`
 //!   and the engine use it.
+//! - [`cost`]: a model of a decode step's time on given hardware for a placement
+//!   ([`predict`]): PowerInfer's static split against the balanced one.
 
 #![warn(missing_docs)]
 
 pub mod budget;
+pub mod cost;
 pub mod error;
 pub mod lifecycle;
 pub mod solver;
 pub mod split;
 
 pub use budget::{DenseClass, DenseTensor, ModelShape, VramBudget, VramPlan};
+pub use cost::{
+    activation_probabilities, predict, Hardware, LayerCost, Policy, StepCost, Workload,
+};
 pub use error::{PlacementError, Result};
 pub use lifecycle::{plan_model, plan_model_with, IndexSource, ModelPlan, PlanOptions};
 pub use solver::{solve, solve_balanced, Method, Problem, Solution};

@@ -83,6 +83,9 @@ pub struct ModelPlan {
     pub gpuidx: Option<PathBuf>,
     /// Where the split came from.
     pub source: IndexSource,
+    /// The activation statistics the split was made from (`None` when disabled or without
+    /// statistics): a run-time scheduler starts from them.
+    pub stats: Option<ActivationStats>,
 }
 
 /// Reads the statistics in `dir` (`activation.safetensors`, else `activation_N.pt`).
@@ -140,6 +143,7 @@ pub fn plan_model_with(model: &Path, budget: VramBudget, o: &PlanOptions) -> Res
         vram: vram.clone(),
         gpuidx: None,
         source,
+        stats: None,
     };
     if o.disable {
         return Ok(all_cpu(IndexSource::Disabled));
@@ -198,6 +202,7 @@ pub fn plan_model_with(model: &Path, budget: VramBudget, o: &PlanOptions) -> Res
                     split,
                     gpuidx: Some(path),
                     source: IndexSource::Reused,
+                    stats: Some(stats),
                 });
             }
             Err(reason) => reason,
@@ -227,5 +232,6 @@ pub fn plan_model_with(model: &Path, budget: VramBudget, o: &PlanOptions) -> Res
             method: sol.method,
             exact: sol.exact,
         },
+        stats: Some(stats),
     })
 }

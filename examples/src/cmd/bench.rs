@@ -34,6 +34,9 @@ enum What {
     /// A bounded load test of `powerinfer serve`: concurrent streaming clients on the loopback
     /// address; throughput, time to first token and between tokens.
     Serve(super::bench_serve::ServeArgs),
+    /// The run-time scheduling on the simulated GPU: static, balanced and calibrated splits,
+    /// the cost model's prediction, and the hot-neuron cache under a change of topic.
+    Schedule(super::bench_schedule::ScheduleArgs),
 }
 
 /// Arguments of `powerinfer bench kernels`.
@@ -88,6 +91,7 @@ pub fn run(args: Args) -> Result<(), String> {
         What::Kernels(a) => kernels(a),
         What::Decode(a) => super::bench_decode::run(a),
         What::Serve(a) => super::bench_serve::run(a),
+        What::Schedule(a) => super::bench_schedule::run(a),
     }
 }
 

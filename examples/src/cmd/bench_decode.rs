@@ -477,7 +477,7 @@ fn median_index(v: &[f64]) -> usize {
     idx.get(v.len().saturating_sub(1) / 2).copied().unwrap_or(0)
 }
 
-fn argmax(v: &[f32]) -> u32 {
+pub(crate) fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
         if x > v[best] {

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use powerinfer_engine::{
-    DeviceChoice, DeviceReport, Engine, EngineOptions, GpuIndexMode, LayerSplit, OpProfile,
-    SimSpeed,
+    BalanceReport, DeviceChoice, DeviceReport, Engine, EngineOptions, GpuIndexMode, LayerSplit,
+    OpProfile, SimSpeed,
 };
 
 /// Device flags.
@@ -44,6 +44,56 @@ pub struct DeviceArgs {
     /// `--gpu sim` with `--sim-bandwidth`: host link bandwidth in GB/s.
     #[arg(long = "sim-link-gbps", default_value_t = 25.0)]
     pub sim_link_gbps: f64,
+    /// Balance each layer's active neurons between the device and the CPU from their measured
+    /// times while decoding (`on`), or keep PowerInfer's static split (`off`: every neuron the
+    /// device holds is computed there).
+    #[arg(long = "balance", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub balance: bool,
+    /// Relative time difference within which a layer's split stays.
+    #[arg(long = "balance-dead-band", default_value_t = 0.05)]
+    pub balance_dead_band: f64,
+    /// Largest share of a layer's device rows one rebalance moves.
+    #[arg(long = "balance-step", default_value_t = 0.05)]
+    pub balance_step: f64,
+    /// The dynamic hot-neuron cache: swap the device's neurons that went cold for ones that
+    /// got hot (`on`/`off`).
+    #[arg(long = "hot-cache", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub hot_cache: bool,
+    /// Tokens of the hot-neuron cache's activation window.
+    #[arg(long = "cache-window", default_value_t = 32)]
+    pub cache_window: usize,
+    /// Decode tokens between two looks of the cache at a layer.
+    #[arg(long = "cache-interval", default_value_t = 8)]
+    pub cache_interval: usize,
+    /// Measure the CPU's and the device's speeds at load and start each layer's split from
+    /// them (`on`/`off`).
+    #[arg(long = "calibrate", default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub calibrate: bool,
+    /// Calibration cache file (default: `$XDG_CACHE_HOME` or `~/.cache`,
+    /// `powerinfer-rs/calibration.tsv`; `none`: measure at every load).
+    #[arg(long = "calibration-cache")]
+    pub calibration_cache: Option<String>,
+    /// Q-Infer's placement: hold only the neurons that balance the two sides at the measured
+    /// speed ratio, instead of filling the VRAM budget with the hottest (PowerInfer).
+    #[arg(long = "balanced-placement")]
+    pub balanced_placement: bool,
+}
+
+/// `on`/`off` (also `true`/`false`, `1`/`0`).
+fn on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" | "1" => Ok(true),
+        "off" | "false" | "0" => Ok(false),
+        _ => Err(format!("`{s}`: expected on or off")),
+    }
+}
+
+/// The default calibration cache file.
+fn default_cache() -> Option<std::path::PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))?;
+    Some(base.join("powerinfer-rs").join("calibration.tsv"))
 }
 
 impl DeviceArgs {
@@ -62,6 +112,35 @@ impl DeviceArgs {
             _ => GpuIndexMode::Reuse,
         };
         d.n_gpu_layers = self.n_gpu_layers;
+        if !(0.0..1.0).contains(&self.balance_dead_band) {
+            return Err(format!(
+                "--balance-dead-band {}: expected a share in [0, 1)",
+                self.balance_dead_band
+            ));
+        }
+        if !(self.balance_step > 0.0 && self.balance_step <= 1.0) {
+            return Err(format!(
+                "--balance-step {}: expected a share in (0, 1]",
+                self.balance_step
+            ));
+        }
+        if self.cache_window == 0 || self.cache_interval == 0 {
+            return Err("--cache-window and --cache-interval must be at least 1".into());
+        }
+        let b = &mut d.balance;
+        b.balance = self.balance;
+        b.dead_band = self.balance_dead_band;
+        b.max_step = self.balance_step;
+        b.hot_cache = self.hot_cache;
+        b.window = self.cache_window;
+        b.interval = self.cache_interval;
+        b.calibrate = self.calibrate;
+        b.calibration_cache = match self.calibration_cache.as_deref() {
+            Some("none") => None,
+            Some(p) => Some(p.into()),
+            None => default_cache(),
+        };
+        b.balanced_placement = self.balanced_placement;
         d.sim.threads = self.sim_threads.max(1);
         d.sim.speed = match self.sim_bandwidth {
             None => None,
@@ -214,4 +293,102 @@ pub fn split_json(p: &OpProfile) -> serde_json::Value {
         })
         .collect();
     serde_json::Value::Array(rows)
+}
+
+/// The run-time scheduling as a table on stderr (`run --stats`): per layer the two sides'
+/// times per evaluation, the device's share of the active neurons, the recall of the device's
+/// set, its rows held and computed, rebalances and cache migrations.
+pub fn print_balance(r: &BalanceReport) {
+    if let Some(c) = &r.calibration {
+        eprintln!(
+            "calibration{}: CPU {:.1} us + {:.4} us/row, device {:.1} us + {:.4} us/row (device/CPU \
+             throughput {:.2}); {}",
+            if c.cached { " (cached)" } else { "" },
+            c.cpu.fixed_us,
+            c.cpu.per_row_us,
+            c.device.fixed_us,
+            c.device.per_row_us,
+            c.ratio(),
+            c.key
+        );
+    }
+    if r.layers.is_empty() {
+        eprintln!("scheduling: no layer has neurons on the device");
+        return;
+    }
+    eprintln!(
+        "scheduling (balance {}, hot cache {}): per layer, ms per evaluation",
+        if r.options.balance { "on" } else { "off" },
+        if r.options.hot_cache { "on" } else { "off" }
+    );
+    eprintln!(
+        "{:>5} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7}",
+        "layer",
+        "cpu",
+        "device",
+        "imbal",
+        "dev.act",
+        "recall",
+        "held",
+        "on.dev",
+        "moves",
+        "migr",
+        "rows"
+    );
+    let row = |name: String, l: &powerinfer_engine::LayerBalance| {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / l.evals.max(1) as f64;
+        eprintln!(
+            "{name:>5} {:>8.4} {:>8.4} {:>+7.3} {:>6.1}% {:>6.1}% {:>7} {:>6} {:>6} {:>6} {:>7}",
+            ms(l.cpu),
+            ms(l.device),
+            l.imbalance,
+            100.0 * l.device_share(),
+            100.0 * l.recall(),
+            l.held,
+            l.enabled,
+            l.rebalances,
+            l.migrations,
+            l.migrated_rows
+        );
+    };
+    for l in &r.layers {
+        row(l.layer.to_string(), l);
+    }
+    let mut t = r.total();
+    t.imbalance = r.layers.iter().map(|l| l.imbalance).sum::<f64>() / r.layers.len() as f64;
+    t.evals /= r.layers.len() as u64;
+    row("all".into(), &t);
+}
+
+/// The run-time scheduling as JSON (`run --stats --json`).
+pub fn balance_json(r: &BalanceReport) -> serde_json::Value {
+    let layer = |l: &powerinfer_engine::LayerBalance| {
+        serde_json::json!({
+            "layer": l.layer, "held": l.held, "enabled": l.enabled, "evals": l.evals,
+            "cpu_ms": l.cpu.as_secs_f64() * 1e3, "device_ms": l.device.as_secs_f64() * 1e3,
+            "active_cpu": l.active_cpu, "active_device": l.active_device,
+            "device_share": l.device_share(), "active": l.active, "held_active": l.held_active,
+            "recall": l.recall(), "rebalances": l.rebalances, "moved": l.moved,
+            "last_move": l.last_move, "settled_at": l.settled_at, "migrations": l.migrations,
+            "migrated_rows": l.migrated_rows,
+            "migration_ms": l.migration_time.as_secs_f64() * 1e3, "imbalance": l.imbalance,
+        })
+    };
+    let t = r.total();
+    serde_json::json!({
+        "balance": r.options.balance,
+        "hot_cache": r.options.hot_cache,
+        "calibration": r.calibration.as_ref().map(|c| serde_json::json!({
+            "key": c.key, "cached": c.cached, "batch": c.batch,
+            "cpu_fixed_us": c.cpu.fixed_us, "cpu_per_row_us": c.cpu.per_row_us,
+            "device_fixed_us": c.device.fixed_us, "device_per_row_us": c.device.per_row_us,
+            "ratio": c.ratio(),
+        })),
+        "recall": t.recall(),
+        "device_share": t.device_share(),
+        "rebalances": t.rebalances,
+        "migrations": t.migrations,
+        "migrated_rows": t.migrated_rows,
+        "layers": r.layers.iter().map(layer).collect::<Vec<_>>(),
+    })
 }

@@ -4,6 +4,7 @@
 pub mod batched;
 pub mod bench;
 pub mod bench_decode;
+pub mod bench_schedule;
 pub mod bench_serve;
 pub mod chat;
 pub mod convert;
@@ -30,7 +31,15 @@ use powerinfer_engine::EngineOptions;
 /// `POWERINFER_CPU_ISA=scalar` (scalar kernels everywhere).
 pub fn engine_options(threads: usize, sparse_threshold: Option<f32>) -> EngineOptions {
     let mut o = EngineOptions::default();
-    o.threads = threads;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    o.threads = if threads > 4 * cores {
+        eprintln!(
+            "warning: {threads} threads is far past this machine's {cores} cores; using {cores}"
+        );
+        cores
+    } else {
+        threads
+    };
     o.sparse_threshold = sparse_threshold.or_else(|| {
         std::env::var("LLAMA_SPARSE_PRED_THRESHOLD")
             .ok()

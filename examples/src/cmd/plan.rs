@@ -9,11 +9,21 @@
 //!
 //! Without an `activation/` folder next to the model (or `--activation DIR`), the FFN stays on
 //! the CPU and a note says so on stderr.
+//!
+//! `--predict` writes nothing: it solves the placement for the budget and prints the decode
+//! speed the cost model (`powerinfer_placement::cost`) predicts for PowerInfer's static split
+//! and for the balanced one, on this machine's CPU (its measured read bandwidth, or
+//! `--cpu-bw`) and a GPU of `--gpu-bw`, `--gpu-launch-us` and `--link-bw`.
 
 use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
 
-use powerinfer_placement::{plan_model, IndexSource, ModelPlan, PlanOptions};
+use powerinfer_placement::cost::{self, Hardware, Policy, StepCost, Workload};
+use powerinfer_placement::lifecycle::read_stats;
+use powerinfer_placement::{
+    activation_probabilities, plan_model, solve, IndexSource, ModelPlan, PlanOptions, Problem,
+    VramBudget,
+};
 use serde_json::json;
 
 /// Arguments of `powerinfer plan`.
@@ -55,6 +65,35 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Predict decode tokens/s for this budget instead of writing the GPU index (see the
+    /// module docs).
+    #[arg(long)]
+    pub predict: bool,
+    /// `--predict`: the CPU's read bandwidth in GB/s (default: measured now).
+    #[arg(long = "cpu-bw")]
+    pub cpu_bw: Option<f64>,
+    /// `--predict`: the CPU's microseconds per active neuron and token on its FFN part
+    /// (default: the neuron's bytes over the CPU bandwidth).
+    #[arg(long = "cpu-row-us")]
+    pub cpu_row_us: Option<f64>,
+    /// `--predict`: fixed CPU microseconds per layer (dispatches, norms, RoPE).
+    #[arg(long = "cpu-layer-us", default_value_t = 20.0)]
+    pub cpu_layer_us: f64,
+    /// `--predict`: the GPU's memory bandwidth in GB/s.
+    #[arg(long = "gpu-bw", default_value_t = 900.0)]
+    pub gpu_bw: f64,
+    /// `--predict`: microseconds per GPU kernel launch.
+    #[arg(long = "gpu-launch-us", default_value_t = 5.0)]
+    pub gpu_launch_us: f64,
+    /// `--predict`: host link bandwidth in GB/s.
+    #[arg(long = "link-bw", default_value_t = 25.0)]
+    pub link_bw: f64,
+    /// `--predict`: sequences decoded together.
+    #[arg(long = "batch", default_value_t = 1)]
+    pub batch: usize,
+    /// `--predict`: KV positions each token attends to.
+    #[arg(long = "attended", default_value_t = 128)]
+    pub attended: usize,
 }
 
 fn bytes_of(amount: f64, unit: f64, what: &str) -> Result<u64, String> {
@@ -67,6 +106,9 @@ fn bytes_of(amount: f64, unit: f64, what: &str) -> Result<u64, String> {
 
 /// Runs `powerinfer plan`.
 pub fn run(args: Args) -> Result<(), String> {
+    if args.predict {
+        return predict(&args);
+    }
     let opts = PlanOptions {
         budget_bytes: bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?,
         n_ctx: args.ctx,
@@ -206,4 +248,161 @@ fn write_table(out: &mut impl Write, p: &ModelPlan) -> io::Result<()> {
         Some(g) => writeln!(out, "gpuidx   {} ({})", g.display(), source_text(&p.source)),
         None => writeln!(out, "gpuidx   none ({})", source_text(&p.source)),
     }
+}
+
+/// The machine and workload `--predict` was asked about.
+fn hardware(args: &Args, threads: usize) -> Result<Hardware, String> {
+    let positive = |v: f64, what: &str| {
+        if v.is_finite() && v > 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("{what} {v}: expected a positive number"))
+        }
+    };
+    let cpu_bandwidth = match args.cpu_bw {
+        Some(v) => positive(v, "--cpu-bw")? * 1e9,
+        None => {
+            let pool = powerinfer_kernels_cpu::ThreadPool::new(threads);
+            super::bench::read_bandwidth(&pool, 1 << 30, 3)
+        }
+    };
+    Ok(Hardware {
+        cpu_bandwidth,
+        cpu_row_us: args
+            .cpu_row_us
+            .map(|v| positive(v, "--cpu-row-us"))
+            .transpose()?,
+        cpu_layer_us: args.cpu_layer_us.max(0.0),
+        gpu_bandwidth: positive(args.gpu_bw, "--gpu-bw")? * 1e9,
+        gpu_launch_us: args.gpu_launch_us.max(0.0),
+        link_bandwidth: positive(args.link_bw, "--link-bw")? * 1e9,
+    })
+}
+
+/// The predicted step of `policy` for the placement of `budget_bytes` (nothing written).
+pub(crate) struct Prediction {
+    pub(crate) fixed: StepCost,
+    pub(crate) balanced: StepCost,
+    pub(crate) held: usize,
+    pub(crate) total: usize,
+    pub(crate) dense_on_gpu: usize,
+}
+
+/// Solves the placement of `model` for `budget_bytes` (PowerInfer's accounting, greedy over
+/// the statistics) and predicts both policies.
+pub(crate) fn prediction(
+    model: &std::path::Path,
+    activation: Option<&std::path::Path>,
+    budget_bytes: u64,
+    ctx: u64,
+    hw: &Hardware,
+    work: Workload,
+) -> Result<Prediction, String> {
+    let err = |e: powerinfer_placement::PlacementError| format!("{}: {e}", model.display());
+    let file =
+        powerinfer_gguf::GgufFile::open(model).map_err(|e| format!("{}: {e}", model.display()))?;
+    let budget = VramBudget::from_gguf(&file).map_err(err)?;
+    drop(file);
+    let dir = match activation {
+        Some(d) => d.to_path_buf(),
+        None => model
+            .parent()
+            .map_or_else(|| PathBuf::from("activation"), |p| p.join("activation")),
+    };
+    let stats = read_stats(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let vram = budget.plan(budget_bytes, ctx, 0);
+    let sol = solve(&Problem {
+        stats: &stats.layers,
+        neuron_bytes: &budget.shape.neuron_bytes,
+        budget_bytes: vram.ffn_budget_bytes,
+        group: 256,
+        min_neurons: 0,
+        cap_neurons: None,
+    })
+    .map_err(err)?;
+    let p: Vec<Vec<f32>> = stats
+        .layers
+        .iter()
+        .map(|l| activation_probabilities(l))
+        .collect();
+    let n = vram.dense_gpu_count;
+    Ok(Prediction {
+        fixed: cost::predict(&budget, n, &sol.split, &p, hw, work, Policy::Static),
+        balanced: cost::predict(&budget, n, &sol.split, &p, hw, work, Policy::Balanced),
+        held: sol.split.layers.iter().map(|l| l.k()).sum(),
+        total: sol.split.layers.iter().map(|l| l.n_ff).sum(),
+        dense_on_gpu: n,
+    })
+}
+
+fn predict(args: &Args) -> Result<(), String> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let hw = hardware(args, threads)?;
+    let work = Workload {
+        batch: args.batch.max(1),
+        context: args.attended,
+    };
+    let budget = bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?;
+    let p = prediction(
+        &args.model,
+        args.activation.as_deref(),
+        budget,
+        args.ctx,
+        &hw,
+        work,
+    )?;
+    let row = |name: &str, c: &StepCost| {
+        json!({
+            "policy": name, "tokens_per_s": c.tokens_per_s(), "step_ms": c.step_us() / 1e3,
+            "gpu_share": c.gpu_share(),
+            "computed_on_gpu": c.layers.iter().map(|l| l.computed).sum::<usize>(),
+        })
+    };
+    if args.json {
+        let v = json!({
+            "budget_bytes": budget, "held_neurons": p.held, "neurons": p.total,
+            "dense_on_gpu": p.dense_on_gpu, "batch": work.batch, "attended": work.context,
+            "cpu_gbps": hw.cpu_bandwidth / 1e9, "gpu_gbps": hw.gpu_bandwidth / 1e9,
+            "link_gbps": hw.link_bandwidth / 1e9,
+            "static": row("static", &p.fixed), "balanced": row("balanced", &p.balanced),
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "{}: {:.2} GiB of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
+        args.model.display(),
+        args.vram_budget,
+        p.dense_on_gpu,
+        p.held,
+        p.total,
+        100.0 * p.held as f64 / p.total.max(1) as f64
+    );
+    println!(
+        "CPU {:.1} GB/s, GPU {:.0} GB/s (launch {} us), link {:.0} GB/s; batch {}, {} positions attended",
+        hw.cpu_bandwidth / 1e9,
+        hw.gpu_bandwidth / 1e9,
+        hw.gpu_launch_us,
+        hw.link_bandwidth / 1e9,
+        work.batch,
+        work.context
+    );
+    println!(
+        "{:<10} {:>10} {:>10} {:>10} {:>12}",
+        "policy", "tok/s", "ms/step", "gpu share", "on GPU"
+    );
+    for (name, c) in [("static", &p.fixed), ("balanced", &p.balanced)] {
+        println!(
+            "{name:<10} {:>10.2} {:>10.3} {:>9.1}% {:>12}",
+            c.tokens_per_s(),
+            c.step_us() / 1e3,
+            100.0 * c.gpu_share(),
+            c.layers.iter().map(|l| l.computed).sum::<usize>()
+        );
+    }
+    println!(
+        "balanced / static: {:.2}x",
+        p.balanced.tokens_per_s() / p.fixed.tokens_per_s()
+    );
+    Ok(())
 }

@@ -61,20 +61,20 @@ pub struct Args {
     /// Threads (0 = all cores).
     #[arg(short = 't', long = "threads", default_value_t = 0)]
     pub threads: usize,
-    /// Temperature (≤ 0: greedy).
-    #[arg(long = "temp", default_value_t = 0.8)]
+    /// Temperature (≤ 0: greedy, as llama.cpp).
+    #[arg(long = "temp", default_value_t = 0.8, allow_negative_numbers = true, value_parser = finite)]
     pub temp: f32,
     /// Top-k (0 = off).
     #[arg(long = "top-k", default_value_t = 40)]
     pub top_k: usize,
-    /// Top-p (1 = off).
-    #[arg(long = "top-p", default_value_t = 0.95)]
+    /// Top-p, in (0, 1] (1 = off).
+    #[arg(long = "top-p", default_value_t = 0.95, allow_negative_numbers = true, value_parser = share_above_zero)]
     pub top_p: f32,
-    /// Min-p (0 = off).
-    #[arg(long = "min-p", default_value_t = 0.05)]
+    /// Min-p, in [0, 1] (0 = off).
+    #[arg(long = "min-p", default_value_t = 0.05, allow_negative_numbers = true, value_parser = share)]
     pub min_p: f32,
-    /// Repetition penalty over the last `--repeat-last-n` tokens (1 = off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    /// Repetition penalty over the last `--repeat-last-n` tokens, positive (1 = off).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0, allow_negative_numbers = true, value_parser = positive)]
     pub repeat_penalty: f32,
     /// Presence penalty: subtracted from the logit of every recent token (0 = off).
     #[arg(long = "presence-penalty", default_value_t = 0.0)]
@@ -125,9 +125,53 @@ pub struct Args {
     /// `profile` array).
     #[arg(long)]
     pub profile: bool,
+    /// With a device: print what the run-time scheduling did (per layer: CPU and device
+    /// times, the device's share of active neurons, recall of the device's neurons,
+    /// rebalances, cache migrations, the load-time calibration); with `--json`, a `schedule`
+    /// object.
+    #[arg(long)]
+    pub stats: bool,
     /// The device beside the CPU.
     #[command(flatten)]
     pub device: super::device::DeviceArgs,
+}
+
+/// A finite number.
+fn finite(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err(format!("`{s}`: expected a number")),
+    }
+}
+
+/// A share in [0, 1].
+fn share(s: &str) -> Result<f32, String> {
+    let v = finite(s)?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v}: expected a value in [0, 1]"))
+    }
+}
+
+/// A share in (0, 1].
+fn share_above_zero(s: &str) -> Result<f32, String> {
+    let v = share(s)?;
+    if v > 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v}: expected a value in (0, 1]"))
+    }
+}
+
+/// A positive number.
+fn positive(s: &str) -> Result<f32, String> {
+    let v = finite(s)?;
+    if v > 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v}: expected a positive number"))
+    }
 }
 
 impl Args {
@@ -375,6 +419,9 @@ pub fn run(args: Args) -> Result<(), String> {
             _ => Vec::new(),
         };
         extra.push(("device", super::device::json(&engine.device_report())));
+        if let (true, Some(b)) = (args.stats, engine.balance_report()) {
+            extra.push(("schedule", super::device::balance_json(&b)));
+        }
         println!("{}", json(&run, &extra));
     } else {
         summary("", &engine, &run.stats);
@@ -383,6 +430,12 @@ pub fn run(args: Args) -> Result<(), String> {
             super::device::print_split(p);
             if let Some(m) = memory {
                 eprintln!("{}", m.describe(bw));
+            }
+        }
+        if args.stats {
+            match engine.balance_report() {
+                Some(b) => super::device::print_balance(&b),
+                None => eprintln!("scheduling: no device (--gpu)"),
             }
         }
     }
@@ -413,7 +466,7 @@ pub(crate) fn warn_unused(engine: &Engine) {
 
 /// Shape of the demo model: 12 layers of width 1024 and 4096 neurons (~180 M weights, ~100 MB
 /// in Q4_0), small enough to write in seconds and to decode quickly on two cores.
-fn demo_shape() -> Shape {
+pub(crate) fn demo_shape() -> Shape {
     Shape {
         n_layer: 12,
         n_embd: 1024,
@@ -425,7 +478,8 @@ fn demo_shape() -> Shape {
     }
 }
 
-fn cache_dir() -> PathBuf {
+/// The folder of the demo model and the benchmarks' synthetic models.
+pub(crate) fn cache_dir() -> PathBuf {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))

@@ -51,6 +51,10 @@ pub struct Args {
     /// Falcon-40B style: a separate `attn_norm_2` per layer (falcon only).
     #[arg(long)]
     pub attn_norm_2: bool,
+    /// Two topics with their own hot neurons (llama/bamboo): tokens with even ids are of one,
+    /// odd ids of the other; the activation statistics are their average.
+    #[arg(long)]
+    pub topics: bool,
     /// Type of the 2-D weights: f32, f16, q8_0, q4_0 (also q4_1, q5_0, q5_1).
     #[arg(long = "type", default_value = "f16")]
     pub ty: String,
@@ -168,6 +172,7 @@ pub fn run(args: Args) -> Result<(), String> {
             .ok_or_else(|| format!("--arch {:?}: use one of {}", args.arch, ARCHS.join(", ")))?,
     );
     cfg.attn_norm_2 = args.attn_norm_2;
+    cfg.topics = args.topics;
     if args.attn_norm_2 && cfg.family() != Family::Falcon {
         return Err("--attn-norm-2 applies to --arch falcon only".into());
     }

@@ -43,7 +43,8 @@ struct Queued {
 pub(crate) struct CudaDevice {
     gpu: Gpu,
     mats: RwLock<Vec<DeviceTensor>>,
-    hots: RwLock<Vec<CudaHot>>,
+    /// `None`: freed.
+    hots: RwLock<Vec<Option<CudaHot>>>,
     queued: Mutex<HashMap<u64, Queued>>,
     next: AtomicU64,
     t_max: AtomicU64,
@@ -216,8 +217,63 @@ impl Device for CudaDevice {
             act: spec.act,
         };
         let mut hots = self.hots.write().unwrap_or_else(|e| e.into_inner());
-        hots.push(hot);
+        hots.push(Some(hot));
         Ok(HotId(hots.len() - 1))
+    }
+
+    fn replace_hot(
+        &self,
+        hot: HotId,
+        slots: &[u32],
+        neurons: &[u32],
+        spec: &HotSpec<'_>,
+    ) -> Result<std::time::Duration> {
+        if slots.len() != neurons.len() {
+            return Err(EngineError::Device(format!(
+                "{} slots for {} neurons",
+                slots.len(),
+                neurons.len()
+            )));
+        }
+        let start = Instant::now();
+        let mut hots = self.hots.write().unwrap_or_else(|e| e.into_inner());
+        let h = hots
+            .get_mut(hot.0)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+        let mut bucket = h.bucket.clone();
+        for (&s, &n) in slots.iter().zip(neurons) {
+            let slot = bucket.get_mut(s as usize).ok_or_else(|| {
+                EngineError::Device(format!(
+                    "slot {s} outside the hot slice's {}",
+                    h.bucket.len()
+                ))
+            })?;
+            *slot = n;
+        }
+        let s = self.gpu.stream();
+        if let (Some(g), Some(w)) = (h.gate.as_mut(), spec.gate.as_ref()) {
+            g.replace_rows(s, w.data(), slots, &bucket).map_err(cuda)?;
+        }
+        h.up.replace_rows(s, spec.up.data(), slots, &bucket)
+            .map_err(cuda)?;
+        h.down
+            .replace_rows(s, spec.down_t.data(), slots, &bucket)
+            .map_err(cuda)?;
+        s.synchronize().map_err(cuda)?;
+        h.bucket = bucket;
+        Ok(start.elapsed())
+    }
+
+    fn drop_hot(&self, hot: HotId) -> Result<()> {
+        let mut hots = self.hots.write().unwrap_or_else(|e| e.into_inner());
+        match hots.get_mut(hot.0) {
+            Some(h @ Some(_)) => {
+                *h = None;
+                Ok(())
+            }
+            _ => Err(EngineError::Device(format!("unknown hot slice {}", hot.0))),
+        }
     }
 
     fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()> {
@@ -281,6 +337,7 @@ impl Device for CudaDevice {
         let hots = self.hots.read().unwrap_or_else(|e| e.into_inner());
         let h = hots
             .get(job.hot.0)
+            .and_then(Option::as_ref)
             .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", job.hot.0)))?;
         let nff = h.up.n_neurons();
         let ne = h.down.weight().cols();

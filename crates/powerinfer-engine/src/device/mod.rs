@@ -16,9 +16,16 @@
 //! `cuda::CudaDevice` on an NVIDIA GPU through `powerinfer-kernels-cuda`. What goes where is
 //! decided at load by `placement`. [`DeviceOptions`] chooses; [`DeviceReport`] tells.
 
+pub(crate) mod balance;
+pub(crate) mod calibrate;
 pub(crate) mod cuda;
 pub(crate) mod placement;
+#[cfg(all(test, feature = "tools"))]
+mod schedule_props;
 pub(crate) mod sim;
+
+pub use balance::{BalanceOptions, BalanceReport, LayerBalance};
+pub use calibrate::{Calibration, LinearCost};
 
 use std::time::Duration;
 
@@ -139,6 +146,8 @@ pub struct DeviceOptions {
     pub activation_dir: Option<std::path::PathBuf>,
     /// The simulated device.
     pub sim: SimOptions,
+    /// How the device and the CPU share each layer's work while decoding.
+    pub balance: BalanceOptions,
 }
 
 /// What the device holds and did: [`Engine::device_report`](crate::Engine::device_report).
@@ -220,6 +229,7 @@ pub(crate) struct MatId(pub(crate) usize);
 pub(crate) struct HotId(pub(crate) usize);
 
 /// The rows of a layer's hot neurons to upload, in bucket order.
+#[derive(Clone, Copy)]
 pub(crate) struct HotSpec<'a> {
     /// `ffn_gate` (all rows), if the FFN has one.
     pub(crate) gate: Option<Weights<'a>>,
@@ -268,6 +278,11 @@ pub(crate) struct HotDone {
 pub(crate) trait Device: Send + Sync {
     /// `sim`, `cuda:0 (NVIDIA H200)`, ...
     fn name(&self) -> String;
+    /// What decides its speed, for caches of measurements (the name, and for the simulated
+    /// device its speed model).
+    fn identity(&self) -> String {
+        self.name()
+    }
     /// The memory budget: limit, bytes in use, peak.
     fn memory(&self) -> (u64, u64, u64);
     /// Whether its kernels take weights of type `ty`.
@@ -285,6 +300,18 @@ pub(crate) trait Device: Send + Sync {
     fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()>;
     /// Predictor scores `fc2 · ReLU(fc1 · h)` of `t` tokens of held matrices, into `out`.
     fn scores(&self, fc1: MatId, fc2: MatId, h: &[f32], t: usize, out: &mut [f32]) -> Result<()>;
+    /// Overwrites device rows `slots` of a hot slice with the rows of `neurons` (same length),
+    /// taken from `spec`'s matrices (its bucket is ignored): a dynamic neuron cache moving
+    /// neurons in and out of the slice without allocating. Returns the time the copies took.
+    fn replace_hot(
+        &self,
+        hot: HotId,
+        slots: &[u32],
+        neurons: &[u32],
+        spec: &HotSpec<'_>,
+    ) -> Result<Duration>;
+    /// Frees a hot slice: its memory goes back to the budget and its id becomes unknown.
+    fn drop_hot(&self, hot: HotId) -> Result<()>;
     /// Copies a hot job's inputs to the device and queues it; returns at once.
     fn submit(&self, job: &HotJob<'_>) -> Result<Ticket>;
     /// Waits for a submitted job and adds its output (`t × n_embd`) into `out`.

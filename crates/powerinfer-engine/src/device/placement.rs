@@ -13,15 +13,19 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
-use powerinfer_kernels_cpu::Weights;
-use powerinfer_placement::{plan_model_with, IndexSource, PlanOptions, VramBudget};
+use powerinfer_kernels_cpu::{MatMul, Weights};
+use powerinfer_placement::{
+    activation_probabilities, plan_model_with, IndexSource, PlanOptions, VramBudget,
+};
 
+use super::balance::{Balance, LayerBalanceState};
+use super::calibrate::{calibrate, Calibration, Subject};
 use super::cuda::CudaDevice;
 use super::sim::SimDevice;
 use super::{
-    Device, DeviceChoice, DeviceOptions, DeviceReport, GpuIndexMode, HotId, HotSpec, MatId,
-    WorkShape,
+    Device, DeviceChoice, DeviceOptions, DeviceReport, GpuIndexMode, HotSpec, MatId, WorkShape,
 };
 use crate::error::{EngineError, Result};
 use crate::model::{Ffn, Model, Qkv, TensorRef};
@@ -46,14 +50,6 @@ pub(crate) enum Slot {
 /// Number of [`Slot`]s.
 pub(crate) const SLOTS: usize = 8;
 
-/// A layer's hot neurons on the device.
-pub(crate) struct HotLayer {
-    /// The device's slice.
-    pub(crate) id: HotId,
-    /// Per neuron, whether the device holds it.
-    pub(crate) on_device: Vec<bool>,
-}
-
 /// What the device holds of one layer.
 #[derive(Default)]
 pub(crate) struct HybridLayer {
@@ -61,8 +57,6 @@ pub(crate) struct HybridLayer {
     pub(crate) mats: [Option<MatId>; SLOTS],
     /// `fc1` and `fc2`.
     pub(crate) predictor: Option<(MatId, MatId)>,
-    /// The hot neuron rows.
-    pub(crate) hot: Option<HotLayer>,
 }
 
 /// A device and what it holds: the executor runs each piece of work where this says.
@@ -76,6 +70,8 @@ pub(crate) struct Hybrid {
     report: DeviceReport,
     /// Active neurons computed so far on the device and on the CPU.
     pub(crate) counters: (AtomicU64, AtomicU64),
+    /// Which neurons the device holds and computes in each layer, moved while decoding.
+    pub(crate) balance: Mutex<Balance>,
 }
 
 impl Hybrid {
@@ -247,13 +243,16 @@ fn targets<'m>(model: &'m Model) -> HashMap<&'m str, (Target, &'m TensorRef)> {
     map
 }
 
-/// Places `model` (the file at `path`) on `device` (see the [module docs](self)).
+/// Places `model` (the file at `path`) on `device` (see the [module docs](self)); `mm` (the
+/// CPU's kernels) and `threshold` (the predictor's) for the calibration.
 pub(crate) fn place(
     model: &Model,
     path: &Path,
     opts: &DeviceOptions,
     device: Box<dyn Device>,
     t_max: usize,
+    mm: &MatMul<'_>,
+    threshold: f32,
 ) -> Result<Hybrid> {
     let shape = work_shape(model, t_max);
     let work = device.reserve_work(&shape);
@@ -270,10 +269,16 @@ pub(crate) fn place(
             ..DeviceReport::default()
         },
         counters: (AtomicU64::new(0), AtomicU64::new(0)),
+        balance: Mutex::new(Balance {
+            options: opts.balance.clone(),
+            ..Balance::default()
+        }),
         device,
     };
     match work {
-        Ok(()) if model.is_sparse() => place_sparse(model, path, opts, &mut h, &shape)?,
+        Ok(()) if model.is_sparse() => {
+            place_sparse(model, path, opts, &mut h, &shape, mm, threshold)?
+        }
         Ok(()) => place_layers(model, opts, &mut h)?,
         Err(EngineError::DeviceMemory { requested, .. }) => {
             h.report.note = Some(format!(
@@ -307,12 +312,76 @@ fn put_dense(model: &Model, h: &mut Hybrid, target: Target, t: &TensorRef) -> Re
     Ok(())
 }
 
+/// The host matrices of a sparse layer as a device takes them (`bucket` empty).
+pub(crate) fn layer_spec<'m>(model: &'m Model, l: usize) -> Result<Option<HotSpec<'m>>> {
+    let layer = &model.layers[l];
+    let Ffn::Sparse {
+        gate, up, down_t, ..
+    } = &layer.ffn
+    else {
+        return Ok(None);
+    };
+    Ok(Some(HotSpec {
+        gate: gate.as_ref().map(|g| view(model, g)).transpose()?,
+        up: view(model, up)?,
+        down_t: view(model, down_t)?,
+        bucket: &[],
+        up_bias: layer.up_b.as_deref(),
+        act: model.ffn_act,
+    }))
+}
+
+/// Measures both sides on the middle layer (see `calibrate`); `None` when the device cannot
+/// hold the measurement's rows.
+fn calibration(
+    model: &Model,
+    opts: &DeviceOptions,
+    h: &Hybrid,
+    mm: &MatMul<'_>,
+    threshold: f32,
+) -> Result<Option<Calibration>> {
+    let l = model.layers.len() / 2;
+    let Some(spec) = layer_spec(model, l)? else {
+        return Ok(None);
+    };
+    let subject = Subject {
+        spec,
+        n_ff: spec.up.rows(),
+        t: 1,
+        threshold,
+    };
+    match calibrate(
+        h.device.as_ref(),
+        mm,
+        &subject,
+        opts.balance.calibration_cache.as_deref(),
+    ) {
+        Ok(c) => Ok(Some(c)),
+        Err(EngineError::DeviceMemory { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The share of a layer's held activity whose device time equals the CPU's time on the rest,
+/// at calibrated costs: `device(x) = cpu(held + outside − x)`.
+fn balanced_share(c: &Calibration, held: f64, outside: f64) -> f64 {
+    if held <= 0.0 {
+        return 1.0;
+    }
+    let (d, p) = (&c.device, &c.cpu);
+    let x = (p.fixed_us - d.fixed_us + p.per_row_us * (held + outside))
+        / (d.per_row_us + p.per_row_us).max(1e-12);
+    (x / held).clamp(0.0, 1.0)
+}
+
 fn place_sparse(
     model: &Model,
     path: &Path,
     opts: &DeviceOptions,
     h: &mut Hybrid,
     shape: &WorkShape,
+    mm: &MatMul<'_>,
+    threshold: f32,
 ) -> Result<()> {
     if let Some(n) = opts.n_gpu_layers {
         return Err(EngineError::Invalid(format!(
@@ -347,6 +416,15 @@ fn place_sparse(
     } else {
         GpuIndexMode::Disable
     };
+    let calib = if ffn_ok && opts.balance.calibrate && mode != GpuIndexMode::Disable {
+        calibration(model, opts, h, mm, threshold)?
+    } else {
+        None
+    };
+    let balanced = match (&calib, opts.balance.balanced_placement) {
+        (Some(c), true) if c.ratio().is_finite() && c.ratio() > 0.0 => Some(c.ratio()),
+        _ => None,
+    };
     let plan = plan_model_with(
         path,
         acct,
@@ -355,7 +433,7 @@ fn place_sparse(
             n_ctx: 0,
             scratch_bytes: 0,
             group: GROUP,
-            balanced: None,
+            balanced,
             min_neurons: 0,
             cap_neurons: None,
             activation: opts.activation_dir.clone(),
@@ -374,33 +452,38 @@ fn place_sparse(
             l.predictor = None;
         }
     }
+    let mut balance = h.balance.lock().unwrap_or_else(|e| e.into_inner());
+    balance.layers = model.layers.iter().map(|_| None).collect();
     for (l, ls) in plan.split.layers.iter().enumerate() {
         if ls.bucket.is_empty() {
             continue;
         }
-        let layer = &model.layers[l];
-        let Ffn::Sparse {
-            gate, up, down_t, ..
-        } = &layer.ffn
-        else {
+        let Some(spec) = layer_spec(model, l)? else {
             continue;
         };
-        let spec = HotSpec {
-            gate: gate.as_ref().map(|g| view(model, g)).transpose()?,
-            up: view(model, up)?,
-            down_t: view(model, down_t)?,
+        let n_ff = spec.up.rows();
+        let id = h.device.upload_hot(&HotSpec {
             bucket: &ls.bucket,
-            up_bias: layer.up_b.as_deref(),
-            act: model.ffn_act,
-        };
-        let id = h.device.upload_hot(&spec)?;
-        let mut on_device = vec![false; up.rows];
-        for &j in &ls.bucket {
-            on_device[j as usize] = true;
-        }
+            ..spec
+        })?;
         h.report.ffn_rows += ls.bucket.len();
-        h.layers[l].hot = Some(HotLayer { id, on_device });
+        let prior = plan
+            .stats
+            .as_ref()
+            .and_then(|s| s.layers.get(l))
+            .map(|s| activation_probabilities(s))
+            .unwrap_or_default();
+        let mut state =
+            LayerBalanceState::new(l, id, n_ff, &ls.bucket, prior.clone(), opts.balance.window);
+        if let (Some(c), true, false) = (&calib, opts.balance.balance, prior.is_empty()) {
+            let held: f64 = ls.bucket.iter().map(|&j| prior[j as usize] as f64).sum();
+            let all: f64 = prior.iter().map(|&p| p as f64).sum();
+            state.enable_share(balanced_share(c, held, all - held));
+        }
+        balance.layers[l] = Some(state);
     }
+    balance.calibration = calib;
+    drop(balance);
     h.report.placement = match &plan.source {
         IndexSource::Reused => format!("reused {}", shown(&plan.gpuidx)),
         IndexSource::Built { reason, .. } => format!("wrote {} ({reason})", shown(&plan.gpuidx)),

@@ -66,7 +66,8 @@ struct DevHot {
 #[derive(Default)]
 struct Memory {
     mats: Vec<DevMat>,
-    hots: Vec<DevHot>,
+    /// `None`: freed.
+    hots: Vec<Option<DevHot>>,
 }
 
 /// Work buffers in device memory (inputs copied in, outputs before they are copied out).
@@ -122,6 +123,12 @@ enum Cmd {
         t: usize,
         reply: Sender<Result<Vec<f32>>>,
     },
+    Replace {
+        hot: HotId,
+        slots: Vec<u32>,
+        rows: NewRows,
+        reply: Sender<Result<Duration>>,
+    },
     Hot {
         hot: HotId,
         x: Vec<f32>,
@@ -130,6 +137,15 @@ enum Cmd {
         threshold: f32,
         reply: Sender<Result<(Vec<f32>, HotDone)>>,
     },
+}
+
+/// Neurons' rows staged in host memory for a copy into a hot slice.
+struct NewRows {
+    neurons: Vec<u32>,
+    gate: Option<Vec<u8>>,
+    up: Vec<u8>,
+    down: Vec<u8>,
+    up_bias: Option<Vec<f32>>,
 }
 
 /// Where a hot job's output and report arrive.
@@ -145,6 +161,7 @@ pub(crate) struct SimDevice {
     next: AtomicU64,
     overruns: Arc<AtomicU64>,
     threads: usize,
+    speed: Option<SimSpeed>,
 }
 
 /// Bytes a buffer of `n` values of `T` holds.
@@ -199,6 +216,7 @@ impl SimDevice {
             next: AtomicU64::new(0),
             overruns,
             threads: opts.threads.max(1),
+            speed: opts.speed,
         })
     }
 
@@ -273,6 +291,19 @@ impl Device for SimDevice {
         )
     }
 
+    fn identity(&self) -> String {
+        match self.speed {
+            Some(s) => format!(
+                "{} at {} B/s, launch {:?}, link {} B/s",
+                self.name(),
+                s.bandwidth,
+                s.launch,
+                s.link_bandwidth
+            ),
+            None => self.name(),
+        }
+    }
+
     fn memory(&self) -> (u64, u64, u64) {
         (self.budget.limit(), self.budget.used(), self.budget.peak())
     }
@@ -326,8 +357,67 @@ impl Device for SimDevice {
             _held: held,
         };
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
-        mem.hots.push(hot);
+        mem.hots.push(Some(hot));
         Ok(HotId(mem.hots.len() - 1))
+    }
+
+    fn replace_hot(
+        &self,
+        hot: HotId,
+        slots: &[u32],
+        neurons: &[u32],
+        spec: &HotSpec<'_>,
+    ) -> Result<Duration> {
+        if slots.len() != neurons.len() {
+            return Err(EngineError::Device(format!(
+                "{} slots for {} neurons",
+                slots.len(),
+                neurons.len()
+            )));
+        }
+        let gather = |w: &Weights<'_>| -> Result<Vec<u8>> {
+            let rb = w.row_bytes();
+            let mut out = Vec::with_capacity(neurons.len() * rb);
+            for &n in neurons {
+                let n = n as usize;
+                if n >= w.rows() {
+                    return Err(EngineError::Device(format!(
+                        "neuron {n} outside the matrix's {} rows",
+                        w.rows()
+                    )));
+                }
+                out.extend_from_slice(&w.data()[n * rb..][..rb]);
+            }
+            Ok(out)
+        };
+        let rows = NewRows {
+            neurons: neurons.to_vec(),
+            gate: spec.gate.as_ref().map(gather).transpose()?,
+            up: gather(&spec.up)?,
+            down: gather(&spec.down_t)?,
+            up_bias: spec
+                .up_bias
+                .map(|b| neurons.iter().map(|&j| b[j as usize]).collect()),
+        };
+        let (reply, answer) = channel();
+        self.send(Cmd::Replace {
+            hot,
+            slots: slots.to_vec(),
+            rows,
+            reply,
+        })?;
+        wait(&answer, REPLY_SPIN).map_err(stopped)?
+    }
+
+    fn drop_hot(&self, hot: HotId) -> Result<()> {
+        let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        match mem.hots.get_mut(hot.0) {
+            Some(h @ Some(_)) => {
+                *h = None;
+                Ok(())
+            }
+            _ => Err(EngineError::Device(format!("unknown hot slice {}", hot.0))),
+        }
     }
 
     fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()> {
@@ -481,6 +571,18 @@ impl Stream {
                     let r = r.map(|(s, cost)| {
                         self.pace(start, &cost);
                         s
+                    });
+                    let _ = reply.send(r);
+                }
+                Cmd::Replace {
+                    hot,
+                    slots,
+                    rows,
+                    reply,
+                } => {
+                    let r = self.replace(hot, &slots, rows).map(|cost| {
+                        self.pace(start, &cost);
+                        start.elapsed()
                     });
                     let _ = reply.send(r);
                 }
@@ -664,6 +766,70 @@ impl Stream {
         Ok((scores, cost))
     }
 
+    /// Copies staged rows into slots of a hot slice (the bucket stays unique: a neuron the
+    /// slice holds in another slot is refused).
+    fn replace(&self, hot: HotId, slots: &[u32], rows: NewRows) -> Result<Cost> {
+        let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        let h = mem
+            .hots
+            .get_mut(hot.0)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+        let k = h.bucket.len();
+        let mut bucket = h.bucket.clone();
+        for (&s, &n) in slots.iter().zip(&rows.neurons) {
+            let s = s as usize;
+            if s >= k {
+                return Err(EngineError::Device(format!(
+                    "slot {s} outside the hot slice's {k}"
+                )));
+            }
+            bucket[s] = n;
+        }
+        let mut seen = std::collections::HashSet::with_capacity(k);
+        if !bucket.iter().all(|n| seen.insert(*n)) {
+            return Err(EngineError::Device(
+                "the replaced rows would hold a neuron twice".into(),
+            ));
+        }
+        if h.gate.is_some() != rows.gate.is_some() || h.up_bias.is_some() != rows.up_bias.is_some()
+        {
+            return Err(EngineError::Device(
+                "replacement rows do not match the hot slice's matrices".into(),
+            ));
+        }
+        let mut copied = 0u64;
+        let mut put = |m: &mut DevMat, src: &[u8]| -> Result<()> {
+            let rb = m.bytes.len() / k.max(1);
+            if src.len() != slots.len() * rb {
+                return Err(EngineError::Device(
+                    "replacement rows of the wrong size".into(),
+                ));
+            }
+            for (i, &s) in slots.iter().enumerate() {
+                m.bytes[s as usize * rb..][..rb].copy_from_slice(&src[i * rb..][..rb]);
+            }
+            copied += src.len() as u64;
+            Ok(())
+        };
+        if let (Some(g), Some(src)) = (h.gate.as_mut(), rows.gate.as_deref()) {
+            put(g, src)?;
+        }
+        put(&mut h.up, &rows.up)?;
+        put(&mut h.down, &rows.down)?;
+        if let (Some(b), Some(src)) = (h.up_bias.as_mut(), rows.up_bias.as_deref()) {
+            for (&s, &v) in slots.iter().zip(src) {
+                b[s as usize] = v;
+            }
+        }
+        h.bucket = bucket;
+        Ok(Cost {
+            launches: 1,
+            read: 0,
+            copied: copied + bytes_of::<u32>(slots.len()),
+        })
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn hot(
         &self,
@@ -679,6 +845,7 @@ impl Stream {
         let h = mem
             .hots
             .get(hot.0)
+            .and_then(Option::as_ref)
             .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
         let (up, down) = (h.up.view()?, h.down.view()?);
         let gate = h.gate.as_ref().map(DevMat::view).transpose()?;

@@ -19,8 +19,9 @@ use powerinfer_predictor::predictor::Predictor;
 use super::fused::{run_threads, FusedSplit};
 use super::neurons::{activate, hidden, nonzero, token_ffn, NeuronRows, TokenBufs};
 use super::step::{add_bias, FfnScratch, LayerRun, Step};
-use super::weights::{product, products_one_token, FfnMats, HotRef};
-use crate::device::{HotJob, MatId};
+use super::weights::{product, products_one_token, FfnMats};
+use crate::device::balance::{Balance, Measured, DECODE_MAX_TOKENS};
+use crate::device::{HotJob, HotSpec, MatId};
 use crate::error::Result;
 use crate::model::{FfnAct, Layer};
 use crate::profile::{LayerSplit, Op};
@@ -89,7 +90,6 @@ pub(crate) fn forward(
             down_t,
             predictor,
             predictor_dev,
-            hot,
         } if !step.opts.dense => {
             let w = SparseMats {
                 rows: NeuronRows {
@@ -101,7 +101,6 @@ pub(crate) fn forward(
                 },
                 predictor,
                 predictor_dev: *predictor_dev,
-                hot: *hot,
             };
             sparse(step, index, layer, &w, run.split, h, cur, out)
         }
@@ -133,7 +132,6 @@ struct SparseMats<'a, 'm> {
     rows: NeuronRows<'a>,
     predictor: &'a Predictor<'m>,
     predictor_dev: Option<(MatId, MatId)>,
-    hot: Option<HotRef<'a>>,
 }
 
 /// How the fused one-token dispatch gets the scores.
@@ -173,9 +171,19 @@ fn sparse(
     let fc1_bytes = w.predictor.fc1().data().len() as u64;
     let fc2_bytes = w.predictor.fc2().data().len() as u64;
     let fuse = t == 1 && step.opts.fuse;
+    // The layer's run-time split: which neurons the device holds and computes.
+    let (bal_opts, bal) = match step.balance.as_deref_mut() {
+        Some(Balance {
+            options, layers, ..
+        }) => (
+            Some(&*options),
+            layers.get_mut(index).and_then(Option::as_mut),
+        ),
+        None => (None, None),
+    };
     // 1. Scores: on the device when it holds the predictor, else on the CPU (for one token
     //    the CPU computes `fc2` inside the fused dispatch, unless a device needs the scores).
-    let dev_part = device.zip(w.hot);
+    let dev_part = device.filter(|_| bal.is_some());
     let scores_ready = match (w.predictor_dev, device) {
         (Some((fc1, fc2)), Some(d)) => {
             resize(&mut s.scores, t * nff);
@@ -202,21 +210,28 @@ fn sparse(
             fc1_bytes
         }
     });
-    // 2. The device's hot neurons, queued; the CPU goes on at once.
-    let queued = match dev_part {
-        Some((d, hot)) => {
+    // 2. The device's hot neurons, queued; the CPU goes on at once. The held neurons the
+    //    device does not compute now are hidden from it (and computed below).
+    let queued = match (dev_part, bal.as_deref()) {
+        (Some(d), Some(b)) => {
+            let scores: &[f32] = if b.needs_mask() {
+                b.device_scores(&s.scores, t, &mut s.dev_scores);
+                &s.dev_scores
+            } else {
+                &s.scores
+            };
             let job = HotJob {
-                hot: hot.id,
+                hot: b.hot,
                 x: cur,
-                scores: &s.scores,
+                scores,
                 t,
                 threshold: theta,
             };
             Some((d, d.submit(&job)?, Instant::now()))
         }
-        None => None,
+        _ => None,
     };
-    let skip = w.hot.map(|h| h.on_device);
+    let skip = bal.as_deref().map(|b| &b.on_device[..]);
     // 3. The CPU's active neurons.
     let mut cpu_active = 0u64;
     if fuse {
@@ -305,6 +320,31 @@ fn sparse(
                 active_device: done.active,
             },
         );
+        if let (Some(b), Some(o)) = (bal, bal_opts) {
+            // Decode-sized batches move the split and the cache; prompts are only recorded.
+            let decode = t <= DECODE_MAX_TOKENS;
+            b.observe(&s.scores, t, theta);
+            let m = Measured {
+                t,
+                cpu: cpu_time,
+                device: done.busy,
+                active_cpu: cpu_active,
+                active_device: done.active,
+            };
+            b.measured(m, o, decode);
+            if decode {
+                let spec = HotSpec {
+                    gate: w.rows.gate.copied(),
+                    up: *w.rows.up,
+                    down_t: *w.rows.down,
+                    bucket: &[],
+                    up_bias: w.rows.up_bias,
+                    act: w.rows.act,
+                };
+                b.maybe_migrate(d, &spec, t, o)?;
+            }
+            laps.lap(Op::Other, || 0);
+        }
     } else if let Some(c) = step.counters {
         c.1.fetch_add(cpu_active, Ordering::Relaxed);
     }

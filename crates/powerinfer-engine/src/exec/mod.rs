@@ -21,7 +21,7 @@ use powerinfer_kernels_cpu::ops::activation::add;
 use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
 
 use crate::device::placement::Hybrid;
-use crate::device::DeviceReport;
+use crate::device::{BalanceReport, DeviceReport};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{Arch, Model, OPT_POSITION_OFFSET};
@@ -206,6 +206,19 @@ impl Executor {
         self.hybrid.as_ref().map(Hybrid::report)
     }
 
+    /// The device and what it holds (tests).
+    #[cfg(test)]
+    pub(crate) fn hybrid(&self) -> Option<&Hybrid> {
+        self.hybrid.as_ref()
+    }
+
+    /// What the run-time scheduling did (`None` without a device).
+    pub(crate) fn balance_report(&self) -> Option<BalanceReport> {
+        self.hybrid
+            .as_ref()
+            .map(|h| h.balance.lock().unwrap_or_else(|e| e.into_inner()).report())
+    }
+
     /// The options.
     pub(crate) fn options(&self) -> ExecOptions {
         self.opts
@@ -294,6 +307,10 @@ impl Executor {
             observer,
             profile,
         } = opts;
+        let mut balance = self
+            .hybrid
+            .as_ref()
+            .map(|h| h.balance.lock().unwrap_or_else(|e| e.into_inner()));
         let mut step = Step::new(model, &mm, self.opts, t, positions, segments, starts);
         step.laps = Laps::new(profile);
         step.observer = observer.map(|o| o as &mut dyn FfnObserver);
@@ -301,6 +318,7 @@ impl Executor {
             step.device = Some(h.device.as_ref());
             step.counters = Some(&h.counters);
         }
+        step.balance = balance.as_deref_mut();
         step.laps.eval(t);
 
         let mut x = vec![0f32; t * ne];

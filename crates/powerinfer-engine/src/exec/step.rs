@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use super::fused::FusedSplit;
 use super::weights::LayerMats;
 use super::{ExecOptions, Segment};
+use crate::device::balance::Balance;
 use crate::device::Device;
 use crate::error::Result;
 use crate::model::{Arch, FfnAct, Hparams, Layer, Model, Norm};
@@ -48,6 +49,8 @@ pub(crate) struct FfnScratch {
     pub(crate) up: Vec<f32>,
     pub(crate) hidden: Vec<f32>,
     pub(crate) scores: Vec<f32>,
+    /// The scores as the device gets them (held neurons it does not compute hidden).
+    pub(crate) dev_scores: Vec<f32>,
     pub(crate) active: Vec<u32>,
     /// Per thread, the active neurons of its row range (relative to the range start).
     pub(crate) parts: Vec<Mutex<Vec<u32>>>,
@@ -89,6 +92,9 @@ pub(crate) struct Step<'a> {
     pub(crate) device: Option<&'a dyn Device>,
     /// Active neurons computed on the device and on the CPU (the engine's running totals).
     pub(crate) counters: Option<&'a (AtomicU64, AtomicU64)>,
+    /// Which neurons the device holds and computes in each layer (held locked for the
+    /// evaluation).
+    pub(crate) balance: Option<&'a mut Balance>,
     /// Buffers.
     pub(crate) buf: Buffers,
 }
@@ -122,6 +128,7 @@ impl<'a> Step<'a> {
             laps: Laps::new(None),
             device: None,
             counters: None,
+            balance: None,
             buf: Buffers::default(),
         }
     }

@@ -8,7 +8,7 @@ use powerinfer_kernels_cpu::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights
 use powerinfer_predictor::predictor::Predictor;
 
 use crate::device::placement::{Hybrid, HybridLayer, Slot, SLOTS};
-use crate::device::{Device, HotId, MatId};
+use crate::device::{Device, MatId};
 use crate::error::Result;
 use crate::model::{Ffn, Model, Qkv, TensorRef};
 
@@ -20,15 +20,6 @@ pub(crate) struct Mat<'m> {
     packed: Option<&'m OnceLock<Option<PackedQ4_0>>>,
     /// The device's copy.
     pub(crate) dev: Option<MatId>,
-}
-
-/// A layer's hot neurons on the device.
-#[derive(Clone, Copy)]
-pub(crate) struct HotRef<'m> {
-    /// The device's slice.
-    pub(crate) id: HotId,
-    /// Per neuron, whether the device holds it (the CPU skips those).
-    pub(crate) on_device: &'m [bool],
 }
 
 impl Mat<'_> {
@@ -69,8 +60,6 @@ pub(crate) enum FfnMats<'m> {
         predictor: Predictor<'m>,
         /// The device's copies of `fc1` and `fc2`, when it holds them.
         predictor_dev: Option<(MatId, MatId)>,
-        /// The hot neurons the device holds, if any.
-        hot: Option<HotRef<'m>>,
     },
 }
 
@@ -226,10 +215,6 @@ impl<'m> ModelMats<'m> {
                     down_t: view(file, down_t)?,
                     predictor: Predictor::new(view(file, fc1)?, view(file, fc2)?)?,
                     predictor_dev: hl.and_then(|h| h.predictor),
-                    hot: hl.and_then(|h| h.hot.as_ref()).map(|h| HotRef {
-                        id: h.id,
-                        on_device: &h.on_device,
-                    }),
                 },
             };
             layers.push(LayerMats {

@@ -18,7 +18,7 @@ use super::math::{
 use super::{
     predictor_type, vocab, Family, SynthConfig, SynthError, SynthOutputs, VocabSource, ATTN_STEP,
     ATTN_VARIANCE_SHARE, BAMBOO_UP_BIAS, BIAS_CHANNEL, BIAS_CHANNEL_NEG, BIAS_VALUE, EMBD_STD,
-    FFN_STEP, LN_EPS, OPT_UP_BIAS_MAX, POS_EMBD_STD, RMS_EPS,
+    FFN_STEP, LN_EPS, OPT_UP_BIAS_MAX, POS_EMBD_STD, RMS_EPS, TOPIC_CHANNEL,
 };
 
 /// A folder whose files are written under a temporary sibling folder and moved into place by
@@ -82,6 +82,9 @@ pub struct LayerPlan {
     /// Expected standard deviation of a residual channel (other than the bias channel) at the
     /// FFN input of this layer; the probabilities hold for residuals with this spread.
     pub residual_std: f64,
+    /// With [`SynthConfig::topics`]: each topic's probabilities (`probabilities` is their
+    /// average).
+    pub topics: Option<[Vec<f32>; 2]>,
 }
 
 /// What [`synthesize`] produced.
@@ -174,6 +177,12 @@ fn validate(cfg: &SynthConfig) -> Result<(), SynthError> {
     if cfg.attn_norm_2 && cfg.family() != Family::Falcon {
         return bad("attn_norm_2 is a falcon option".into());
     }
+    if cfg.topics && cfg.family().layer_norm() {
+        return bad("topics are a llama/bamboo option".into());
+    }
+    if cfg.topics && cfg.rank() < 16 {
+        return bad("topics need a predictor rank of at least 16".into());
+    }
     if let Some(t) = cfg.sparse_threshold {
         if !t.is_finite() {
             return bad("the sparse threshold must be finite".into());
@@ -230,22 +239,42 @@ fn plan_layers(cfg: &SynthConfig) -> Result<Vec<LayerPlan>, SynthError> {
             cfg.density, cfg.skew
         ))
     })?;
+    // Seeded Fisher-Yates shuffle: hot neurons are scattered, as in real models.
+    let shuffled = |name: String| {
+        let key = stream_key(cfg.seed, &name);
+        let mut order: Vec<usize> = (0..n_ff).collect();
+        for i in (1..n_ff).rev() {
+            let j = (mix64(key ^ i as u64) % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        let mut probabilities = vec![0.0f32; n_ff];
+        for (rank, &neuron) in order.iter().enumerate() {
+            probabilities[neuron] = sorted[rank] as f32;
+        }
+        probabilities
+    };
     Ok((0..cfg.shape.n_layer)
         .map(|l| {
-            // Seeded Fisher-Yates shuffle: hot neurons are scattered, as in real models.
-            let key = stream_key(cfg.seed, &format!("perm.{l}"));
-            let mut order: Vec<usize> = (0..n_ff).collect();
-            for i in (1..n_ff).rev() {
-                let j = (mix64(key ^ i as u64) % (i as u64 + 1)) as usize;
-                order.swap(i, j);
-            }
-            let mut probabilities = vec![0.0f32; n_ff];
-            for (rank, &neuron) in order.iter().enumerate() {
-                probabilities[neuron] = sorted[rank] as f32;
-            }
-            LayerPlan {
-                probabilities,
-                residual_std: residual_std(cfg.family(), l),
+            let probabilities = shuffled(format!("perm.{l}"));
+            let residual_std = residual_std(cfg.family(), l);
+            if cfg.topics {
+                let b = shuffled(format!("perm.{l}.topic_b"));
+                let mean = probabilities
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| 0.5 * (x + y))
+                    .collect();
+                LayerPlan {
+                    probabilities: mean,
+                    residual_std,
+                    topics: Some([probabilities, b]),
+                }
+            } else {
+                LayerPlan {
+                    probabilities,
+                    residual_std,
+                    topics: None,
+                }
             }
         })
         .collect())
@@ -260,8 +289,12 @@ struct LayerState {
     m: Vec<f32>,
     /// `n_ff` rows of `r-1` mixing weights.
     u: Vec<f32>,
-    /// Gate bias numerator per neuron, `s_l Φ⁻¹(p_i)`.
+    /// Gate bias numerator per neuron, `s_l Φ⁻¹(p_i)` (with topics, the mean of the two
+    /// topics' values).
     bias: Vec<f32>,
+    /// With topics: half the difference of the two topics' bias numerators (the weight of
+    /// the topic channel); empty otherwise.
+    topic: Vec<f32>,
     /// Row scale α_i of each gate row, set when the gate is written (f32 bits).
     alpha: Vec<AtomicU32>,
     /// Residual std `s_l`.
@@ -277,8 +310,11 @@ struct LayerState {
 
 struct Gen<'a> {
     cfg: &'a SynthConfig,
-    /// Bias channels (see [`n_bias_channels`]).
+    /// Channels no signal row uses: the bias channels (see [`n_bias_channels`]) and, with
+    /// topics, [`TOPIC_CHANNEL`].
     nbc: usize,
+    /// [`SynthConfig::topics`].
+    topics: bool,
     n: usize,
     n_ff: usize,
     rank: usize,
@@ -294,9 +330,15 @@ impl Gen<'_> {
         lo + (hi - lo) * uniform(self.key(name), j as u64)
     }
 
+    /// Predictor rows carrying the low-rank signal (`M`): the rank less the bias row and, with
+    /// topics, the topic row.
+    fn signal_rows(&self) -> usize {
+        self.rank - 1 - self.topics as usize
+    }
+
     fn layer_state(&self, l: usize) -> LayerState {
         let n = self.n;
-        let rs = self.rank - 1;
+        let rs = self.signal_rows();
         let nbc = self.nbc;
         let ln = self.cfg.family().layer_norm();
         let ffn_norm = ffn_norm_name(self.cfg.family(), l);
@@ -364,11 +406,22 @@ impl Gen<'_> {
             .collect();
         let plan = &self.plans[l];
         let s = plan.residual_std;
-        let bias: Vec<f32> = plan
-            .probabilities
-            .iter()
-            .map(|&p| (s * normal_ppf(f64::from(p))) as f32)
-            .collect();
+        let numerator =
+            |p: &[f32]| -> Vec<f64> { p.iter().map(|&p| s * normal_ppf(f64::from(p))).collect() };
+        let (bias, topic): (Vec<f32>, Vec<f32>) = match &plan.topics {
+            None => (
+                numerator(&plan.probabilities)
+                    .into_iter()
+                    .map(|b| b as f32)
+                    .collect(),
+                Vec::new(),
+            ),
+            Some([a, b]) => numerator(a)
+                .into_iter()
+                .zip(numerator(b))
+                .map(|(a, b)| ((0.5 * (a + b)) as f32, (0.5 * (a - b)) as f32))
+                .unzip(),
+        };
         // Down scale: each FFN adds variance FFN_STEP^2 to a residual channel. (For LayerNorm
         // `rms` is the spread σ: the bias channels ±BIAS_VALUE add nothing to the mean.)
         let rms = ((nbc as f64 * f64::from(BIAS_VALUE).powi(2) + (n - nbc) as f64 * s * s)
@@ -395,6 +448,7 @@ impl Gen<'_> {
             m,
             u,
             bias,
+            topic,
             alpha: (0..self.n_ff).map(|_| AtomicU32::new(0)).collect(),
             s,
             down_std,
@@ -456,7 +510,7 @@ impl Gen<'_> {
 
     fn gate_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
         let n = self.n;
-        let rs = self.rank - 1;
+        let rs = self.signal_rows();
         out.fill(0.0);
         let ui = &st.u[i * rs..(i + 1) * rs];
         for (k, &c) in ui.iter().enumerate() {
@@ -466,12 +520,12 @@ impl Gen<'_> {
         if st.noise_std > 0.0 {
             let ekey = self.key(&format!("blk.{}.gate.noise", st.layer));
             for (j, o) in out.iter_mut().enumerate() {
-                if j != BIAS_CHANNEL {
+                if j >= self.nbc {
                     *o += st.noise_std * unit(ekey, (i * n + j) as u64);
                 }
             }
         }
-        out[BIAS_CHANNEL] = 0.0;
+        out[..self.nbc].fill(0.0);
         let norm = out
             .iter()
             .map(|&x| f64::from(x).powi(2))
@@ -483,13 +537,16 @@ impl Gen<'_> {
             *o = *o * alpha / w;
         }
         out[BIAS_CHANNEL] = st.bias[i] / (st.w[BIAS_CHANNEL] * BIAS_VALUE);
+        if let Some(&d) = st.topic.get(i) {
+            out[TOPIC_CHANNEL] = d / (st.w[TOPIC_CHANNEL] * BIAS_VALUE);
+        }
     }
 
     fn up_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
         let n = self.n;
         let key = self.key(&format!("blk.{}.ffn_up.weight", st.layer));
         for (j, o) in out.iter_mut().enumerate() {
-            *o = if j == BIAS_CHANNEL {
+            *o = if j < self.nbc {
                 0.0
             } else {
                 unit(key, (i * n + j) as u64)
@@ -521,15 +578,17 @@ impl Gen<'_> {
     fn fc1_row(&self, st: &LayerState, k: usize, out: &mut [f32]) {
         let n = self.n;
         let r = self.rank;
-        let rs = r - 1;
+        let rs = self.signal_rows();
         out.fill(0.0);
         let (idx, sign) = if k < r { (k, 1.0) } else { (k - r, -1.0) };
         if idx < rs {
             out.iter_mut()
                 .zip(&st.m[idx * n..(idx + 1) * n])
                 .for_each(|(o, &m)| *o = sign * m);
-        } else {
+        } else if idx == rs {
             out[BIAS_CHANNEL] = sign / BIAS_VALUE;
+        } else {
+            out[TOPIC_CHANNEL] = sign / BIAS_VALUE;
         }
     }
 
@@ -566,7 +625,7 @@ impl Gen<'_> {
 
     fn fc2_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
         let r = self.rank;
-        let rs = r - 1;
+        let rs = self.signal_rows();
         let alpha = f32::from_bits(st.alpha[i].load(Ordering::Relaxed));
         let ui = &st.u[i * rs..(i + 1) * rs];
         for k in 0..rs {
@@ -575,6 +634,11 @@ impl Gen<'_> {
         }
         out[rs] = st.bias[i];
         out[r + rs] = 0.0;
+        // The topic channel is ±BIAS_VALUE: its row and the negated row give ±d together.
+        if let Some(&d) = st.topic.get(i) {
+            out[rs + 1] = d;
+            out[r + rs + 1] = -d;
+        }
     }
 }
 
@@ -955,6 +1019,9 @@ fn base_metadata(cfg: &SynthConfig, n_vocab: usize, tokenizer: &Metadata) -> Met
         Value::F32(cfg.density as f32),
     );
     md.insert("powerinfer_rs.synth.skew", Value::F32(cfg.skew as f32));
+    if cfg.topics {
+        md.insert("powerinfer_rs.synth.topics", Value::Bool(true));
+    }
     md.insert(
         "powerinfer_rs.synth.predictor_noise",
         Value::F32(cfg.predictor_noise as f32),
@@ -1007,7 +1074,8 @@ pub fn synthesize(
     let plans = plan_layers(cfg)?;
     let gen = Gen {
         cfg,
-        nbc: n_bias_channels(cfg.family()),
+        nbc: n_bias_channels(cfg.family()) + cfg.topics as usize,
+        topics: cfg.topics,
         n: cfg.shape.n_embd,
         n_ff: cfg.shape.n_ff,
         rank,
@@ -1083,6 +1151,7 @@ pub fn synthesize(
             };
             let n = gen.n;
             let nbc = gen.nbc;
+            let topics = gen.topics;
             let rows = s.rows;
             let g = &gen;
             let f: Box<RowFn> = match rows {
@@ -1100,7 +1169,9 @@ pub fn synthesize(
                         *o = EMBD_STD as f32 * unit(key, (t * n + j) as u64);
                     }
                     out[BIAS_CHANNEL] = BIAS_VALUE;
-                    if nbc > 1 {
+                    if topics {
+                        out[TOPIC_CHANNEL] = if t % 2 == 0 { BIAS_VALUE } else { -BIAS_VALUE };
+                    } else if nbc > 1 {
                         out[BIAS_CHANNEL_NEG] = -BIAS_VALUE;
                     }
                 }),

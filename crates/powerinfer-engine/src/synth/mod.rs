@@ -84,6 +84,9 @@ pub const BIAS_CHANNEL: usize = 0;
 /// Residual channel that carries `-BIAS_VALUE` in the LayerNorm architectures (`falcon`,
 /// `opt`).
 pub const BIAS_CHANNEL_NEG: usize = 1;
+/// Residual channel that carries the token's topic (`±BIAS_VALUE`) with
+/// [`SynthConfig::topics`].
+pub const TOPIC_CHANNEL: usize = 1;
 /// LayerNorm epsilon written to `falcon`/`opt` files.
 pub const LN_EPS: f32 = 1e-5;
 /// Standard deviation of OPT's position embeddings.
@@ -306,6 +309,12 @@ pub struct SynthConfig {
     /// `falcon` only: write `attn_norm_2` (Falcon-40B style: the attention reads
     /// `attn_norm_2`, the FFN `attn_norm`).
     pub attn_norm_2: bool,
+    /// `llama`/`bamboo` only: two "topics" with different hot neurons. Tokens with an even id
+    /// are of topic A, odd ids of topic B ([`TOPIC_CHANNEL`] tells the layers which); each
+    /// topic's probabilities follow the same power law in its own random order, and the
+    /// activation statistics written are their average (a corpus of both). Text that stays on
+    /// one topic then has a hot set the statistics do not predict.
+    pub topics: bool,
 }
 
 impl SynthConfig {
@@ -326,6 +335,7 @@ impl SynthConfig {
             vocab: VocabSource::BuiltIn,
             predictor_rule: PredictorRule::default(),
             attn_norm_2: false,
+            topics: false,
         }
     }
 
