@@ -589,7 +589,7 @@ fn out_of_range_sampling_values_are_refused() {
     }
 }
 
-/// `bench schedule` on the tiny model: three schedules, the cost model's prediction and the
+/// `bench schedule` on the tiny model: four schedules, the cost model's prediction and the
 /// topic-shift rows, as JSON (the synthetic two-topic model goes to a temporary cache folder).
 #[test]
 fn bench_schedule_reports_schedules_prediction_and_topics() {
@@ -625,7 +625,7 @@ fn bench_schedule_reports_schedules_prediction_and_topics() {
         .iter()
         .map(|s| s["schedule"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["static", "balanced", "calibrated"]);
+    assert_eq!(names, ["static", "balanced", "calibrated", "+attention"]);
     for s in schedules {
         assert!(s["tps"].as_f64().unwrap() > 0.0, "{s}");
         assert!(s["held"].as_u64().unwrap() > 0, "{s}");

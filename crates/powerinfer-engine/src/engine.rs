@@ -152,6 +152,7 @@ impl Engine {
                     &options.device,
                     d,
                     batch,
+                    ctx_len,
                     &mm,
                     threshold,
                 )?),

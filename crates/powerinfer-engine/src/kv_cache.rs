@@ -11,6 +11,13 @@ use half::slice::HalfFloatSliceExt;
 
 use crate::error::{EngineError, Result};
 
+/// Source of [`Slot::stamp`]s, unique in the process.
+static STAMPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn new_stamp() -> u64 {
+    STAMPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Identifies a sequence of a [`KvCache`].
 pub type SeqId = usize;
 
@@ -22,6 +29,9 @@ struct Slot {
     /// Per layer, `pos · n_embd_kv` values.
     v: Vec<Vec<f16>>,
     pos: usize,
+    /// Renewed whenever rows already stored change or go (appending keeps it), so that a copy
+    /// of a prefix elsewhere (a device's mirror) knows whether it still holds these rows.
+    stamp: u64,
 }
 
 /// The KV cache of a model for up to `n_seq` sequences of up to `ctx_len` positions each.
@@ -50,6 +60,7 @@ impl KvCache {
             k: vec![Vec::new(); self.n_layer],
             v: vec![Vec::new(); self.n_layer],
             pos: 0,
+            stamp: new_stamp(),
         };
         if let Some(i) = self.slots.iter().position(Option::is_none) {
             self.slots[i] = Some(slot);
@@ -71,8 +82,19 @@ impl KvCache {
     pub fn clear(&mut self, seq: SeqId) -> Result<()> {
         let s = self.slot_mut(seq)?;
         s.pos = 0;
+        s.stamp = new_stamp();
         s.k.iter_mut().chain(s.v.iter_mut()).for_each(Vec::clear);
         Ok(())
+    }
+
+    /// The stamp of `seq`'s stored rows: unchanged while rows are only appended.
+    pub(crate) fn stamp(&self, seq: SeqId) -> Result<u64> {
+        Ok(self.slot(seq)?.stamp)
+    }
+
+    /// Values per token and layer in K (and in V).
+    pub(crate) fn row_len(&self) -> usize {
+        self.n_embd_kv
     }
 
     /// Number of tokens stored for `seq`.
@@ -139,7 +161,8 @@ impl KvCache {
     /// A new sequence holding a copy of `src`'s tokens (several continuations of one prompt
     /// evaluated once).
     pub fn fork(&mut self, src: SeqId) -> Result<SeqId> {
-        let copy = self.slot(src)?.clone();
+        let mut copy = self.slot(src)?.clone();
+        copy.stamp = new_stamp();
         let seq = self.add_sequence();
         self.slots[seq] = Some(copy);
         Ok(seq)
@@ -163,6 +186,7 @@ impl KvCache {
                 s.pos
             )));
         }
+        s.stamp = new_stamp();
         let mut moved = Vec::new();
         for (k, v) in s.k.iter_mut().zip(s.v.iter_mut()) {
             k.drain(keep * n..(keep + discard) * n);
@@ -182,6 +206,9 @@ impl KvCache {
     pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<()> {
         let w = self.n_embd_kv;
         let s = self.slot_mut(seq)?;
+        if n < s.pos {
+            s.stamp = new_stamp();
+        }
         s.pos = s.pos.min(n);
         let len = s.pos * w;
         s.k.iter_mut()
@@ -194,6 +221,7 @@ impl KvCache {
     pub(crate) fn rollback(&mut self, seq: SeqId) {
         let n = self.n_embd_kv;
         if let Ok(s) = self.slot_mut(seq) {
+            s.stamp = new_stamp();
             let len = s.pos * n;
             s.k.iter_mut()
                 .chain(s.v.iter_mut())

@@ -55,8 +55,8 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use device::{
-    BalanceOptions, BalanceReport, Calibration, DeviceChoice, DeviceOptions, DeviceReport,
-    GpuIndexMode, LayerBalance, LinearCost, SimOptions, SimSpeed,
+    AttentionBalance, BalanceOptions, BalanceReport, Calibration, DeviceChoice, DeviceOptions,
+    DeviceReport, GpuIndexMode, LayerBalance, LinearCost, SimOptions, SimSpeed,
 };
 pub use engine::{Engine, EngineOptions};
 pub use error::{EngineError, Result};

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use powerinfer_engine::synth::{self, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::{
-    DeviceChoice, Engine, EngineOptions, GpuIndexMode, LayerBalance, SimSpeed,
+    DeviceChoice, Engine, EngineOptions, GpuIndexMode, LayerBalance, SamplingParams, SimSpeed,
 };
 use powerinfer_gguf::GgmlType;
 
@@ -191,5 +191,70 @@ fn the_hot_cache_follows_a_change_of_topic() {
             fixed.0[topic]
         );
         assert!(dynamic.1[topic] > fixed.1[topic], "topic {topic}");
+    }
+}
+
+fn greedy(n: usize) -> SamplingParams {
+    SamplingParams::default().with(|p| {
+        p.temperature = 0.0;
+        p.max_tokens = n;
+        p.stop_at_eog = false;
+    })
+}
+
+fn generated(e: &Engine, n: usize) -> Vec<u32> {
+    let mut s = e.session();
+    s.generate("Hello", greedy(n))
+        .map(|t| t.unwrap().id)
+        .collect()
+}
+
+/// The attention split: each layer's first positions attended on the device over its mirror,
+/// the rest on the CPU, merged. Through context shifts (which change the stored rows, so the
+/// mirror is filled again) the greedy tokens are the CPU engine's.
+#[test]
+fn the_attention_split_gives_the_cpu_tokens_through_context_shifts() {
+    let m = model(false, 1024, 6);
+    let mut c = common::opts(false);
+    c.ctx_len = 96;
+    let cpu = Engine::load(&m.path, c).unwrap();
+    let mut o = options(None);
+    o.ctx_len = 96;
+    o.device.balance.attention_split = true;
+    o.device.balance.balance = false;
+    o.device.balance.hot_cache = false;
+    let e = Engine::load(&m.path, o).unwrap();
+    assert_eq!(generated(&e, 200), generated(&cpu, 200));
+    let r = e.balance_report().unwrap();
+    assert_eq!(r.attention.len(), e.model().hparams().n_layer);
+    for a in &r.attention {
+        assert!(a.evals > 100, "{a:?}");
+        assert!(a.device_positions > 0 && a.cpu_positions > 0, "{a:?}");
+        // More rows copied than the context holds: the mirror was refilled after shifts.
+        assert!(a.copied_rows > 96, "{a:?}");
+    }
+    // Off: no mirror, no split.
+    let mut o = options(None);
+    o.ctx_len = 96;
+    let e = Engine::load(&m.path, o).unwrap();
+    assert!(e.balance_report().unwrap().attention.is_empty());
+}
+
+/// A device much slower than the CPU on attention gets a smaller share of the positions, by
+/// bounded steps.
+#[test]
+fn a_slow_device_attends_to_fewer_positions() {
+    let m = model(false, 1024, 7);
+    let mut o = options(None);
+    slow_device(&mut o);
+    o.device.balance.attention_split = true;
+    o.device.balance.balance = false;
+    o.device.balance.hot_cache = false;
+    let e = Engine::load(&m.path, o).unwrap();
+    generated(&e, 120);
+    for a in &e.balance_report().unwrap().attention {
+        assert!(a.moves > 0 && a.share < 0.5, "{a:?}");
+        // At most `attention_step` (0.05) per move from the starting half.
+        assert!(a.share >= 0.5 - 0.05 * a.moves as f64 - 1e-9, "{a:?}");
     }
 }

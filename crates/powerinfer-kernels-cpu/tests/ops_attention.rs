@@ -4,7 +4,8 @@
 
 use half::f16;
 use powerinfer_kernels_cpu::ops::attention::{
-    attention, attention_block, attention_block_with, attention_with, AttentionParams,
+    attention, attention_block, attention_block_with, attention_part, attention_with, merge_parts,
+    AttentionParams, AttentionPart,
 };
 use powerinfer_kernels_cpu::reference::ops as r;
 use powerinfer_kernels_cpu::Backend;
@@ -299,4 +300,67 @@ fn rejects_bad_arguments() {
         attention_block(&pool, &q4, &c.k, &c.v, 4, &c.p, &mut out4),
         Err(KernelError::Shape(_))
     ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Two parts over `[0, s)` and `[s, n)` (either may be empty), merged, are the attention
+    /// over `[0, n)`: against the f64 reference with twice the whole kernel's bound (the sums
+    /// are split in two and rescaled once).
+    #[test]
+    fn split_parts_merge_into_the_whole_attention(
+        n_kv in 1usize..3,
+        group_log in 0u32..3,
+        d in 1usize..80,
+        n_pos in 1usize..200,
+        split in 0.0f64..=1.0,
+        q_amp in prop_oneof![Just(1.0f32), Just(8.0f32)],
+        seed in any::<u64>(),
+    ) {
+        let c = make_case(n_kv, 1 << group_log, d, n_pos, 1, q_amp, seed);
+        let row = c.p.kv_row_len();
+        let s = ((split * n_pos as f64) as usize).min(n_pos);
+        let (mut a, mut b) = (AttentionPart::default(), AttentionPart::default());
+        attention_part(&c.q, &c.k[..s * row], &c.v[..s * row], &c.p, &mut a).unwrap();
+        attention_part(&c.q, &c.k[s * row..], &c.v[s * row..], &c.p, &mut b).unwrap();
+        let mut out = vec![f32::NAN; c.p.q_len()];
+        merge_parts(&a, &b, &c.p, &mut out).unwrap();
+        // The merge is symmetric.
+        let mut back = vec![f32::NAN; c.p.q_len()];
+        merge_parts(&b, &a, &c.p, &mut back).unwrap();
+        prop_assert_eq!(&out, &back);
+        let want = r::attention(&c.q, &c.k, &c.v, c.p.n_head, c.p.n_kv_head, d, f64::from(c.p.scale));
+        for h in 0..c.p.n_head {
+            let tol = 2.0 * head_tol(&c, 0, h, n_pos);
+            for i in 0..d {
+                let err = (f64::from(out[h * d + i]) - want[h * d + i]).abs();
+                prop_assert!(err <= tol, "s {s} of {n_pos}, head {h} elem {i}: err {err:e} > {tol:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_parts_refuse_bad_shapes() {
+    let p = AttentionParams::new(4, 2, 8);
+    let q = vec![0.5f32; p.q_len()];
+    let row = vec![f16::from_f32(0.25); p.kv_row_len()];
+    let mut part = AttentionPart::default();
+    assert!(attention_part(&q[1..], &row, &row, &p, &mut part).is_err());
+    assert!(attention_part(&q, &row[1..], &row[1..], &p, &mut part).is_err());
+    assert!(attention_part(&q, &row, &row[..8], &p, &mut part).is_err());
+    attention_part(&q, &[], &[], &p, &mut part).unwrap();
+    assert_eq!(part, AttentionPart::empty(&p));
+    let mut out = vec![0f32; p.q_len()];
+    assert!(
+        merge_parts(&part, &part, &p, &mut out).is_err(),
+        "both empty"
+    );
+    let mut one = AttentionPart::default();
+    attention_part(&q, &row, &row, &p, &mut one).unwrap();
+    merge_parts(&one, &part, &p, &mut out).unwrap();
+    // One position: the output is its V row, whatever the score.
+    assert!(out.iter().all(|&x| (x - 0.25).abs() < 1e-6), "{out:?}");
+    assert!(merge_parts(&one, &part, &p, &mut out[1..]).is_err());
 }

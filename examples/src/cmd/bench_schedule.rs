@@ -6,9 +6,11 @@
 //!    and a share of the FFN's bytes chosen so that PowerInfer's static split (every held
 //!    neuron computed on the device) leaves the device `--imbalance` times as long per layer
 //!    as the CPU: the share is searched by short static runs (or given, `--resident`). Then,
-//!    alternating the order over `--rounds`, three schedules decode the same tokens: `static`,
-//!    `balanced` (the feedback loop alone, starting from the static split) and `calibrated`
-//!    (the split started from speeds measured at load, then the loop). Reported: tokens/s (all
+//!    alternating the order over `--rounds`, four schedules decode the same tokens: `static`,
+//!    `balanced` (the feedback loop alone, starting from the static split), `calibrated`
+//!    (the split started from speeds measured at load, then the loop) and `+attention`
+//!    (calibrated, with the attention split; its KV mirror comes out of the same budget,
+//!    before the FFN's rows). Reported: tokens/s (all
 //!    decode tokens, and the second half), the FFN's time per token (per layer the slower
 //!    side), the evaluation at which every layer's two times had come within the dead band
 //!    (convergence), the mean imbalance at the end and the device's share of active neurons.
@@ -119,7 +121,7 @@ impl Run {
 
 fn base_options(a: &ScheduleArgs, bandwidth: Option<f64>) -> EngineOptions {
     let mut o = super::engine_options(a.threads.max(1), None);
-    o.ctx_len = (PROMPT + 2 * a.tokens.max(a.topic_tokens) + 16).max(64);
+    o.ctx_len = (PROMPT + a.tokens).max(2 * a.topic_tokens + 1) + 16;
     o.device.choice = DeviceChoice::Sim;
     o.device.gpu_index = GpuIndexMode::Reset;
     o.device.sim.threads = 1;
@@ -271,10 +273,11 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
         None => search_share(&path, &o, a.imbalance, quiet)?,
     };
     o.device.vram_budget = Some(budget);
-    let schedules: [(&str, bool, bool); 3] = [
-        ("static", false, false),
-        ("balanced", true, false),
-        ("calibrated", true, true),
+    let schedules: [(&str, bool, bool, bool); 4] = [
+        ("static", false, false, false),
+        ("balanced", true, false, false),
+        ("calibrated", true, true, false),
+        ("+attention", true, true, true),
     ];
     let mut runs: Vec<Vec<Run>> = vec![Vec::new(); schedules.len()];
     for round in 0..a.rounds.max(1) {
@@ -283,17 +286,18 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
             order.reverse();
         }
         for i in order {
-            let (_, balance, calibrate) = schedules[i];
+            let (_, balance, calibrate, attention) = schedules[i];
             let mut oo = o.clone();
             oo.device.balance.balance = balance;
             oo.device.balance.calibrate = calibrate;
+            oo.device.balance.attention_split = attention;
             runs[i].push(decode(&path, oo, a.tokens)?);
         }
     }
     let summary: Vec<serde_json::Value> = schedules
         .iter()
         .zip(&runs)
-        .map(|((name, _, _), rs)| {
+        .map(|((name, ..), rs)| {
             let last = rs.last().expect("a run");
             let t = last.report.total();
             json!({
@@ -308,6 +312,7 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
                 "rebalances": t.rebalances,
                 "enabled": t.enabled, "held": t.held,
                 "calibration_ratio": last.report.calibration.as_ref().map(|c| c.ratio()),
+                "attention_device_share": attention_share(&last.report),
             })
         })
         .collect();
@@ -338,11 +343,13 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
         gpu_launch_us: LAUNCH_US,
         link_bandwidth: LINK_GBPS * 1e9,
     };
+    // The engine keeps the KV cache in host memory (without the attention split): no KV in
+    // the budget.
     let pred = super::plan::prediction(
         &path,
         None,
         budget,
-        o.ctx_len as u64,
+        0,
         &hw,
         Workload {
             batch: 1,
@@ -383,6 +390,7 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
             "balanced_over_static": ratio_of(1, "tps"),
             "balanced_over_static_second_half": ratio_of(1, "late"),
             "calibrated_over_static": ratio_of(2, "tps"),
+            "attention_split_over_static": ratio_of(3, "tps"),
             "prediction": prediction,
             "topic_shift": topics,
         });
@@ -431,11 +439,14 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
     }
     println!(
         "balanced / static: {:.2}x tok/s (second half {:.2}x), FFN time {:.2}x; calibrated / \
-         static: {:.2}x tok/s",
+         static: {:.2}x tok/s; with the attention split: {:.2}x ({:.1}% of the positions on the \
+         device at the end)",
         ratio_of(1, "tps"),
         ratio_of(1, "late"),
         ffn_gain,
-        ratio_of(2, "tps")
+        ratio_of(2, "tps"),
+        ratio_of(3, "tps"),
+        100.0 * summary[3]["attention_device_share"].as_f64().unwrap_or(0.0)
     );
     println!(
         "cost model (CPU {:.1} GB/s, {} us/row): static {:.2} tok/s ({:+.1}% vs measured), \
@@ -478,6 +489,14 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Positions attended on the device over all positions of split evaluations (0 when off).
+fn attention_share(r: &BalanceReport) -> f64 {
+    let (d, c) = r.attention.iter().fold((0u64, 0u64), |a, l| {
+        (a.0 + l.device_positions, a.1 + l.cpu_positions)
+    });
+    d as f64 / (d + c).max(1) as f64
 }
 
 /// A predicted step's FFN milliseconds: per layer the slower side.

@@ -77,6 +77,14 @@ pub struct DeviceArgs {
     /// speed ratio, instead of filling the VRAM budget with the hottest (PowerInfer).
     #[arg(long = "balanced-placement")]
     pub balanced_placement: bool,
+    /// Split each layer's attention over the KV positions between the device (a mirror of
+    /// the first positions, reserved before the FFN's rows) and the CPU while one sequence
+    /// decodes (`on`/`off`).
+    #[arg(long = "attention-split", default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub attention_split: bool,
+    /// Largest change of a layer's share of attended positions on the device per move.
+    #[arg(long = "attention-step", default_value_t = 0.05)]
+    pub attention_step: f64,
 }
 
 /// `on`/`off` (also `true`/`false`, `1`/`0`).
@@ -141,6 +149,14 @@ impl DeviceArgs {
             None => default_cache(),
         };
         b.balanced_placement = self.balanced_placement;
+        if !(self.attention_step > 0.0 && self.attention_step <= 1.0) {
+            return Err(format!(
+                "--attention-step {}: expected a share in (0, 1]",
+                self.attention_step
+            ));
+        }
+        b.attention_split = self.attention_split;
+        b.attention_step = self.attention_step;
         d.sim.threads = self.sim_threads.max(1);
         d.sim.speed = match self.sim_bandwidth {
             None => None,
@@ -314,6 +330,7 @@ pub fn print_balance(r: &BalanceReport) {
     }
     if r.layers.is_empty() {
         eprintln!("scheduling: no layer has neurons on the device");
+        print_attention(r);
         return;
     }
     eprintln!(
@@ -358,6 +375,34 @@ pub fn print_balance(r: &BalanceReport) {
     t.imbalance = r.layers.iter().map(|l| l.imbalance).sum::<f64>() / r.layers.len() as f64;
     t.evals /= r.layers.len() as u64;
     row("all".into(), &t);
+    print_attention(r);
+}
+
+/// The attention split per layer (nothing when off).
+fn print_attention(r: &BalanceReport) {
+    if r.attention.is_empty() {
+        return;
+    }
+    eprintln!(
+        "attention split: per layer, ms per split evaluation; share of positions on the device"
+    );
+    eprintln!(
+        "{:>5} {:>6} {:>8} {:>8} {:>7} {:>6} {:>8}",
+        "layer", "evals", "cpu", "device", "share", "moves", "copied"
+    );
+    for a in &r.attention {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / a.evals.max(1) as f64;
+        eprintln!(
+            "{:>5} {:>6} {:>8.4} {:>8.4} {:>6.1}% {:>6} {:>8}",
+            a.layer,
+            a.evals,
+            ms(a.cpu),
+            ms(a.device),
+            100.0 * a.share,
+            a.moves,
+            a.copied_rows
+        );
+    }
 }
 
 /// The run-time scheduling as JSON (`run --stats --json`).
@@ -390,5 +435,12 @@ pub fn balance_json(r: &BalanceReport) -> serde_json::Value {
         "migrations": t.migrations,
         "migrated_rows": t.migrated_rows,
         "layers": r.layers.iter().map(layer).collect::<Vec<_>>(),
+        "attention": r.attention.iter().map(|a| serde_json::json!({
+            "layer": a.layer, "share": a.share, "evals": a.evals,
+            "cpu_ms": a.cpu.as_secs_f64() * 1e3, "device_ms": a.device.as_secs_f64() * 1e3,
+            "device_positions": a.device_positions, "cpu_positions": a.cpu_positions,
+            "moves": a.moves, "copied_rows": a.copied_rows,
+            "copy_ms": a.copy_time.as_secs_f64() * 1e3,
+        })).collect::<Vec<_>>(),
     })
 }

@@ -71,6 +71,12 @@ pub struct BalanceOptions {
     /// speed ratio ([`powerinfer_placement::solve_balanced`]), leaving the rest of the budget
     /// unused, instead of PowerInfer's (fill the budget with the hottest neurons).
     pub balanced_placement: bool,
+    /// Split each layer's attention between the device (the first positions, over its mirror
+    /// of them) and the CPU (the rest) while one sequence decodes; the mirror of the context's
+    /// KV rows is reserved before the FFN's rows.
+    pub attention_split: bool,
+    /// Largest change of a layer's share of positions on the device per move.
+    pub attention_step: f64,
 }
 
 impl Default for BalanceOptions {
@@ -86,6 +92,8 @@ impl Default for BalanceOptions {
             calibrate: true,
             calibration_cache: None,
             balanced_placement: false,
+            attention_split: false,
+            attention_step: 0.05,
         }
     }
 }
@@ -164,6 +172,8 @@ pub struct BalanceReport {
     pub layers: Vec<LayerBalance>,
     /// The measured speeds it started from, if the engine calibrated at load.
     pub calibration: Option<super::calibrate::Calibration>,
+    /// Per layer, the attention split (empty when off).
+    pub attention: Vec<super::attention::AttentionBalance>,
 }
 
 impl BalanceReport {
@@ -700,6 +710,8 @@ pub(crate) struct Balance {
     /// Per layer (`None`: no device part).
     pub(crate) layers: Vec<Option<LayerBalanceState>>,
     pub(crate) calibration: Option<super::calibrate::Calibration>,
+    /// The attention split, when on and the device holds the mirror.
+    pub(crate) attention: Option<super::attention::AttentionSplit>,
 }
 
 impl Balance {
@@ -714,6 +726,10 @@ impl Balance {
                 .map(LayerBalanceState::report)
                 .collect(),
             calibration: self.calibration.clone(),
+            attention: self
+                .attention
+                .as_ref()
+                .map_or_else(Vec::new, super::attention::AttentionSplit::report),
         }
     }
 }

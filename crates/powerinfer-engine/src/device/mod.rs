@@ -16,6 +16,7 @@
 //! `cuda::CudaDevice` on an NVIDIA GPU through `powerinfer-kernels-cuda`. What goes where is
 //! decided at load by `placement`. [`DeviceOptions`] chooses; [`DeviceReport`] tells.
 
+pub(crate) mod attention;
 pub(crate) mod balance;
 pub(crate) mod calibrate;
 pub(crate) mod cuda;
@@ -24,15 +25,18 @@ pub(crate) mod placement;
 mod schedule_props;
 pub(crate) mod sim;
 
+pub use attention::AttentionBalance;
 pub use balance::{BalanceOptions, BalanceReport, LayerBalance};
 pub use calibrate::{Calibration, LinearCost};
 
 use std::time::Duration;
 
+use half::f16;
 use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::ops::attention::{AttentionParams, AttentionPart};
 use powerinfer_kernels_cpu::Weights;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::model::FfnAct;
 
 /// Which device runs the hot part of each layer.
@@ -316,6 +320,51 @@ pub(crate) trait Device: Send + Sync {
     fn submit(&self, job: &HotJob<'_>) -> Result<Ticket>;
     /// Waits for a submitted job and adds its output (`t × n_embd`) into `out`.
     fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone>;
+    /// Reserves memory for a mirror of one sequence's first `positions` KV rows in each of
+    /// `n_layer` layers (`kv_row` F16 values per K and V row): the device's share of the
+    /// attention split. Devices without attention refuse.
+    fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()> {
+        let _ = (n_layer, positions, kv_row);
+        Err(EngineError::Device(format!(
+            "{} does not run attention",
+            self.name()
+        )))
+    }
+
+    /// Copies K and V rows (whole rows) into layer `layer`'s mirror from position `start`;
+    /// returns the copy's time.
+    fn write_kv(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration> {
+        let _ = (layer, start, k, v);
+        Err(EngineError::Device(format!(
+            "{} does not run attention",
+            self.name()
+        )))
+    }
+
+    /// Queues one token's attention part over the first `n` mirrored positions of `layer`.
+    fn submit_attention(
+        &self,
+        layer: usize,
+        q: &[f32],
+        n: usize,
+        params: &AttentionParams,
+    ) -> Result<Ticket> {
+        let _ = (layer, q, n, params);
+        Err(EngineError::Device(format!(
+            "{} does not run attention",
+            self.name()
+        )))
+    }
+
+    /// Waits for a queued attention part; returns it and the device's busy time.
+    fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)> {
+        let _ = ticket;
+        Err(EngineError::Device(format!(
+            "{} does not run attention",
+            self.name()
+        )))
+    }
+
     /// Pieces of work finished later than a speed model asked (0 for real devices).
     fn overruns(&self) -> u64 {
         0

@@ -20,6 +20,7 @@ use powerinfer_placement::{
     activation_probabilities, plan_model_with, IndexSource, PlanOptions, VramBudget,
 };
 
+use super::attention::AttentionSplit;
 use super::balance::{Balance, LayerBalanceState};
 use super::calibrate::{calibrate, Calibration, Subject};
 use super::cuda::CudaDevice;
@@ -245,12 +246,14 @@ fn targets<'m>(model: &'m Model) -> HashMap<&'m str, (Target, &'m TensorRef)> {
 
 /// Places `model` (the file at `path`) on `device` (see the [module docs](self)); `mm` (the
 /// CPU's kernels) and `threshold` (the predictor's) for the calibration.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn place(
     model: &Model,
     path: &Path,
     opts: &DeviceOptions,
     device: Box<dyn Device>,
     t_max: usize,
+    ctx_len: usize,
     mm: &MatMul<'_>,
     threshold: f32,
 ) -> Result<Hybrid> {
@@ -275,6 +278,24 @@ pub(crate) fn place(
         }),
         device,
     };
+    // The attention split's KV mirror comes before the FFN's rows (PowerInfer counts the KV
+    // cache in the budget before them too).
+    let mut attention_note = None;
+    if work.is_ok() && opts.balance.attention_split {
+        let n_layer = model.layers.len();
+        match h
+            .device
+            .reserve_kv(n_layer, ctx_len, model.hparams.n_embd_kv())
+        {
+            Ok(()) => {
+                h.balance
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .attention = Some(AttentionSplit::new(n_layer, ctx_len));
+            }
+            Err(e) => attention_note = Some(format!("no attention split: {e}")),
+        }
+    }
     match work {
         Ok(()) if model.is_sparse() => {
             place_sparse(model, path, opts, &mut h, &shape, mm, threshold)?
@@ -288,6 +309,12 @@ pub(crate) fn place(
             ));
         }
         Err(e) => return Err(e),
+    }
+    if let Some(n) = attention_note {
+        h.report.note = Some(match h.report.note.take() {
+            Some(old) => format!("{old}; {n}"),
+            None => n,
+        });
     }
     Ok(h)
 }

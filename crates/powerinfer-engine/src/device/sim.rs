@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use half::f16;
 use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::ops::attention::{attention_part, AttentionParams, AttentionPart};
 use powerinfer_kernels_cpu::{MatMul, ThreadPool, Weights};
 use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
@@ -62,12 +64,23 @@ struct DevHot {
     _held: Reservation,
 }
 
+/// The mirror of one sequence's first KV rows, per layer (the attention split's share).
+struct DevKv {
+    positions: usize,
+    kv_row: usize,
+    /// Per layer, `positions · kv_row` keys, then values.
+    k: Vec<Vec<f16>>,
+    v: Vec<Vec<f16>>,
+    _held: Reservation,
+}
+
 /// The device's memory: what was uploaded.
 #[derive(Default)]
 struct Memory {
     mats: Vec<DevMat>,
     /// `None`: freed.
     hots: Vec<Option<DevHot>>,
+    kv: Option<DevKv>,
 }
 
 /// Work buffers in device memory (inputs copied in, outputs before they are copied out).
@@ -137,7 +150,24 @@ enum Cmd {
         threshold: f32,
         reply: Sender<Result<(Vec<f32>, HotDone)>>,
     },
+    KvWrite {
+        layer: usize,
+        start: usize,
+        k: Vec<f16>,
+        v: Vec<f16>,
+        reply: Sender<Result<Duration>>,
+    },
+    Attend {
+        layer: usize,
+        q: Vec<f32>,
+        n: usize,
+        params: AttentionParams,
+        reply: Sender<Result<(AttentionPart, Duration)>>,
+    },
 }
+
+/// Where an attention part and the device's time arrive.
+type AttentionReply = Receiver<Result<(AttentionPart, Duration)>>;
 
 /// Neurons' rows staged in host memory for a copy into a hot slice.
 struct NewRows {
@@ -158,6 +188,7 @@ pub(crate) struct SimDevice {
     stream: Mutex<Sender<Cmd>>,
     worker: Option<JoinHandle<()>>,
     pending: Mutex<HashMap<u64, HotReply>>,
+    pending_attention: Mutex<HashMap<u64, AttentionReply>>,
     next: AtomicU64,
     overruns: Arc<AtomicU64>,
     threads: usize,
@@ -213,6 +244,7 @@ impl SimDevice {
             stream: Mutex::new(tx),
             worker: Some(worker),
             pending: Mutex::new(HashMap::new()),
+            pending_attention: Mutex::new(HashMap::new()),
             next: AtomicU64::new(0),
             overruns,
             threads: opts.threads.max(1),
@@ -482,6 +514,72 @@ impl Device for SimDevice {
         Ok(done)
     }
 
+    fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()> {
+        let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        mem.kv = None;
+        let values = n_layer
+            .checked_mul(positions)
+            .and_then(|v| v.checked_mul(kv_row))
+            .ok_or_else(|| EngineError::Device("KV mirror size overflows".into()))?;
+        let held = self
+            .budget
+            .try_reserve(2 * bytes_of::<f16>(values))
+            .map_err(budget_error)?;
+        mem.kv = Some(DevKv {
+            positions,
+            kv_row,
+            k: vec![vec![f16::ZERO; positions * kv_row]; n_layer],
+            v: vec![vec![f16::ZERO; positions * kv_row]; n_layer],
+            _held: held,
+        });
+        Ok(())
+    }
+
+    fn write_kv(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration> {
+        let (reply, answer) = channel();
+        self.send(Cmd::KvWrite {
+            layer,
+            start,
+            k: k.to_vec(),
+            v: v.to_vec(),
+            reply,
+        })?;
+        wait(&answer, REPLY_SPIN).map_err(stopped)?
+    }
+
+    fn submit_attention(
+        &self,
+        layer: usize,
+        q: &[f32],
+        n: usize,
+        params: &AttentionParams,
+    ) -> Result<Ticket> {
+        let (reply, answer) = channel();
+        self.send(Cmd::Attend {
+            layer,
+            q: q.to_vec(),
+            n,
+            params: *params,
+            reply,
+        })?;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.pending_attention
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, answer);
+        Ok(Ticket(id))
+    }
+
+    fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)> {
+        let answer = self
+            .pending_attention
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&ticket.0)
+            .ok_or_else(|| EngineError::Device(format!("unknown attention job {}", ticket.0)))?;
+        wait(&answer, REPLY_SPIN).map_err(stopped)?
+    }
+
     fn overruns(&self) -> u64 {
         self.overruns.load(Ordering::Relaxed)
     }
@@ -606,8 +704,108 @@ impl Stream {
                     });
                     let _ = reply.send(r);
                 }
+                Cmd::KvWrite {
+                    layer,
+                    start: from,
+                    k,
+                    v,
+                    reply,
+                } => {
+                    let r = self.write_kv(layer, from, &k, &v).map(|cost| {
+                        self.pace(start, &cost);
+                        start.elapsed()
+                    });
+                    let _ = reply.send(r);
+                }
+                Cmd::Attend {
+                    layer,
+                    q,
+                    n,
+                    params,
+                    reply,
+                } => {
+                    let r = self.attend(layer, &q, n, &params).map(|(part, cost)| {
+                        self.pace(start, &cost);
+                        (part, start.elapsed())
+                    });
+                    let _ = reply.send(r);
+                }
             }
         }
+    }
+
+    /// Copies whole K and V rows into the mirror of `layer` from position `from`.
+    fn write_kv(&self, layer: usize, from: usize, k: &[f16], v: &[f16]) -> Result<Cost> {
+        let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        let kv = mem
+            .kv
+            .as_mut()
+            .ok_or_else(|| EngineError::Device("no KV mirror reserved".into()))?;
+        let row = kv.kv_row;
+        if k.len() != v.len() || k.len() % row != 0 {
+            return Err(EngineError::Device(format!(
+                "KV rows of {} and {} values for rows of {row}",
+                k.len(),
+                v.len()
+            )));
+        }
+        let rows = k.len() / row;
+        if layer >= kv.k.len() || from + rows > kv.positions {
+            return Err(EngineError::Device(format!(
+                "KV rows {from}..{} of layer {layer} outside the mirror ({} layers, {} positions)",
+                from + rows,
+                kv.k.len(),
+                kv.positions
+            )));
+        }
+        kv.k[layer][from * row..][..k.len()].copy_from_slice(k);
+        kv.v[layer][from * row..][..v.len()].copy_from_slice(v);
+        Ok(Cost {
+            launches: 0,
+            read: 0,
+            copied: 2 * bytes_of::<f16>(k.len()),
+        })
+    }
+
+    /// One token's attention part over the first `n` mirrored positions of `layer`.
+    fn attend(
+        &self,
+        layer: usize,
+        q: &[f32],
+        n: usize,
+        params: &AttentionParams,
+    ) -> Result<(AttentionPart, Cost)> {
+        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
+        let kv = mem
+            .kv
+            .as_ref()
+            .ok_or_else(|| EngineError::Device("no KV mirror reserved".into()))?;
+        let row = kv.kv_row;
+        if layer >= kv.k.len() || n > kv.positions || row != params.kv_row_len() {
+            return Err(EngineError::Device(format!(
+                "attention over {n} positions of layer {layer}: the mirror has {} layers of {} \
+                 positions of {row} values",
+                kv.k.len(),
+                kv.positions
+            )));
+        }
+        let mut part = AttentionPart::default();
+        attention_part(
+            q,
+            &kv.k[layer][..n * row],
+            &kv.v[layer][..n * row],
+            params,
+            &mut part,
+        )?;
+        let out = part.max.len() + part.sum.len() + part.acc.len();
+        Ok((
+            part,
+            Cost {
+                launches: 1,
+                read: 2 * bytes_of::<f16>(n * row),
+                copied: bytes_of::<f32>(q.len() + out),
+            },
+        ))
     }
 
     /// Waits until the speed model's time for `cost` has passed since `start` (counting an

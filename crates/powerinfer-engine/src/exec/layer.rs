@@ -5,11 +5,16 @@
 //! `falcon`: LayerNorm (`attn_norm_2` for the attention where the layer has one), fused QKV,
 //! NeoX RoPE.
 
-use powerinfer_kernels_cpu::ops::attention::attention_block;
+use std::time::Instant;
+
+use powerinfer_kernels_cpu::ops::attention::{
+    attention_block, attention_part, merge_parts, AttentionPart,
+};
 use powerinfer_kernels_cpu::ops::rope::rope_block;
 
 use super::step::{add_bias, norm, LayerRun, Step};
 use super::weights::{product, products_one_token, QkvMats};
+use crate::device::balance::Balance;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::Qkv;
@@ -91,6 +96,15 @@ pub(crate) fn attention(
         rope_block(&mut b.k, hp.n_head_kv, hd, &step.positions, rope)?;
     }
     let mut kv_bytes = 0u64;
+    // One sequence's one token: its positions may be split with the device.
+    let (bal_opts, mut split) = match step.balance.as_deref_mut() {
+        Some(Balance {
+            options,
+            attention: Some(a),
+            ..
+        }) if t == 1 && step.segments.len() == 1 => (Some(&*options), Some(a)),
+        _ => (None, None),
+    };
     for (sg, &s0) in step.segments.iter().zip(&step.starts) {
         let n = sg.tokens.len();
         if n == 0 {
@@ -102,9 +116,27 @@ pub(crate) fn attention(
             &b.k[s0 * nkv..][..n * nkv],
             &b.v[s0 * nkv..][..n * nkv],
         )?;
+        let (q_s, out_s) = (&b.q[s0 * ne..][..n * ne], &mut b.heads[s0 * ne..][..n * ne]);
+        if let (Some(a), Some(d), Some(o)) = (split.as_deref_mut(), dev, bal_opts) {
+            let n_pos = cache.layer(sg.seq, l)?.0.len() / nkv;
+            let s = a.device_positions(l, n_pos);
+            if s > 0 {
+                a.sync(d, cache, sg.seq, l, s)?;
+                let (kc, vc) = cache.layer(sg.seq, l)?;
+                kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
+                let ticket = d.submit_attention(l, q_s, s, &step.ap)?;
+                let t0 = Instant::now();
+                let mut cpu_part = AttentionPart::default();
+                attention_part(q_s, &kc[s * nkv..], &vc[s * nkv..], &step.ap, &mut cpu_part)?;
+                let cpu_time = t0.elapsed();
+                let (dev_part, dev_time) = d.finish_attention(ticket)?;
+                merge_parts(&dev_part, &cpu_part, &step.ap, out_s)?;
+                a.measured(l, n_pos, s, cpu_time, dev_time, o);
+                continue;
+            }
+        }
         let (kc, vc) = cache.layer(sg.seq, l)?;
         kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
-        let (q_s, out_s) = (&b.q[s0 * ne..][..n * ne], &mut b.heads[s0 * ne..][..n * ne]);
         attention_block(mm.pool(), q_s, kc, vc, n, &step.ap, out_s)?;
     }
     laps.lap(Op::Attention, || kv_bytes);

@@ -671,3 +671,127 @@ fn axpy_f16(isa: Isa, acc: &mut [f32], a: f32, v: &[f16]) {
         *o += a * x.to_f32();
     }
 }
+
+/// One side's part of a token's attention over a range of positions, per query head: the
+/// largest score, the sum of `exp(score − max)`, and the V rows weighted by those exponentials
+/// (not yet divided by the sum). Parts over disjoint ranges merge exactly into the attention
+/// over their union ([`merge_parts`]), so two devices can each attend to their share of a KV
+/// cache (Q-Infer's attention split).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AttentionPart {
+    /// Per head, the largest score (`-inf` for an empty range).
+    pub max: Vec<f32>,
+    /// Per head, `Σ exp(score − max)` (0 for an empty range).
+    pub sum: Vec<f32>,
+    /// Per head, `head_dim` values: `Σ exp(score − max) · V[p]`.
+    pub acc: Vec<f32>,
+}
+
+impl AttentionPart {
+    /// The part of an empty range for `params`' heads.
+    pub fn empty(params: &AttentionParams) -> AttentionPart {
+        AttentionPart {
+            max: vec![f32::NEG_INFINITY; params.n_head],
+            sum: vec![0.0; params.n_head],
+            acc: vec![0.0; params.q_len()],
+        }
+    }
+}
+
+/// The part ([`AttentionPart`]) of one token's attention over the positions whose K and V rows
+/// are `k` and `v` (whole rows of the layout in the [module docs](self); any number, none
+/// included), with the queries `q` (`n_head · head_dim`). Scores, exponentials and sums in f32.
+///
+/// Errors: invalid `params`, `q.len()` not `n_head · head_dim`, `k.len()` not a multiple of a
+/// row or not `v.len()`.
+pub fn attention_part(
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    params: &AttentionParams,
+    part: &mut AttentionPart,
+) -> Result<(), KernelError> {
+    params.validate()?;
+    let (hd, kv_row) = (params.head_dim, params.kv_row_len());
+    check_len("attention part: q", params.q_len(), q.len())?;
+    check_len("attention part: v", k.len(), v.len())?;
+    if k.len() % kv_row != 0 {
+        return Err(KernelError::Shape(format!(
+            "attention part: K length {} is not a whole number of rows of {kv_row}",
+            k.len()
+        )));
+    }
+    let n_pos = k.len() / kv_row;
+    *part = AttentionPart::empty(params);
+    if n_pos == 0 {
+        return Ok(());
+    }
+    let group = params.n_head / params.n_kv_head;
+    let mut kf = vec![0f32; hd];
+    let mut scores = vec![0f32; n_pos];
+    for h in 0..params.n_head {
+        let off = (h / group) * hd;
+        let qh = &q[h * hd..][..hd];
+        for (p, s) in scores.iter_mut().enumerate() {
+            k[p * kv_row + off..][..hd].convert_to_f32_slice(&mut kf);
+            *s = params.scale * qh.iter().zip(&kf).map(|(a, b)| a * b).sum::<f32>();
+        }
+        let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let acc = &mut part.acc[h * hd..][..hd];
+        let mut sum = 0f32;
+        for (p, &s) in scores.iter().enumerate() {
+            let w = (s - m).exp();
+            sum += w;
+            v[p * kv_row + off..][..hd].convert_to_f32_slice(&mut kf);
+            for (a, &x) in acc.iter_mut().zip(&kf) {
+                *a += w * x;
+            }
+        }
+        part.max[h] = m;
+        part.sum[h] = sum;
+    }
+    Ok(())
+}
+
+/// The attention over the union of two parts' disjoint ranges into `out` (`n_head · head_dim`):
+/// per head both parts rescaled to the larger maximum, `(acc_a·e^(m_a−m) + acc_b·e^(m_b−m)) /
+/// (l_a·e^(m_a−m) + l_b·e^(m_b−m))`.
+///
+/// Errors: the parts' or `out`'s lengths not those of `params`, or both ranges empty.
+pub fn merge_parts(
+    a: &AttentionPart,
+    b: &AttentionPart,
+    params: &AttentionParams,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    params.validate()?;
+    let (nh, hd) = (params.n_head, params.head_dim);
+    for p in [a, b] {
+        check_len("attention part: max", nh, p.max.len())?;
+        check_len("attention part: sum", nh, p.sum.len())?;
+        check_len("attention part: acc", nh * hd, p.acc.len())?;
+    }
+    check_len("attention part: out", nh * hd, out.len())?;
+    for h in 0..nh {
+        let m = a.max[h].max(b.max[h]);
+        if m == f32::NEG_INFINITY {
+            return Err(KernelError::Shape(
+                "attention parts: both ranges are empty".into(),
+            ));
+        }
+        let scale = |mx: f32| {
+            if mx == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (mx - m).exp()
+            }
+        };
+        let (sa, sb) = (scale(a.max[h]), scale(b.max[h]));
+        let inv = 1.0 / (a.sum[h] * sa + b.sum[h] * sb);
+        let (xa, xb) = (&a.acc[h * hd..][..hd], &b.acc[h * hd..][..hd]);
+        for ((o, &x), &y) in out[h * hd..][..hd].iter_mut().zip(xa).zip(xb) {
+            *o = (x * sa + y * sb) * inv;
+        }
+    }
+    Ok(())
+}
