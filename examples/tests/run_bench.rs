@@ -578,6 +578,12 @@ fn out_of_range_sampling_values_are_refused() {
         ("--min-p", "1.5"),
         ("--repeat-penalty", "0"),
         ("--temp", "nan"),
+        ("--typical", "0"),
+        ("--xtc-probability", "2"),
+        ("--mirostat", "3"),
+        ("--mirostat-lr", "-1"),
+        ("--logit-bias", "abc"),
+        ("--logit-bias", "5+nan"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
             .args(["run", "-m", "no-such-file.gguf", flag, value])

@@ -146,6 +146,22 @@ async fn routes_bad_input_and_load() {
             400,
             Some("temperature"),
         ),
+        (r#"{"prompt": "hi", "mirostat": 3}"#, 400, Some("mirostat")),
+        (
+            r#"{"prompt": "hi", "typical_p": 0}"#,
+            400,
+            Some("typical_p"),
+        ),
+        (
+            r#"{"prompt": "hi", "logit_bias": {"x": 1}}"#,
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            r#"{"prompt": "hi", "logit_bias": {"5": 300}}"#,
+            400,
+            Some("logit_bias"),
+        ),
         (r#"{"prompt": "hi", "model": "other"}"#, 404, Some("model")),
     ];
     for (body, status, param) in cases {
@@ -173,6 +189,16 @@ async fn routes_bad_input_and_load() {
     );
     let (s, v) = post(&url, "/v1/chat/completions", r#"{"messages": []}"#).await;
     assert_eq!(s, 400, "{v}");
+    // The other samplers are taken.
+    let (s, v) = post(
+        &url,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 4, "mirostat": 2, "typical_p": 0.9,
+                "xtc_probability": 0.5, "logit_bias": {"5": -100, "7": 2.5}})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
     let (s, _) = post(&url, "/v1/nothing", "{}").await;
     assert_eq!(s, 404);
 

@@ -1,6 +1,8 @@
-//! Token sampling: repetition/presence/frequency penalties, top-k, top-p, min-p, temperature,
-//! and a seeded random generator, applied in llama.cpp's order (penalties → top-k → top-p →
-//! min-p → temperature → draw). A temperature ≤ 0 picks the most likely token (greedy).
+//! Token sampling: logit bias, repetition/presence/frequency penalties, top-k, typical-p, top-p,
+//! min-p, XTC, temperature and a seeded random generator, applied in llama.cpp's order (bias →
+//! penalties → top-k → typical → top-p → min-p → XTC → temperature → draw), or mirostat (v1 or
+//! v2) after the temperature instead of the truncations. A temperature ≤ 0 picks the most likely
+//! token (greedy).
 
 /// Sampling settings. Start from [`SamplingParams::default`] (llama.cpp's defaults) or
 /// [`SamplingParams::greedy`] and set what differs.
@@ -31,6 +33,22 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Stop at an end-of-generation token (EOS, EOT).
     pub stop_at_eog: bool,
+    /// Locally typical sampling: keep the tokens whose surprise is closest to the
+    /// distribution's entropy until their probability reaches `typical_p` (1 = off).
+    pub typical_p: f32,
+    /// XTC ("exclude top choices"): with this probability per token, drop every token above
+    /// `xtc_threshold` but the least likely of them (0 = off).
+    pub xtc_probability: f32,
+    /// XTC's probability threshold (above 0.5: off).
+    pub xtc_threshold: f32,
+    /// Mirostat: 0 off, 1 (v1) or 2 (v2); replaces top-k/typical/top-p/min-p/XTC.
+    pub mirostat: u8,
+    /// Mirostat's target surprise (τ, bits).
+    pub mirostat_tau: f32,
+    /// Mirostat's learning rate (η).
+    pub mirostat_eta: f32,
+    /// Added to the logits of these tokens before anything else (`-inf` forbids a token).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -50,6 +68,13 @@ impl Default for SamplingParams {
             max_tokens: 128,
             stop: Vec::new(),
             stop_at_eog: true,
+            typical_p: 1.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            mirostat: 0,
+            mirostat_tau: 5.0,
+            mirostat_eta: 0.1,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -119,6 +144,8 @@ pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
     recent: Vec<u32>,
+    /// Mirostat's running maximum surprise (μ), starting at 2τ.
+    mu: f32,
 }
 
 impl Sampler {
@@ -126,6 +153,7 @@ impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
         Sampler {
             rng: Rng::new(params.seed),
+            mu: 2.0 * params.mirostat_tau,
             params,
             recent: Vec::new(),
         }
@@ -147,14 +175,25 @@ impl Sampler {
 
     /// Picks the next token from `logits` (which are modified by the penalties).
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        for &(t, b) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         self.apply_penalties(logits);
         let p = &self.params;
         if p.temperature <= 0.0 {
             return argmax(logits);
         }
+        if p.mirostat != 0 {
+            return self.mirostat(logits);
+        }
         let mut cand = top_candidates(logits, p.top_k);
         if cand.is_empty() {
             return 0;
+        }
+        if p.typical_p < 1.0 {
+            cand = typical(cand, p.typical_p);
         }
         let probs = softmax(&cand, 1.0);
         if p.top_p < 1.0 {
@@ -175,16 +214,95 @@ impl Sampler {
             let keep = cand.iter().take_while(|c| c.1 >= min_logit).count();
             cand.truncate(keep.max(1));
         }
+        if p.xtc_probability > 0.0 && p.xtc_threshold <= 0.5 && cand.len() > 1 {
+            let (prob, threshold) = (p.xtc_probability, p.xtc_threshold);
+            if self.rng.next_f64() < prob as f64 {
+                // The last of the leading tokens at or above the threshold stays.
+                let probs = softmax(&cand, 1.0);
+                let above = probs.iter().take_while(|&&q| q >= threshold as f64).count();
+                if above > 1 {
+                    cand.drain(..above - 1);
+                }
+            }
+        }
         let probs = softmax(&cand, p.temperature);
+        self.draw(&cand, &probs)
+    }
+
+    /// A candidate drawn with probabilities `probs`.
+    fn draw(&mut self, cand: &[(u32, f32)], probs: &[f64]) -> u32 {
         let r = self.rng.next_f64();
         let mut cum = 0.0;
-        for (c, pr) in cand.iter().zip(&probs) {
+        let mut last = cand[0].0;
+        for (c, &pr) in cand.iter().zip(probs) {
             cum += pr;
             if r < cum {
                 return c.0;
             }
+            // Rounding can leave the sum just below `r`: the last token that could be drawn.
+            if pr > 0.0 {
+                last = c.0;
+            }
         }
-        cand[cand.len() - 1].0
+        last
+    }
+
+    /// Mirostat (Basu et al. 2021, as llama.cpp implements it) at the temperature: v2 keeps
+    /// the tokens whose surprise `−log2 p` is at most μ; v1 estimates the distribution's Zipf
+    /// exponent from the top 100 tokens and keeps the top `k` that make the expected surprise
+    /// μ. After the draw, μ moves by `η · (τ − surprise)`.
+    fn mirostat(&mut self, logits: &[f32]) -> u32 {
+        let p = self.params.clone();
+        let mut cand = top_candidates(logits, 0);
+        if cand.is_empty() {
+            return 0;
+        }
+        for c in &mut cand {
+            c.1 /= p.temperature;
+        }
+        if p.mirostat == 1 {
+            let probs = softmax(&cand, 1.0);
+            let m = 100.min(probs.len());
+            let (mut sum_tb, mut sum_t2) = (0.0f64, 0.0f64);
+            for i in 0..m.saturating_sub(1) {
+                let t = ((i + 2) as f64 / (i + 1) as f64).ln();
+                let b = (probs[i] / probs[i + 1]).ln();
+                sum_tb += t * b;
+                sum_t2 += t * t;
+            }
+            let s_hat = if sum_t2 > 0.0 { sum_tb / sum_t2 } else { 1.0 };
+            let eps = s_hat - 1.0;
+            let n = logits.len() as f64;
+            let k = ((eps * 2f64.powf(self.mu as f64)) / (1.0 - n.powf(-eps))).powf(1.0 / s_hat);
+            let k = if k.is_finite() {
+                k.floor().max(1.0)
+            } else {
+                1.0
+            };
+            cand.truncate((k as usize).clamp(1, cand.len()));
+        } else {
+            let probs = softmax(&cand, 1.0);
+            let keep = probs
+                .iter()
+                .take_while(|&&q| -q.log2() <= self.mu as f64)
+                .count();
+            cand.truncate(keep.max(1));
+        }
+        let probs = softmax(&cand, 1.0);
+        let id = self.draw(&cand, &probs);
+        let q = cand
+            .iter()
+            .zip(&probs)
+            .find(|(c, _)| c.0 == id)
+            .map_or(1.0, |(_, &q)| q);
+        let surprise = -q.log2() as f32;
+        self.mu -= p.mirostat_eta * (surprise - p.mirostat_tau);
+        id
+    }
+
+    /// Mirostat's μ now.
+    pub fn mirostat_mu(&self) -> f32 {
+        self.mu
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
@@ -235,6 +353,33 @@ fn top_candidates(logits: &[f32], top_k: usize) -> Vec<(u32, f32)> {
     }
     cand.sort_unstable_by(order);
     cand
+}
+
+/// Locally typical sampling over sorted candidates: by `|−ln p − H|` ascending (H the entropy),
+/// the smallest set whose probability reaches `mass`, returned sorted by logit again.
+fn typical(cand: Vec<(u32, f32)>, mass: f32) -> Vec<(u32, f32)> {
+    let probs = softmax(&cand, 1.0);
+    let entropy: f64 = probs
+        .iter()
+        .filter(|&&q| q > 0.0)
+        .map(|&q| -q * q.ln())
+        .sum();
+    let mut order: Vec<usize> = (0..cand.len()).collect();
+    let shifted = |i: usize| (-probs[i].ln() - entropy).abs();
+    order.sort_by(|&a, &b| shifted(a).total_cmp(&shifted(b)).then(a.cmp(&b)));
+    let mut cum = 0.0;
+    let mut keep = order.len();
+    for (n, &i) in order.iter().enumerate() {
+        cum += probs[i];
+        // Strictly past the mass, as llama.cpp.
+        if cum > mass as f64 {
+            keep = n + 1;
+            break;
+        }
+    }
+    order.truncate(keep.max(1));
+    order.sort_unstable();
+    order.into_iter().map(|i| cand[i]).collect()
 }
 
 /// Index of the largest logit (the lowest such index on ties; NaN never wins).
@@ -373,5 +518,120 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(s.sample(&mut [1.0, 0.0]), 0);
         }
+    }
+
+    /// Logits of probabilities 0.4, 0.3, 0.2, 0.1.
+    fn four() -> Vec<f32> {
+        [0.4f32, 0.3, 0.2, 0.1].iter().map(|p| p.ln()).collect()
+    }
+
+    /// The tokens drawn over 400 seeds.
+    fn drawn(p: SamplingParams) -> std::collections::BTreeSet<u32> {
+        (0..400)
+            .map(|seed| Sampler::new(p.clone().with(|p| p.seed = seed)).sample(&mut four()))
+            .collect()
+    }
+
+    fn plain() -> SamplingParams {
+        SamplingParams::default().with(|p| {
+            p.temperature = 1.0;
+            p.top_k = 0;
+            p.top_p = 1.0;
+            p.min_p = 0.0;
+        })
+    }
+
+    #[test]
+    fn logit_bias_forbids_and_promotes() {
+        let mut s = Sampler::new(SamplingParams::greedy(1).with(|p| {
+            p.logit_bias = vec![(0, f32::NEG_INFINITY), (3, 0.5)];
+        }));
+        // 0 forbidden; ln 0.1 + 0.5 < ln 0.3: token 1.
+        assert_eq!(s.sample(&mut four()), 1);
+        let p = plain().with(|p| p.logit_bias = vec![(0, f32::NEG_INFINITY), (9, 1.0)]);
+        assert_eq!(drawn(p), [1, 2, 3].into());
+    }
+
+    /// Entropy H = 1.2799 nats; |−ln p − H| = 0.364, 0.076, 0.330, 1.023: by closeness tokens
+    /// 1, 2, 0, 3; a mass of 0.45 is passed by tokens 1 and 2 (0.5), one of 0.5 only with token
+    /// 0 too (llama.cpp keeps until the sum exceeds the mass).
+    #[test]
+    fn typical_keeps_the_tokens_nearest_the_entropy() {
+        assert_eq!(drawn(plain().with(|p| p.typical_p = 0.45)), [1, 2].into());
+        assert_eq!(drawn(plain().with(|p| p.typical_p = 0.8)), [0, 1, 2].into());
+        assert_eq!(drawn(plain()), [0, 1, 2, 3].into());
+    }
+
+    #[test]
+    fn xtc_drops_the_top_choices_but_the_last_above_the_threshold() {
+        let xtc = |prob: f32, threshold: f32| {
+            plain().with(|p| {
+                p.xtc_probability = prob;
+                p.xtc_threshold = threshold;
+            })
+        };
+        // 0.4, 0.3, 0.2 are at or above 0.15: 0 and 1 go.
+        assert_eq!(drawn(xtc(1.0, 0.15)), [2, 3].into());
+        // One token above 0.35: nothing goes.
+        assert_eq!(drawn(xtc(1.0, 0.35)), [0, 1, 2, 3].into());
+        // Off above 0.5, and at probability 0.
+        assert_eq!(drawn(xtc(1.0, 0.6)), [0, 1, 2, 3].into());
+        assert_eq!(drawn(xtc(0.0, 0.15)), [0, 1, 2, 3].into());
+    }
+
+    /// v2 with τ = 1: μ starts at 2 bits, so tokens of probability ≥ 0.25 (0 and 1) stay; the
+    /// drawn token's renormalized surprise moves μ by η·(τ − surprise).
+    #[test]
+    fn mirostat_v2_truncates_by_surprise_and_learns() {
+        let p = plain().with(|p| {
+            p.mirostat = 2;
+            p.mirostat_tau = 1.0;
+            p.mirostat_eta = 0.1;
+        });
+        assert_eq!(drawn(p.clone()), [0, 1].into());
+        for seed in 0..20 {
+            let mut s = Sampler::new(p.clone().with(|p| p.seed = seed));
+            let id = s.sample(&mut four());
+            let q: f64 = if id == 0 { 0.4 / 0.7 } else { 0.3 / 0.7 };
+            let want = 2.0 - 0.1 * (-q.log2() as f32 - 1.0);
+            assert!(
+                (s.mirostat_mu() - want).abs() < 1e-6,
+                "{id}: {}",
+                s.mirostat_mu()
+            );
+        }
+    }
+
+    /// v1 on a Zipf distribution over 1000 tokens: μ stays bounded (it settles where the
+    /// draws' surprise averages τ), and the same seed gives the same tokens.
+    #[test]
+    fn mirostat_v1_tracks_its_target() {
+        let logits: Vec<f32> = (1..=1000).map(|r| -1.1 * (r as f32).ln()).collect();
+        let p = plain().with(|p| {
+            p.mirostat = 1;
+            p.mirostat_tau = 3.0;
+            p.mirostat_eta = 0.1;
+            p.seed = 7;
+        });
+        let run = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone());
+            let ids: Vec<u32> = (0..300).map(|_| s.sample(&mut logits.clone())).collect();
+            (ids, s.mirostat_mu())
+        };
+        let (ids, mu) = run(&p);
+        assert_eq!(run(&p).0, ids);
+        assert!(mu.is_finite() && mu > 0.0 && mu < 20.0, "{mu}");
+        // A lower target truncates harder: fewer distinct tokens.
+        let (low, _) = run(&p.clone().with(|p| p.mirostat_tau = 1.0));
+        let distinct = |v: &[u32]| v.iter().collect::<std::collections::BTreeSet<_>>().len();
+        assert!(
+            distinct(&low) < distinct(&ids),
+            "{} vs {}",
+            distinct(&low),
+            distinct(&ids)
+        );
+        // Tokens outside the few most likely are drawn: it is not greedy.
+        assert!(ids.iter().any(|&t| t > 3));
+        assert!(ids.iter().all(|&t| t < 1000));
     }
 }

@@ -73,6 +73,28 @@ pub struct Args {
     /// Min-p, in [0, 1] (0 = off).
     #[arg(long = "min-p", default_value_t = 0.05, allow_negative_numbers = true, value_parser = share)]
     pub min_p: f32,
+    /// Locally typical sampling, in (0, 1] (1 = off).
+    #[arg(long = "typical", default_value_t = 1.0, allow_negative_numbers = true, value_parser = share_above_zero)]
+    pub typical: f32,
+    /// XTC: the chance per token of dropping the top choices, in [0, 1] (0 = off).
+    #[arg(long = "xtc-probability", default_value_t = 0.0, allow_negative_numbers = true, value_parser = share)]
+    pub xtc_probability: f32,
+    /// XTC: tokens at or above this probability are the top choices (above 0.5: off).
+    #[arg(long = "xtc-threshold", default_value_t = 0.1, allow_negative_numbers = true, value_parser = share)]
+    pub xtc_threshold: f32,
+    /// Mirostat: 0 off, 1 (v1), 2 (v2); replaces top-k, typical, top-p, min-p and XTC.
+    #[arg(long = "mirostat", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub mirostat: u8,
+    /// Mirostat's learning rate (η).
+    #[arg(long = "mirostat-lr", default_value_t = 0.1, allow_negative_numbers = true, value_parser = positive)]
+    pub mirostat_lr: f32,
+    /// Mirostat's target entropy (τ).
+    #[arg(long = "mirostat-ent", default_value_t = 5.0, allow_negative_numbers = true, value_parser = positive)]
+    pub mirostat_ent: f32,
+    /// Add BIAS to token ID's logit: `ID+BIAS` or `ID-BIAS` (`-inf` forbids it), e.g.
+    /// `15043+1` or `15043-inf`; may be given several times (llama.cpp's `--logit-bias`).
+    #[arg(short = 'l', long = "logit-bias", value_parser = logit_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
     /// Repetition penalty over the last `--repeat-last-n` tokens, positive (1 = off).
     #[arg(long = "repeat-penalty", default_value_t = 1.0, allow_negative_numbers = true, value_parser = positive)]
     pub repeat_penalty: f32,
@@ -144,6 +166,24 @@ fn finite(s: &str) -> Result<f32, String> {
     }
 }
 
+/// `ID+BIAS` or `ID-BIAS` (llama.cpp's `--logit-bias`).
+fn logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let at = s
+        .find(['+', '-'])
+        .ok_or_else(|| format!("`{s}`: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS"))?;
+    let id = s[..at]
+        .trim()
+        .parse::<u32>()
+        .map_err(|_| format!("`{s}`: `{}` is not a token id", &s[..at]))?;
+    let bias = s[at..]
+        .trim()
+        .parse::<f32>()
+        .ok()
+        .filter(|b| !b.is_nan() && *b != f32::INFINITY)
+        .ok_or_else(|| format!("`{s}`: `{}` is not a bias", &s[at..]))?;
+    Ok((id, bias))
+}
+
 /// A share in [0, 1].
 fn share(s: &str) -> Result<f32, String> {
     let v = finite(s)?;
@@ -192,6 +232,13 @@ impl Args {
             };
             p.stop = self.stop.clone();
             p.stop_at_eog = !self.ignore_eos;
+            p.typical_p = self.typical;
+            p.xtc_probability = self.xtc_probability;
+            p.xtc_threshold = self.xtc_threshold;
+            p.mirostat = self.mirostat;
+            p.mirostat_eta = self.mirostat_lr;
+            p.mirostat_tau = self.mirostat_ent;
+            p.logit_bias = self.logit_bias.clone();
         })
     }
 

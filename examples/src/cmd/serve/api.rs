@@ -247,6 +247,47 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
     let presence = ranged(body, "presence_penalty", -2.0, 2.0)?;
     let frequency = ranged(body, "frequency_penalty", -2.0, 2.0)?;
     let repeat = ranged(body, "repeat_penalty", 0.0, 10.0)?;
+    let typical = ranged(body, "typical_p", f64::MIN_POSITIVE, 1.0)?;
+    let xtc_probability = ranged(body, "xtc_probability", 0.0, 1.0)?;
+    let xtc_threshold = ranged(body, "xtc_threshold", 0.0, 1.0)?;
+    let mirostat = match int(body, "mirostat")? {
+        Some(m) if !(0..=2).contains(&m) => {
+            return Err(ApiError::bad(
+                "'mirostat' must be 0, 1 or 2",
+                Some("mirostat"),
+            ))
+        }
+        m => m,
+    };
+    let mirostat_tau = ranged(body, "mirostat_tau", f64::MIN_POSITIVE, 100.0)?;
+    let mirostat_eta = ranged(body, "mirostat_eta", f64::MIN_POSITIVE, 10.0)?;
+    // OpenAI's map of token ids (as strings) to biases in [-100, 100].
+    let logit_bias = match body.get("logit_bias") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Object(m)) => {
+            let mut v = Vec::with_capacity(m.len());
+            for (k, b) in m {
+                let id = k.parse::<u32>().ok();
+                let bias = b.as_f64().filter(|b| (-100.0..=100.0).contains(b));
+                match (id, bias) {
+                    (Some(id), Some(b)) => v.push((id, b as f32)),
+                    _ => {
+                        return Err(ApiError::bad(
+                            format!("'logit_bias' maps token ids to numbers in [-100, 100]: {k}"),
+                            Some("logit_bias"),
+                        ))
+                    }
+                }
+            }
+            v
+        }
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'logit_bias' must be an object of token ids to biases",
+                Some("logit_bias"),
+            ))
+        }
+    };
     let top_k = match int(body, "top_k")? {
         Some(k) if k < 0 => return Err(ApiError::bad("'top_k' must be 0 or more", Some("top_k"))),
         k => k,
@@ -267,6 +308,17 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         p.seed = seed;
         p.max_tokens = max_tokens;
         p.stop = stop;
+        p.typical_p = typical.map_or(1.0, |v| v as f32);
+        p.xtc_probability = xtc_probability.map_or(0.0, |v| v as f32);
+        p.xtc_threshold = xtc_threshold.map_or(p.xtc_threshold, |v| v as f32);
+        p.mirostat = mirostat.map_or(0, |m| m as u8);
+        p.mirostat_tau = mirostat_tau.map_or(p.mirostat_tau, |v| v as f32);
+        p.mirostat_eta = mirostat_eta.map_or(p.mirostat_eta, |v| v as f32);
+        // OpenAI's -100 bans a token.
+        p.logit_bias = logit_bias
+            .into_iter()
+            .map(|(t, b)| (t, if b <= -100.0 { f32::NEG_INFINITY } else { b }))
+            .collect();
     });
     Ok(Ask { params, n, stream })
 }
