@@ -472,3 +472,45 @@ fn replicas_behind_nginx_survive_one_stopping() {
     let failed: Vec<&String> = results.iter().filter(|l| !l.starts_with("ok")).collect();
     assert!(failed.is_empty(), "{failed:?}");
 }
+
+/// `bench serve`: a bounded load test against a server it starts; every request succeeds, the
+/// prompt tokens the server evaluated are counted beside the generated ones.
+#[test]
+fn bench_serve_reports_throughput_and_latency() {
+    let f = model();
+    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .args(["bench", "serve", "-m"])
+        .arg(&f.model)
+        .args([
+            "--clients",
+            "4",
+            "--requests",
+            "8",
+            "--max-tokens",
+            "4",
+            "--parallel",
+            "2",
+            "-t",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["failed"], 0, "{v}");
+    assert_eq!(v["requests"], 8, "{v}");
+    let tokens = v["tokens"].as_u64().unwrap();
+    assert!(tokens > 0 && tokens <= 32, "{v}");
+    assert!(v["prompt_tokens"].as_u64().unwrap() >= 8, "{v}");
+    assert!(
+        v["evaluated_tokens_per_second"].as_f64().unwrap()
+            > v["tokens_per_second"].as_f64().unwrap(),
+        "{v}"
+    );
+    assert!(v["ttft_ms_p99"].as_f64().unwrap() >= v["ttft_ms_p50"].as_f64().unwrap());
+}

@@ -302,36 +302,13 @@ impl ByteModel {
     }
 }
 
-/// The device budget that holds everything but `1 − frac` of the FFN's bytes of `path`: the
-/// memory the device used holding everything, less that share of the FFN rows.
+/// The device budget that holds everything but `1 − frac` of the FFN's bytes of `path`
+/// ([`super::bench_schedule::budget_for`]), with `a`'s device flags.
 fn budget_for(path: &Path, a: &DecodeArgs, frac: f64) -> Result<u64, String> {
     let mut o = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut o)?;
     o.ctx_len = (a.prompt + a.tokens + 8).max(64);
-    o.device.vram_budget = None;
-    let e = Engine::load(path, o).map_err(|e| format!("{}: {e}", path.display()))?;
-    let r = e.device_report();
-    if r.kind == "none" {
-        return Err(format!(
-            "--ffn-resident needs a device (--gpu sim or a GPU): {}",
-            r.note.unwrap_or_default()
-        ));
-    }
-    let file = GgufFile::open(path).map_err(|e| e.to_string())?;
-    let ffn: u64 = file
-        .tensors()
-        .iter()
-        .filter(|t| {
-            let n = t.name();
-            n.ends_with("ffn_up.weight")
-                || n.ends_with("ffn_gate.weight")
-                || n.ends_with("ffn_down_t.weight")
-        })
-        .map(|t| t.n_bytes())
-        .sum();
-    let held_ffn = (ffn as f64 * r.resident_share()) as u64;
-    let base = r.peak_bytes.saturating_sub(held_ffn);
-    Ok(base + (ffn as f64 * frac.clamp(0.0, 1.0)) as u64)
+    super::bench_schedule::budget_for(path, &o, frac)
 }
 
 fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {

@@ -156,12 +156,20 @@ fn ffn_bytes(path: &Path) -> Result<u64, String> {
         .sum())
 }
 
-/// The budget that holds the dense parts and `share` of the FFN's bytes.
-fn budget_for(path: &Path, o: &EngineOptions, share: f64) -> Result<u64, String> {
+/// The device budget that holds everything but `1 − share` of the FFN's bytes of `path`: the
+/// memory the device used holding everything (with `o`'s device), less that share of the FFN
+/// rows.
+pub(crate) fn budget_for(path: &Path, o: &EngineOptions, share: f64) -> Result<u64, String> {
     let mut o = o.clone();
     o.device.vram_budget = None;
     let e = Engine::load(path, o).map_err(|e| format!("{}: {e}", path.display()))?;
     let r = e.device_report();
+    if r.kind == "none" {
+        return Err(format!(
+            "a share of the FFN on the device needs a device (--gpu sim or a GPU){}",
+            r.note.map_or_else(String::new, |n| format!(": {n}"))
+        ));
+    }
     let ffn = ffn_bytes(path)?;
     let base = r
         .peak_bytes

@@ -50,6 +50,9 @@ struct Sample {
     ttft: Option<Duration>,
     gaps: Vec<Duration>,
     tokens: usize,
+    /// Prompt tokens the server evaluated (the template's rendering), from the last chunk's
+    /// usage.
+    prompt_tokens: usize,
     error: Option<String>,
 }
 
@@ -108,6 +111,9 @@ async fn one(client: &reqwest::Client, url: &str, i: usize, max_tokens: usize) -
                 continue;
             }
             let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+            if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
+                s.prompt_tokens = n as usize;
+            }
             let has_text = v["choices"][0]["delta"]["content"]
                 .as_str()
                 .is_some_and(|t| !t.is_empty());
@@ -217,11 +223,15 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
         .flat_map(|s| s.gaps.iter().map(|d| d.as_secs_f64() * 1e3))
         .collect();
     let tps = tokens as f64 / wall.as_secs_f64();
+    let prompt_tokens: usize = samples.iter().map(|s| s.prompt_tokens).sum();
+    // Prompt and generated tokens evaluated per second: what `batched` counts too, once.
+    let evaluated = (tokens + prompt_tokens) as f64 / wall.as_secs_f64();
     let report = json!({
         "model": a.model.display().to_string(),
         "clients": a.clients, "requests": samples.len(), "failed": failed.len(),
         "parallel": a.parallel, "max_tokens": a.max_tokens,
         "tokens": tokens, "seconds": wall.as_secs_f64(), "tokens_per_second": tps,
+        "prompt_tokens": prompt_tokens, "evaluated_tokens_per_second": evaluated,
         "ttft_ms_p50": percentile(&mut ttft, 0.5), "ttft_ms_p99": percentile(&mut ttft, 0.99),
         "token_ms_p50": percentile(&mut gaps, 0.5), "token_ms_p99": percentile(&mut gaps, 0.99),
     });
@@ -236,6 +246,9 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
             a.parallel,
             failed.len(),
             wall.as_secs_f64()
+        );
+        println!(
+            "with the {prompt_tokens} prompt tokens the server evaluated: {evaluated:.1} tokens/s"
         );
         println!(
             "time to first token: p50 {:.1} ms, p99 {:.1} ms; between tokens: p50 {:.2} ms, p99 {:.2} ms",
