@@ -584,6 +584,8 @@ fn out_of_range_sampling_values_are_refused() {
         ("--mirostat-lr", "-1"),
         ("--logit-bias", "abc"),
         ("--logit-bias", "5+nan"),
+        ("--dry-multiplier", "-1"),
+        ("--dry-penalty-last-n", "-2"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
             .args(["run", "-m", "no-such-file.gguf", flag, value])
@@ -634,6 +636,10 @@ fn bench_schedule_reports_schedules_prediction_and_topics() {
     assert_eq!(names, ["static", "balanced", "calibrated", "+attention"]);
     for s in schedules {
         assert!(s["tps"].as_f64().unwrap() > 0.0, "{s}");
+    }
+    // The attention split's KV mirror comes out of the same budget first: it may leave no
+    // room for neurons, so only the other three must hold some.
+    for s in &schedules[..3] {
         assert!(s["held"].as_u64().unwrap() > 0, "{s}");
     }
     // The static split never moves; the balanced one computes part of the held rows on the CPU
@@ -652,4 +658,53 @@ fn bench_schedule_reports_schedules_prediction_and_topics() {
     assert!(rows
         .iter()
         .all(|r| (0.0..=1.0).contains(&r["recall"].as_f64().unwrap())));
+}
+
+/// DRY breaks the loop greedy decoding of the tiny model falls into: without it some token
+/// pair repeats many times in 60 tokens; with it the longest repeat of the end is penalized and
+/// the text changes.
+#[test]
+fn dry_breaks_greedy_loops() {
+    let f = synth();
+    let run = |extra: &[&str]| -> Vec<u64> {
+        let mut args = vec![
+            "run",
+            "-m",
+            s(&f.sparse),
+            "-p",
+            "hello",
+            "-n",
+            "60",
+            "--temp",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let j: Json = serde_json::from_slice(&powerinfer(&args).stdout).unwrap();
+        j["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    // The most frequent pair of consecutive tokens, and how often it occurs.
+    let top_pair = |ids: &[u64]| {
+        let mut pairs: Vec<(u64, u64)> = ids.windows(2).map(|w| (w[0], w[1])).collect();
+        pairs.sort_unstable();
+        pairs
+            .chunk_by(|a, b| a == b)
+            .map(|r| r.len())
+            .max()
+            .unwrap_or(0)
+    };
+    let plain = run(&[]);
+    let dry = run(&["--dry-multiplier", "2", "--dry-allowed-length", "1"]);
+    assert!(top_pair(&plain) >= 5, "{plain:?}");
+    assert_ne!(dry, plain);
+    assert!(
+        top_pair(&dry) < top_pair(&plain),
+        "{dry:?} against {plain:?}"
+    );
 }

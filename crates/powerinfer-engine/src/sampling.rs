@@ -1,7 +1,7 @@
-//! Token sampling: logit bias, repetition/presence/frequency penalties, top-k, typical-p, top-p,
-//! min-p, XTC, temperature and a seeded random generator, applied in llama.cpp's order (bias →
-//! penalties → top-k → typical → top-p → min-p → XTC → temperature → draw), or mirostat (v1 or
-//! v2) after the temperature instead of the truncations. A temperature ≤ 0 picks the most likely
+//! Token sampling: logit bias, repetition/presence/frequency penalties, DRY, top-k, typical-p,
+//! top-p, min-p, XTC, temperature and a seeded random generator, applied in llama.cpp's order
+//! (bias → penalties → DRY → top-k → typical → top-p → min-p → XTC → temperature → draw), or
+//! mirostat (v1 or v2) after the temperature instead of the truncations. A temperature ≤ 0 picks the most likely
 //! token (greedy).
 
 /// Sampling settings. Start from [`SamplingParams::default`] (llama.cpp's defaults) or
@@ -49,6 +49,18 @@ pub struct SamplingParams {
     pub mirostat_eta: f32,
     /// Added to the logits of these tokens before anything else (`-inf` forbids a token).
     pub logit_bias: Vec<(u32, f32)>,
+    /// DRY ("don't repeat yourself"): a token that would extend a repeat of the recent text
+    /// loses `dry_multiplier · dry_base^(length − dry_allowed_length)` (0 = off).
+    pub dry_multiplier: f32,
+    /// DRY's growth per token of repeat.
+    pub dry_base: f32,
+    /// DRY: repeats up to this long are free.
+    pub dry_allowed_length: usize,
+    /// DRY: how many of the last tokens it looks at (`usize::MAX`: all).
+    pub dry_penalty_last_n: usize,
+    /// DRY: tokens a repeat does not reach across (sorted ids; the CLI and the server fill it
+    /// with the tokens containing `\n`, `:`, `"` or `*`, as llama.cpp's default breakers).
+    pub dry_breakers: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -75,6 +87,11 @@ impl Default for SamplingParams {
             mirostat_tau: 5.0,
             mirostat_eta: 0.1,
             logit_bias: Vec::new(),
+            dry_multiplier: 0.0,
+            dry_base: 1.75,
+            dry_allowed_length: 2,
+            dry_penalty_last_n: usize::MAX,
+            dry_breakers: Vec::new(),
         }
     }
 }
@@ -167,8 +184,13 @@ impl Sampler {
     /// Records a token (prompt or generated) for the penalties.
     pub fn accept(&mut self, token: u32) {
         self.recent.push(token);
-        let n = self.params.penalty_last_n;
-        if self.recent.len() > 2 * n.max(1) {
+        let p = &self.params;
+        let n = if p.dry_multiplier > 0.0 {
+            p.penalty_last_n.max(p.dry_penalty_last_n)
+        } else {
+            p.penalty_last_n
+        };
+        if self.recent.len() > n.max(1).saturating_mul(2) {
             self.recent.drain(..self.recent.len() - n);
         }
     }
@@ -181,6 +203,7 @@ impl Sampler {
             }
         }
         self.apply_penalties(logits);
+        self.apply_dry(logits);
         let p = &self.params;
         if p.temperature <= 0.0 {
             return argmax(logits);
@@ -303,6 +326,45 @@ impl Sampler {
     /// Mirostat's μ now.
     pub fn mirostat_mu(&self) -> f32 {
         self.mu
+    }
+
+    /// DRY ("don't repeat yourself", p-e-w's sampler as llama.cpp runs it): a token that would
+    /// extend a repeat of at least `dry_allowed_length` tokens of the recent text loses
+    /// `dry_multiplier · dry_base^(length − allowed)`; a match does not reach across a
+    /// sequence breaker token.
+    fn apply_dry(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.dry_multiplier <= 0.0 || p.dry_base < 1.0 || p.dry_penalty_last_n == 0 {
+            return;
+        }
+        let start = self.recent.len().saturating_sub(p.dry_penalty_last_n);
+        let h = &self.recent[start..];
+        let n = h.len();
+        if n < 2 {
+            return;
+        }
+        let breaker = |t: u32| p.dry_breakers.binary_search(&t).is_ok();
+        // For each earlier position j, the tokens before it that equal the text's end: then
+        // h[j] would continue that repeat.
+        let mut longest: Vec<(u32, usize)> = Vec::new();
+        for j in 1..n {
+            let next = h[j];
+            let mut len = 0;
+            while len < j && h[j - 1 - len] == h[n - 1 - len] && !breaker(h[n - 1 - len]) {
+                len += 1;
+            }
+            if len >= p.dry_allowed_length.max(1) {
+                longest.push((next, len));
+            }
+        }
+        longest.sort_unstable();
+        for run in longest.chunk_by(|a, b| a.0 == b.0) {
+            let (t, len) = run[run.len() - 1];
+            if let Some(l) = logits.get_mut(t as usize) {
+                let excess = (len - p.dry_allowed_length) as i32;
+                *l -= p.dry_multiplier * p.dry_base.powi(excess);
+            }
+        }
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
@@ -633,5 +695,33 @@ mod tests {
         // Tokens outside the few most likely are drawn: it is not greedy.
         assert!(ids.iter().any(|&t| t > 3));
         assert!(ids.iter().all(|&t| t < 1000));
+    }
+
+    /// DRY on the history 1 2 3 4 9 1 2 3: continuing with 4 would repeat "1 2 3 4", a match
+    /// of 3 tokens, 1 past the allowed 2: token 4 loses 1.5 · 2^1. A breaker inside the match
+    /// (token 2) cuts it to 1 token: no penalty. Off at multiplier 0.
+    #[test]
+    fn dry_penalizes_the_token_that_extends_a_repeat() {
+        let run = |multiplier: f32, breakers: Vec<u32>| {
+            let mut s = Sampler::new(SamplingParams::greedy(1).with(|p| {
+                p.dry_multiplier = multiplier;
+                p.dry_base = 2.0;
+                p.dry_allowed_length = 2;
+                p.dry_breakers = breakers;
+            }));
+            for t in [1, 2, 3, 4, 9, 1, 2, 3] {
+                s.accept(t);
+            }
+            let mut logits = vec![0.0f32; 10];
+            logits[4] = 2.0;
+            let id = s.sample(&mut logits);
+            (id, logits)
+        };
+        let (id, logits) = run(1.5, vec![]);
+        assert_eq!(logits[4], 2.0 - 1.5 * 2.0);
+        assert!(logits.iter().enumerate().all(|(i, &l)| i == 4 || l == 0.0));
+        assert_ne!(id, 4);
+        assert_eq!(run(1.5, vec![2]).1[4], 2.0);
+        assert_eq!(run(0.0, vec![]).0, 4);
     }
 }

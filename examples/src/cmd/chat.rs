@@ -42,6 +42,7 @@ pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
         .iter()
         .map(|s| ChatMessage::new("system", s.clone()))
         .collect();
+    let params = args.sampling(engine)?;
     let mut session = engine.session();
     session.set_context_shift((!args.no_context_shift).then_some(args.keep));
     // The tokens the session's cache holds, in order.
@@ -86,7 +87,7 @@ pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
         generating.store(true, Ordering::SeqCst);
         let mut answer = String::new();
         let mut result = Ok(());
-        for tok in session.generate_tokens(new, args_sampling(args)) {
+        for tok in session.generate_tokens(new, params.clone()) {
             if interrupted.load(Ordering::SeqCst) {
                 break;
             }
@@ -121,8 +122,4 @@ pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
         st.decode_tps()
     );
     Ok(())
-}
-
-fn args_sampling(args: &super::run::Args) -> powerinfer_engine::SamplingParams {
-    args.sampling()
 }

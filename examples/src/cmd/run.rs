@@ -95,6 +95,22 @@ pub struct Args {
     /// `15043+1` or `15043-inf`; may be given several times (llama.cpp's `--logit-bias`).
     #[arg(short = 'l', long = "logit-bias", value_parser = logit_bias)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// DRY: penalty scale for tokens that extend a repeat of the recent text (0 = off).
+    #[arg(long = "dry-multiplier", default_value_t = 0.0, allow_negative_numbers = true, value_parser = non_negative)]
+    pub dry_multiplier: f32,
+    /// DRY: growth of the penalty per token of repeat (at least 1).
+    #[arg(long = "dry-base", default_value_t = 1.75, allow_negative_numbers = true, value_parser = finite)]
+    pub dry_base: f32,
+    /// DRY: repeats up to this many tokens are free.
+    #[arg(long = "dry-allowed-length", default_value_t = 2)]
+    pub dry_allowed_length: usize,
+    /// DRY: how many of the last tokens it looks at (-1: all, 0: off).
+    #[arg(long = "dry-penalty-last-n", default_value_t = -1, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(-1..))]
+    pub dry_penalty_last_n: i64,
+    /// DRY: text a repeat does not reach across (may be given several times; default `\n`,
+    /// `:`, `"` and `*`, as llama.cpp).
+    #[arg(long = "dry-sequence-breaker")]
+    pub dry_sequence_breaker: Vec<String>,
     /// Repetition penalty over the last `--repeat-last-n` tokens, positive (1 = off).
     #[arg(long = "repeat-penalty", default_value_t = 1.0, allow_negative_numbers = true, value_parser = positive)]
     pub repeat_penalty: f32,
@@ -114,7 +130,7 @@ pub struct Args {
     #[arg(long = "ignore-eos")]
     pub ignore_eos: bool,
     /// Random seed.
-    #[arg(long = "seed", default_value_t = 0)]
+    #[arg(short = 's', long = "seed", default_value_t = 0)]
     pub seed: u64,
     /// Context size (0 = the model's).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
@@ -184,6 +200,16 @@ fn logit_bias(s: &str) -> Result<(u32, f32), String> {
     Ok((id, bias))
 }
 
+/// A number ≥ 0.
+fn non_negative(s: &str) -> Result<f32, String> {
+    let v = finite(s)?;
+    if v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v}: expected a number ≥ 0"))
+    }
+}
+
 /// A share in [0, 1].
 fn share(s: &str) -> Result<f32, String> {
     let v = finite(s)?;
@@ -215,8 +241,37 @@ fn positive(s: &str) -> Result<f32, String> {
 }
 
 impl Args {
-    pub(crate) fn sampling(&self) -> SamplingParams {
-        SamplingParams::default().with(|p| {
+    /// The sampling flags; DRY's breakers are the tokens of `engine`'s vocabulary containing
+    /// one of the breaker strings.
+    pub(crate) fn sampling(&self, engine: &Engine) -> Result<SamplingParams, String> {
+        if self.dry_multiplier > 0.0 && self.dry_base < 1.0 {
+            return Err(format!("--dry-base {}: expected at least 1", self.dry_base));
+        }
+        let breakers: Vec<String> = if self.dry_sequence_breaker.is_empty() {
+            ["\n", ":", "\"", "*"].map(String::from).to_vec()
+        } else {
+            self.dry_sequence_breaker.clone()
+        };
+        let dry_breakers: Vec<u32> = if self.dry_multiplier > 0.0 {
+            let tk = engine.tokenizer();
+            (0..engine.model().hparams().n_vocab as u32)
+                .filter(|&id| {
+                    tk.token_to_piece(id, false).is_ok_and(|piece| {
+                        breakers.iter().any(|b| {
+                            !b.is_empty() && piece.windows(b.len()).any(|w| w == b.as_bytes())
+                        })
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(SamplingParams::default().with(|p| {
+            p.dry_multiplier = self.dry_multiplier;
+            p.dry_base = self.dry_base;
+            p.dry_allowed_length = self.dry_allowed_length;
+            p.dry_penalty_last_n = usize::try_from(self.dry_penalty_last_n).unwrap_or(usize::MAX);
+            p.dry_breakers = dry_breakers;
             p.temperature = self.temp;
             p.top_k = self.top_k;
             p.top_p = self.top_p;
@@ -239,7 +294,7 @@ impl Args {
             p.mirostat_eta = self.mirostat_lr;
             p.mirostat_tau = self.mirostat_ent;
             p.logit_bias = self.logit_bias.clone();
-        })
+        }))
     }
 
     /// The prompt: `--file`'s contents, else `--prompt`.
@@ -281,7 +336,7 @@ fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut out = std::io::stdout().lock();
-    for tok in session.generate(prompt, args.sampling()) {
+    for tok in session.generate(prompt, args.sampling(engine)?) {
         let tok = match tok {
             Ok(t) => t,
             Err(powerinfer_engine::EngineError::ContextFull { .. }) if until_full => break,

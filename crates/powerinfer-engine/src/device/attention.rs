@@ -8,13 +8,12 @@
 //! (a context shift, truncation, rollback or another sequence: [`KvCache::stamp`]). Each
 //! layer's share `s / n` moves from the two sides' measured times: outside the dead band, toward
 //! the share that evens them (from each side's cost per position), by at most
-//! [`BalanceOptions::attention_step`] per move.
+//! [`BalanceOptions::attention_step`](super::BalanceOptions::attention_step) per move.
 
 use std::time::Duration;
 
 use crate::kv_cache::{KvCache, SeqId};
 
-use super::balance::BalanceOptions;
 use super::Device;
 use crate::error::Result;
 
@@ -145,7 +144,9 @@ impl AttentionSplit {
     }
 
     /// Records an evaluation of `layer` that attended `s` of `n` positions on the device, and
-    /// moves the layer's share when the two times differ by more than the dead band.
+    /// moves the layer's share, by at most `max_step`, when the two times differ by more than
+    /// `dead_band` of their sum.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn measured(
         &mut self,
         layer: usize,
@@ -153,7 +154,8 @@ impl AttentionSplit {
         s: usize,
         cpu: Duration,
         device: Duration,
-        opts: &BalanceOptions,
+        dead_band: f64,
+        max_step: f64,
     ) {
         let Some(st) = self.layers.get_mut(layer) else {
             return;
@@ -173,14 +175,14 @@ impl AttentionSplit {
             return;
         }
         let (c, d) = (st.sum_cpu, st.sum_dev);
-        if c + d <= 0.0 || ((d - c) / (c + d)).abs() <= opts.dead_band {
+        if c + d <= 0.0 || ((d - c) / (c + d)).abs() <= dead_band {
             return;
         }
         // Each side's time per position; the share that makes them equal.
         let per_cpu = c / st.sum_pos_cpu.max(1.0);
         let per_dev = d / st.sum_pos_dev.max(1.0);
         let even = per_cpu / (per_cpu + per_dev);
-        let step = (even - st.share).clamp(-opts.attention_step, opts.attention_step);
+        let step = (even - st.share).clamp(-max_step, max_step);
         st.share = (st.share + step).clamp(0.0, 1.0);
         st.report.share = st.share;
         st.report.moves += 1;
@@ -203,7 +205,6 @@ mod tests {
 
     #[test]
     fn the_share_moves_toward_even_times_by_bounded_steps() {
-        let opts = BalanceOptions::default();
         let mut a = AttentionSplit::new(1, 4096);
         assert_eq!(a.device_positions(0, MIN_SPLIT_POSITIONS - 1), 0);
         assert_eq!(a.device_positions(0, 100), 50);
@@ -213,7 +214,7 @@ mod tests {
             let s = a.device_positions(0, n);
             let cpu = Duration::from_nanos(100 * (n - s) as u64);
             let dev = Duration::from_nanos(300 * s as u64);
-            a.measured(0, n, s, cpu, dev, &opts);
+            a.measured(0, n, s, cpu, dev, 0.05, 0.05);
         }
         let r = &a.report()[0];
         assert!((r.share - 0.25).abs() < 0.05, "{r:?}");

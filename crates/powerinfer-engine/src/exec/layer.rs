@@ -131,7 +131,15 @@ pub(crate) fn attention(
                 let cpu_time = t0.elapsed();
                 let (dev_part, dev_time) = d.finish_attention(ticket)?;
                 merge_parts(&dev_part, &cpu_part, &step.ap, out_s)?;
-                a.measured(l, n_pos, s, cpu_time, dev_time, o);
+                a.measured(
+                    l,
+                    n_pos,
+                    s,
+                    cpu_time,
+                    dev_time,
+                    o.dead_band,
+                    o.attention_step,
+                );
                 continue;
             }
         }
