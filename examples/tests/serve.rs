@@ -513,4 +513,35 @@ fn bench_serve_reports_throughput_and_latency() {
         "{v}"
     );
     assert!(v["ttft_ms_p99"].as_f64().unwrap() >= v["ttft_ms_p50"].as_f64().unwrap());
+    // `--prompt`: the same prompt to /v1/completions (as `batched -p`).
+    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .args(["bench", "serve", "-m"])
+        .arg(&f.model)
+        .args([
+            "--clients",
+            "2",
+            "--requests",
+            "4",
+            "--max-tokens",
+            "3",
+            "--parallel",
+            "2",
+            "-t",
+            "1",
+            "--prompt",
+            "hello there",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["failed"], 0, "{v}");
+    assert!(v["tokens"].as_u64().unwrap() > 0, "{v}");
+    // Every request evaluates the same prompt.
+    assert_eq!(v["prompt_tokens"].as_u64().unwrap() % 4, 0, "{v}");
 }

@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// The server's threads (0: all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
+    /// Send this prompt to `/v1/completions` (no chat template) instead of a chat message per
+    /// request: the same work as `powerinfer batched -p PROMPT`, for a like-for-like comparison.
+    #[arg(long)]
+    prompt: Option<String>,
     /// Extra flags for `powerinfer serve` (e.g. `--server-args=--gpu=sim`).
     #[arg(long = "server-args", allow_hyphen_values = true)]
     server_args: Vec<String>,
@@ -65,15 +69,33 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[i]
 }
 
-async fn one(client: &reqwest::Client, url: &str, i: usize, max_tokens: usize) -> Sample {
-    let body = json!({
-        "messages": [{"role": "user", "content": format!("Tell me story number {i}.")}],
-        "max_tokens": max_tokens, "stream": true, "temperature": 0.7, "seed": i,
-    });
+async fn one(
+    client: &reqwest::Client,
+    url: &str,
+    i: usize,
+    max_tokens: usize,
+    prompt: Option<&str>,
+) -> Sample {
+    let (route, body) = match prompt {
+        None => (
+            "chat/completions",
+            json!({
+                "messages": [{"role": "user", "content": format!("Tell me story number {i}.")}],
+                "max_tokens": max_tokens, "stream": true, "temperature": 0.7, "seed": i,
+            }),
+        ),
+        Some(p) => (
+            "completions",
+            json!({
+                "prompt": p, "max_tokens": max_tokens, "stream": true, "temperature": 0.7,
+                "seed": i,
+            }),
+        ),
+    };
     let start = Instant::now();
     let mut s = Sample::default();
     let resp = match client
-        .post(format!("{url}/v1/chat/completions"))
+        .post(format!("{url}/v1/{route}"))
         .json(&body)
         .send()
         .await
@@ -114,8 +136,11 @@ async fn one(client: &reqwest::Client, url: &str, i: usize, max_tokens: usize) -
             if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
                 s.prompt_tokens = n as usize;
             }
-            let has_text = v["choices"][0]["delta"]["content"]
+            // Chat chunks carry `delta.content`, completion chunks `text`.
+            let c = &v["choices"][0];
+            let has_text = c["delta"]["content"]
                 .as_str()
+                .or_else(|| c["text"].as_str())
                 .is_some_and(|t| !t.is_empty());
             if has_text {
                 let now = Instant::now();
@@ -187,6 +212,7 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
                 let (client, url, next, samples) =
                     (client.clone(), url.clone(), next.clone(), samples.clone());
                 let (total, max_tokens) = (a.requests, a.max_tokens);
+                let prompt = a.prompt.clone();
                 tokio::spawn(async move {
                     loop {
                         let i = {
@@ -197,7 +223,7 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
                             *n += 1;
                             *n - 1
                         };
-                        let s = one(&client, &url, i, max_tokens).await;
+                        let s = one(&client, &url, i, max_tokens, prompt.as_deref()).await;
                         samples.lock().await.push(s);
                     }
                 })
