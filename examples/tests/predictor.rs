@@ -183,6 +183,32 @@ fn profile_eval_and_train_on_a_synthetic_model() {
         "trained: {h}\nfile's: {}",
         v["file_predictor_holdout_total"]
     );
+    // A model denser than --max-density is refused before training, nothing written.
+    let dense_dir = d.join("refused");
+    let o = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .args([
+            "train-predictor",
+            "-m",
+            m,
+            "-f",
+            t,
+            "--rank",
+            "8",
+            "--max-tokens",
+            "64",
+        ])
+        .args([
+            "--max-density",
+            "0.01",
+            "--out",
+            dense_dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("measured FFN density"), "{err}");
+    assert!(!dense_dir.join("model_0.safetensors").exists());
     assert_eq!(h["tokens"].as_u64(), Some(2 * 150));
     assert!(f(h, "recall") >= 0.97, "{h}");
     assert!(f(h, "precision") >= 0.9, "{h}");

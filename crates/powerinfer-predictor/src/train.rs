@@ -142,6 +142,17 @@ impl LayerSamples {
         self.len() == 0
     }
 
+    /// Share of (token, neuron) pairs that are active (0 without tokens).
+    pub fn density(&self) -> f64 {
+        let active: u64 = self.bits.iter().map(|w| u64::from(w.count_ones())).sum();
+        let all = self.len() * self.n_ff;
+        if all == 0 {
+            0.0
+        } else {
+            active as f64 / all as f64
+        }
+    }
+
     /// Input width.
     pub fn n_embd(&self) -> usize {
         self.n_embd

@@ -71,6 +71,11 @@ pub struct Args {
     /// Use at most this many tokens of the text (0 = all).
     #[arg(long, default_value_t = 0)]
     pub max_tokens: usize,
+    /// Refuse a model whose measured FFN density (share of neurons active per token, over
+    /// all layers) is above this: a predictor for it would select nearly every neuron (a ReLU
+    /// checkpoint run with SiLU reads as dense).
+    #[arg(long = "max-density", default_value_t = 0.5)]
+    pub max_density: f64,
     /// Print a JSON report on stdout.
     #[arg(long)]
     pub json: bool,
@@ -134,6 +139,24 @@ pub fn run(args: Args) -> Result<(), String> {
         tokens.len(),
         collect_time.as_secs_f64()
     );
+    let density = c.layers.iter().map(LayerSamples::density).sum::<f64>() / n_layer.max(1) as f64;
+    if density > args.max_density {
+        let worst = c
+            .layers
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.density().total_cmp(&b.1.density()))
+            .map_or(0, |(l, _)| l);
+        return Err(format!(
+            "{}: measured FFN density {density:.3} (layer {worst}: {:.3}) is above --max-density \
+             {}: the FFN is not sparse, so a predictor would select nearly every neuron. Is it a \
+             ReLU model run with its activation (a ReLU checkpoint converted as SiLU reads as \
+             dense)?",
+            args.model.display(),
+            c.layers[worst].density(),
+            args.max_density
+        ));
+    }
 
     let cfg = TrainConfig {
         rank: args.rank,
