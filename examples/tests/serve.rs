@@ -148,6 +148,16 @@ async fn routes_bad_input_and_load() {
         ),
         (r#"{"prompt": "hi", "mirostat": 3}"#, 400, Some("mirostat")),
         (
+            r#"{"prompt": "hi", "dry_base": 0.5}"#,
+            400,
+            Some("dry_base"),
+        ),
+        (
+            r#"{"prompt": "hi", "dry_sequence_breakers": 5}"#,
+            400,
+            Some("dry_sequence_breakers"),
+        ),
+        (
             r#"{"prompt": "hi", "typical_p": 0}"#,
             400,
             Some("typical_p"),
@@ -194,7 +204,8 @@ async fn routes_bad_input_and_load() {
         &url,
         "/v1/completions",
         &json!({"prompt": "hi", "max_tokens": 4, "mirostat": 2, "typical_p": 0.9,
-                "xtc_probability": 0.5, "logit_bias": {"5": -100, "7": 2.5}})
+                "xtc_probability": 0.5, "logit_bias": {"5": -100, "7": 2.5},
+                "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", "."]})
         .to_string(),
     )
     .await;

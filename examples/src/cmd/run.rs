@@ -200,6 +200,27 @@ fn logit_bias(s: &str) -> Result<(u32, f32), String> {
     Ok((id, bias))
 }
 
+/// DRY's breaker tokens: those of `engine`'s vocabulary whose piece contains one of `breakers`
+/// (none given: llama.cpp's `\n`, `:`, `"` and `*`), sorted.
+pub(crate) fn dry_breaker_tokens(engine: &Engine, breakers: &[String]) -> Vec<u32> {
+    let default = ["\n", ":", "\"", "*"].map(String::from);
+    let breakers = if breakers.is_empty() {
+        &default[..]
+    } else {
+        breakers
+    };
+    let tk = engine.tokenizer();
+    (0..engine.model().hparams().n_vocab as u32)
+        .filter(|&id| {
+            tk.token_to_piece(id, false).is_ok_and(|piece| {
+                breakers
+                    .iter()
+                    .any(|b| !b.is_empty() && piece.windows(b.len()).any(|w| w == b.as_bytes()))
+            })
+        })
+        .collect()
+}
+
 /// A number ≥ 0.
 fn non_negative(s: &str) -> Result<f32, String> {
     let v = finite(s)?;
@@ -247,22 +268,8 @@ impl Args {
         if self.dry_multiplier > 0.0 && self.dry_base < 1.0 {
             return Err(format!("--dry-base {}: expected at least 1", self.dry_base));
         }
-        let breakers: Vec<String> = if self.dry_sequence_breaker.is_empty() {
-            ["\n", ":", "\"", "*"].map(String::from).to_vec()
-        } else {
-            self.dry_sequence_breaker.clone()
-        };
-        let dry_breakers: Vec<u32> = if self.dry_multiplier > 0.0 {
-            let tk = engine.tokenizer();
-            (0..engine.model().hparams().n_vocab as u32)
-                .filter(|&id| {
-                    tk.token_to_piece(id, false).is_ok_and(|piece| {
-                        breakers.iter().any(|b| {
-                            !b.is_empty() && piece.windows(b.len()).any(|w| w == b.as_bytes())
-                        })
-                    })
-                })
-                .collect()
+        let dry_breakers = if self.dry_multiplier > 0.0 {
+            dry_breaker_tokens(engine, &self.dry_sequence_breaker)
         } else {
             Vec::new()
         };

@@ -260,6 +260,45 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         m => m,
     };
     let mirostat_tau = ranged(body, "mirostat_tau", f64::MIN_POSITIVE, 100.0)?;
+    let dry_multiplier = ranged(body, "dry_multiplier", 0.0, 100.0)?;
+    let dry_base = ranged(body, "dry_base", 1.0, 100.0)?;
+    let dry_allowed_length = match int(body, "dry_allowed_length")? {
+        Some(n) if n < 0 => {
+            return Err(ApiError::bad(
+                "'dry_allowed_length' must be 0 or more",
+                Some("dry_allowed_length"),
+            ))
+        }
+        n => n,
+    };
+    let dry_last_n = match int(body, "dry_penalty_last_n")? {
+        Some(n) if n < -1 => {
+            return Err(ApiError::bad(
+                "'dry_penalty_last_n' must be -1 (all), 0 (off) or more",
+                Some("dry_penalty_last_n"),
+            ))
+        }
+        n => n,
+    };
+    let dry_breakers = match body.get("dry_sequence_breakers") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a
+            .iter()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect(),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'dry_sequence_breakers' must be an array of strings",
+                Some("dry_sequence_breakers"),
+            ))
+        }
+    };
+    let dry_on = dry_multiplier.is_some_and(|m| m > 0.0);
+    let dry_breaker_ids = if dry_on {
+        crate::cmd::run::dry_breaker_tokens(&state.engine, &dry_breakers)
+    } else {
+        Vec::new()
+    };
     let mirostat_eta = ranged(body, "mirostat_eta", f64::MIN_POSITIVE, 10.0)?;
     // OpenAI's map of token ids (as strings) to biases in [-100, 100].
     let logit_bias = match body.get("logit_bias") {
@@ -314,6 +353,14 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         p.mirostat = mirostat.map_or(0, |m| m as u8);
         p.mirostat_tau = mirostat_tau.map_or(p.mirostat_tau, |v| v as f32);
         p.mirostat_eta = mirostat_eta.map_or(p.mirostat_eta, |v| v as f32);
+        p.dry_multiplier = dry_multiplier.map_or(0.0, |v| v as f32);
+        p.dry_base = dry_base.map_or(p.dry_base, |v| v as f32);
+        p.dry_allowed_length = dry_allowed_length.map_or(p.dry_allowed_length, |n| n as usize);
+        p.dry_penalty_last_n = match dry_last_n {
+            Some(-1) | None => usize::MAX,
+            Some(n) => n as usize,
+        };
+        p.dry_breakers = dry_breaker_ids;
         // OpenAI's -100 bans a token.
         p.logit_bias = logit_bias
             .into_iter()
