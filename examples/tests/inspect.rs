@@ -258,3 +258,47 @@ fn gpu_index_files_show_i32_tensors() {
     assert_eq!(j["tensors"][0]["type"], "I32");
     assert_eq!(j["tensors"][1]["shape"], serde_json::json!([2]));
 }
+
+/// A PowerInfer file's predictor types per layer: in the table (runs of equal layers) and in
+/// the JSON.
+#[test]
+fn predictors_are_listed_per_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("m.powerinfer.gguf");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_powerinfer"))
+        .args([
+            "synth",
+            "--shape",
+            "tiny",
+            "--layers",
+            "3",
+            "--predictor-type",
+            "q8_0",
+            "--out",
+        ])
+        .arg(&m)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: Json =
+        serde_json::from_slice(&inspect(&[m.to_str().unwrap(), "--json"]).stdout).unwrap();
+    let p = j["predictors"].as_array().unwrap();
+    assert_eq!(p.len(), 3, "{j}");
+    for (l, e) in p.iter().enumerate() {
+        assert_eq!(e["layer"], l);
+        assert_eq!(
+            (e["fc1"].as_str(), e["fc2"].as_str()),
+            (Some("Q8_0"), Some("Q8_0"))
+        );
+        assert!(e["rank"].as_u64().unwrap() > 0);
+    }
+    let table = String::from_utf8(inspect(&[m.to_str().unwrap()]).stdout).unwrap();
+    assert!(
+        table.contains("predictors (3 layers):\n  layers 0-2: fc1 Q8_0, fc2 Q8_0, rank "),
+        "{table}"
+    );
+}

@@ -102,6 +102,22 @@ fn array_json(a: &Array) -> Json {
 }
 
 /// The whole file description as one JSON object.
+/// A layer's predictor as stored: `(layer, fc1 type, fc2 type, rank)`.
+type StoredPredictor = (usize, &'static str, &'static str, u64);
+
+/// The predictors of a PowerInfer file, layer by layer (`blk.N.fc1.weight`, `blk.N.fc2.weight`).
+fn predictors(file: &GgufFile) -> Vec<StoredPredictor> {
+    let find = |name: &str| file.tensors().iter().find(|t| t.name() == name);
+    (0..)
+        .map_while(|l| {
+            let fc1 = find(&format!("blk.{l}.fc1.weight"))?;
+            let fc2 = find(&format!("blk.{l}.fc2.weight"))?;
+            let rank = fc1.shape().get(1).copied().unwrap_or(0);
+            Some((l, fc1.ggml_type().name(), fc2.ggml_type().name(), rank))
+        })
+        .collect()
+}
+
 pub fn to_json(file: &GgufFile) -> Json {
     let mut metadata = Map::new();
     for (k, v) in file.metadata().iter() {
@@ -125,6 +141,10 @@ pub fn to_json(file: &GgufFile) -> Json {
         "alignment": file.alignment(),
         "metadata": metadata,
         "tensors": tensors,
+        "predictors": predictors(file)
+            .iter()
+            .map(|&(l, a, b, r)| json!({"layer": l, "fc1": a, "fc2": b, "rank": r}))
+            .collect::<Vec<_>>(),
     })
 }
 
@@ -231,6 +251,25 @@ fn write_table(out: &mut impl Write, path: &std::path::Path, file: &GgufFile) ->
             t.offset(),
             t.n_bytes()
         )?;
+    }
+    // Predictor types per layer, runs of equal layers together.
+    let preds = predictors(file);
+    if !preds.is_empty() {
+        writeln!(out)?;
+        writeln!(out, "predictors ({} layers):", preds.len())?;
+        for run in preds.chunk_by(|a, b| (a.1, a.2, a.3) == (b.1, b.2, b.3)) {
+            let (first, last) = (run[0], run[run.len() - 1]);
+            let layers = if first.0 == last.0 {
+                format!("layer {}", first.0)
+            } else {
+                format!("layers {}-{}", first.0, last.0)
+            };
+            writeln!(
+                out,
+                "  {layers}: fc1 {}, fc2 {}, rank {}",
+                first.1, first.2, first.3
+            )?;
+        }
     }
     Ok(())
 }
