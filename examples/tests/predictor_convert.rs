@@ -164,6 +164,37 @@ fn convert_accepts_trained_predictor_folders() {
         }
     }
 
+    // `--outtype q4_0 --predictor-type auto`: each layer's predictor in the type the printed
+    // check chose, measured against the predictor folder's own (F16-exact) values.
+    let auto = d.join("m.q4_0.powerinfer.gguf");
+    let o = powerinfer(&[
+        "convert",
+        model_dir.to_str().unwrap(),
+        pdir.to_str().unwrap(),
+        "-o",
+        auto.to_str().unwrap(),
+        "--outtype",
+        "q4_0",
+        "--predictor-type",
+        "auto",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let f = GgufFile::open(&auto).unwrap();
+    assert_eq!(f.metadata().get_u32("general.file_type").unwrap(), 2);
+    for l in 0..N_LAYER {
+        let row = stdout
+            .lines()
+            .find(|r| r.split_whitespace().next() == Some(&l.to_string()))
+            .unwrap_or_else(|| panic!("no row for layer {l} in {stdout}"));
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert!(cols[2].parse::<f64>().unwrap() >= 0.99, "{row}");
+        for key in ["fc1", "fc2"] {
+            let name = format!("blk.{l}.{key}.weight");
+            assert_eq!(f.tensor_info(&name).unwrap().ggml_type().name(), cols[1]);
+        }
+    }
+
     // The engine takes the file's threshold.
     let text = d.join("t.txt");
     std::fs::write(&text, "the w0 w1 w2 the w3 w4 the w5 w6 w7 ".repeat(20)).unwrap();

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
+use powerinfer_gguf::{FileKind, GgmlType, GgufFile, GgufWriter};
 
 fn powerinfer(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_powerinfer"))
@@ -56,15 +56,45 @@ fn synth_then_quantize() {
     );
     assert_eq!(GgufFile::open(p("d.gguf")).unwrap().kind(), FileKind::Gguf);
 
+    // Default for a quantized target: each layer's predictor in the cheapest type within the
+    // margin, as the printed table says.
     let o = powerinfer(&["quantize", &p("m.gguf"), &p("q.gguf"), "q4_0"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("converted"));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("converted"), "{out}");
+    assert!(
+        out.contains("predictor storage on 128 held-out tokens"),
+        "{out}"
+    );
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("0 "))
+        .unwrap_or_else(|| panic!("no layer 0 row in {out}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    let recall: f64 = cols[2].parse().unwrap();
+    assert!(recall >= 0.99, "{row}");
     let q = GgufFile::open(p("q.gguf")).unwrap();
     assert_eq!(q.kind(), FileKind::PowerInfer);
     let ty = |n: &str| q.tensor_info(n).unwrap().ggml_type();
     assert_eq!(ty("blk.0.ffn_gate.weight"), GgmlType::Q4_0);
     assert_eq!(ty("blk.0.ffn_norm.weight"), GgmlType::F32);
-    assert_eq!(ty("blk.0.fc2.weight"), GgmlType::F16);
+    assert_eq!(ty("blk.0.fc2.weight").name(), cols[1]);
+    assert_eq!(ty("blk.0.fc1.weight").name(), cols[1]);
+
+    let o = powerinfer(&[
+        "quantize",
+        &p("m.gguf"),
+        &p("q16.gguf"),
+        "q4_0",
+        "--predictor-type",
+        "f16",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let q = GgufFile::open(p("q16.gguf")).unwrap();
+    assert_eq!(
+        q.tensor_info("blk.0.fc2.weight").unwrap().ggml_type(),
+        GgmlType::F16
+    );
 
     let o = powerinfer(&[
         "quantize",
@@ -73,6 +103,8 @@ fn synth_then_quantize() {
         "q8_0",
         "--predictor-type",
         "powerinfer",
+        "--calib-tokens",
+        "0",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let q = GgufFile::open(p("q5.gguf")).unwrap();
@@ -188,4 +220,87 @@ fn synth_then_reorder() {
         o.stdout
     };
     assert_eq!(text(&p("m.gguf")), text(&p("out/s.gguf")));
+}
+
+#[test]
+fn a_predictor_that_does_not_survive_f16_is_kept_in_f32() {
+    // The same products as a well-scaled predictor, but fc2's values overflow F16 and fc1's
+    // underflow it: stored in F16, layer 1 would select no neuron at all.
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let o = powerinfer(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--layers",
+        "2",
+        "--type",
+        "f32",
+        "--out",
+        &p("m.gguf"),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let src = GgufFile::open(p("m.gguf")).unwrap();
+    let mut w = GgufWriter::create(Path::new(&p("x.gguf")), src.kind()).unwrap();
+    w.add_metadata(src.metadata()).unwrap();
+    for t in src.tensors() {
+        w.add_tensor(t.name(), t.shape(), t.ggml_type()).unwrap();
+    }
+    for t in src.tensors() {
+        let scale = match t.name() {
+            "blk.1.fc1.weight" => 1e-6f32,
+            "blk.1.fc2.weight" => 1e6,
+            _ => 1.0,
+        };
+        if scale == 1.0 {
+            w.write_tensor_data(t.name(), src.data_of(t)).unwrap();
+        } else {
+            let v: Vec<u8> = src
+                .tensor_f32(t.name())
+                .unwrap()
+                .iter()
+                .flat_map(|x| (x * scale).to_le_bytes())
+                .collect();
+            w.write_tensor_data(t.name(), &v).unwrap();
+        }
+    }
+    w.finish().unwrap().commit().unwrap();
+
+    let o = powerinfer(&[
+        "quantize",
+        &p("x.gguf"),
+        &p("q.gguf"),
+        "q8_0",
+        "--predictor-type",
+        "f16",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("warning: layer 1:") && err.contains("kept in F32"),
+        "{err}"
+    );
+    assert!(!err.contains("layer 0:"), "{err}");
+    let q = GgufFile::open(p("q.gguf")).unwrap();
+    let ty = |n: &str| q.tensor_info(n).unwrap().ggml_type();
+    assert_eq!(ty("blk.0.fc1.weight"), GgmlType::F16);
+    assert_eq!(ty("blk.1.fc1.weight"), GgmlType::F32);
+    assert_eq!(ty("blk.1.fc2.weight"), GgmlType::F32);
+    // Without the check (--calib-tokens 0) the layer would be written in F16.
+    let o = powerinfer(&[
+        "quantize",
+        &p("x.gguf"),
+        &p("q0.gguf"),
+        "q8_0",
+        "--predictor-type",
+        "f16",
+        "--calib-tokens",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let q = GgufFile::open(p("q0.gguf")).unwrap();
+    assert_eq!(
+        q.tensor_info("blk.1.fc1.weight").unwrap().ggml_type(),
+        GgmlType::F16
+    );
 }

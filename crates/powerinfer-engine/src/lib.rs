@@ -28,8 +28,9 @@
 //! - [`device`]: the device beside the CPU and what it holds ([`Engine::device_report`]).
 //!
 //! With the default feature `tools`: [`synth`] (synthetic models, quantization), [`convert`]
-//! (Hugging Face checkpoints to PowerInfer files) and [`reorder`] (neurons sorted by
-//! activation frequency).
+//! (Hugging Face checkpoints to PowerInfer files), [`reorder`] (neurons sorted by
+//! activation frequency) and [`predictor_storage`] (each layer's predictor type checked on
+//! held-out inputs).
 
 #![warn(missing_docs)]
 
@@ -43,6 +44,8 @@ mod exec;
 pub mod kv_cache;
 pub mod model;
 mod observer;
+#[cfg(feature = "tools")]
+pub mod predictor_storage;
 pub mod profile;
 #[cfg(feature = "tools")]
 pub mod reorder;

@@ -507,9 +507,23 @@ impl Model {
             };
             layers.push(layer);
         }
+        // A dense `llama` file runs SiLU unless our converter marked its checkpoint's ReLU.
+        let marked_relu = match file.metadata().get("powerinfer.ffn_activation") {
+            None => false,
+            Some(v) => match v.as_str() {
+                Some("relu") => true,
+                Some("silu") => false,
+                _ => {
+                    return Err(EngineError::Hparams(format!(
+                        "powerinfer.ffn_activation {v:?} is not supported (relu, silu are)"
+                    )))
+                }
+            },
+        };
         let ffn_act = match (arch, sparse) {
             (Arch::Bamboo, _) => FfnAct::Drelu,
             (Arch::Llama, true) => FfnAct::Reglu,
+            (Arch::Llama, false) if marked_relu => FfnAct::Reglu,
             (Arch::Llama, false) => FfnAct::Swiglu,
             (Arch::Falcon | Arch::Opt, _) => FfnAct::Relu,
         };

@@ -295,6 +295,7 @@ fn opts(c: &Checkpoint, out: &Path, outtype: OutType, dense: bool) -> ConvertOpt
         out: out.to_path_buf(),
         outtype,
         dense,
+        predictor_layers: Vec::new(),
     }
 }
 
@@ -954,4 +955,84 @@ fn hostile_configs_are_errors_not_panics() {
         refused > 0 && converted > 0,
         "{refused} refused, {converted} converted"
     );
+}
+
+#[test]
+fn q4_0_outtype_and_per_layer_predictor_types() {
+    // `--outtype q4_0`: PowerInfer's quantize applied to convert.py's F16 file; layer 0's
+    // predictor kept in F32 by a per-layer override.
+    let c = checkpoint(None);
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = out_dir.path().join("m.q4_0.powerinfer.gguf");
+    let mut o = opts(&c, &out, OutType::Q4_0, false);
+    o.predictor_layers = vec![Some(GgmlType::F32)];
+    convert(&o, &mut |_, _| {}).unwrap();
+    let f = GgufFile::open(&out).unwrap();
+    assert_eq!(f.metadata().get_u32("general.file_type").unwrap(), 2);
+    let round_f16 =
+        |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
+    for (name, ne, vals) in expected(&c, false) {
+        let info = f.tensor_info(&name).unwrap();
+        let want_ty = if ne.len() == 1 || name.starts_with("blk.0.fc") {
+            GgmlType::F32
+        } else if name == "output.weight" {
+            // Rows of 64 values are not whole 256-value blocks: Q8_0 instead of Q6_K.
+            GgmlType::Q8_0
+        } else {
+            GgmlType::Q4_0
+        };
+        assert_eq!(info.ggml_type(), want_ty, "{name}");
+        let want: Vec<u8> = if want_ty == GgmlType::F32 {
+            vals.iter().flat_map(|x| x.to_le_bytes()).collect()
+        } else {
+            powerinfer_gguf::quants::quantize_to_vec(want_ty, &round_f16(&vals)).unwrap()
+        };
+        assert!(f.tensor_data(&name).unwrap() == want.as_slice(), "{name}");
+    }
+}
+
+#[test]
+fn hidden_act_relu_marks_a_dense_llama_file() {
+    let c = checkpoint(None);
+    let out_dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(c.model.join("config.json")).unwrap();
+    let with_act = |act: &str| text.replacen('{', &format!("{{\"hidden_act\":\"{act}\","), 1);
+    let run = |act: Option<&str>, dense: bool| -> Result<GgufFile, String> {
+        let cfg = act.map_or(text.clone(), with_act);
+        std::fs::write(c.model.join("config.json"), cfg).unwrap();
+        let out = out_dir
+            .path()
+            .join(format!("m-{}-{dense}.gguf", act.unwrap_or("none")));
+        convert(&opts(&c, &out, OutType::F32, dense), &mut |_, _| {}).map_err(|e| e.to_string())?;
+        Ok(GgufFile::open(&out).unwrap())
+    };
+    let key = powerinfer_engine::convert::FFN_ACTIVATION_KEY;
+    let relu = run(Some("relu"), true).unwrap();
+    assert_eq!(relu.metadata().get(key).unwrap().as_str(), Some("relu"));
+    let silu = run(Some("silu"), true).unwrap();
+    assert!(silu.metadata().get(key).is_none());
+    // PowerInfer files always run ReLU and carry no mark.
+    let sparse = run(Some("relu"), false).unwrap();
+    assert!(sparse.metadata().get(key).is_none());
+    let err = run(Some("silu"), false).err().unwrap();
+    assert!(
+        err.contains("hidden_act \"silu\"") && err.contains("--dense"),
+        "{err}"
+    );
+    let err = run(Some("gelu"), true).err().unwrap();
+    assert!(err.contains("hidden_act \"gelu\""), "{err}");
+    std::fs::write(c.model.join("config.json"), &text).unwrap();
+
+    // The engine runs the marked file with ReLU(gate) ⊙ up, the unmarked one with SiLU.
+    use powerinfer_engine::model::FfnAct;
+    let act_of = |name: &str| {
+        let e = powerinfer_engine::Engine::load(
+            out_dir.path().join(name),
+            powerinfer_engine::EngineOptions::default(),
+        )
+        .unwrap();
+        e.model().ffn_act()
+    };
+    assert_eq!(act_of("m-relu-true.gguf"), FfnAct::Reglu);
+    assert_eq!(act_of("m-silu-true.gguf"), FfnAct::Swiglu);
 }

@@ -756,7 +756,7 @@ fn quantize_keeps_the_layout_and_matches_the_reference_codecs() {
             .join(format!("q-{}-{rule:?}.gguf", target.name()));
         let opts = QuantizeOptions {
             predictor_rule: rule,
-            allow_requantize: false,
+            ..QuantizeOptions::default()
         };
         let mut calls = 0u64;
         let report = quantize(&src.model, &out, target, opts, &mut |_, _| calls += 1).unwrap();
@@ -792,7 +792,7 @@ fn quantize_keeps_the_layout_and_matches_the_reference_codecs() {
     let q4 = dir.path().join("q-Q4_0-F16.gguf");
     let q8 = dir.path().join("requant.gguf");
     let opts = QuantizeOptions::default();
-    let err = quantize(&q4, &q8, GgmlType::Q8_0, opts, &mut |_, _| {}).unwrap_err();
+    let err = quantize(&q4, &q8, GgmlType::Q8_0, opts.clone(), &mut |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("--allow-requantize"), "{err}");
     let opts = QuantizeOptions {
         allow_requantize: true,

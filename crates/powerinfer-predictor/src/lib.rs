@@ -20,6 +20,9 @@
 //!   f32 weights and reads/writes `model_N.safetensors` (F32/F16) and reads `model_N.pt`.
 //! - [`quality`]: [`PredictorQuality`](quality::PredictorQuality), per-layer recall, precision,
 //!   predicted and true density of a predictor against true activations (active = `!= 0`).
+//! - [`storage`]: the type a predictor is stored in, measured on held-out inputs against its
+//!   F32 form ([`stored_quality`](storage::stored_quality)); the cheapest type within a margin
+//!   ([`choose_storage`](storage::choose_storage)).
 //! - [`profile`]: [`ActivationProfile`](profile::ActivationProfile), per-layer per-neuron
 //!   activation counts over a corpus (one vectorized compare-and-add per neuron per token),
 //!   turned into [`ActivationStats`](stats::ActivationStats) (counts or frequencies).
@@ -40,4 +43,5 @@ pub mod profile;
 pub mod pt;
 pub mod quality;
 pub mod stats;
+pub mod storage;
 pub mod train;

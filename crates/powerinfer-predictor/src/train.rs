@@ -168,6 +168,12 @@ impl LayerSamples {
         &self.h[k * self.n_embd..(k + 1) * self.n_embd]
     }
 
+    /// The inputs of tokens `range`, `range.len() × n_embd` values (e.g. the held-out part of
+    /// [`split`](Self::split)).
+    pub fn h_range(&self, range: std::ops::Range<usize>) -> &[f32] {
+        &self.h[range.start * self.n_embd..range.end * self.n_embd]
+    }
+
     /// Whether neuron `i` is truly active for token `k`.
     pub fn is_active(&self, k: usize, i: usize) -> bool {
         self.bits[k * self.words + i / 64] >> (i % 64) & 1 == 1

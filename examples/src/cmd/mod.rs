@@ -13,6 +13,7 @@ pub mod inspect;
 pub mod logits;
 pub mod perplexity;
 pub mod plan;
+pub mod predictor_check;
 pub mod profile;
 pub mod progress;
 pub mod quantize;

@@ -1,13 +1,18 @@
 //! `powerinfer quantize IN OUT TYPE`: converts the 2-D weights of a GGUF or PowerInfer file to
 //! TYPE (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k), keeping the magic, 1-D tensors
-//! and metadata. Predictor tensors are F16 by default (`--predictor-type powerinfer` gives
-//! PowerInfer's Q4_0 / Q5_0). See `powerinfer_engine::synth::quantize` for the rules.
+//! and metadata. Each layer's predictor is stored in the cheapest of Q4_0, Q8_0, F16 whose
+//! selection on held-out tokens stays within a margin of the F32 predictor's (`auto`, the
+//! default for quantized targets; F32 when none is); a fixed `--predictor-type` (`f16`,
+//! `powerinfer` for PowerInfer's Q4_0 / Q5_0, or a type) is checked the same way and a layer
+//! outside the margin kept in F32 with a warning. See `powerinfer_engine::synth::quantize` for
+//! the rules and `predictor_check` for the check.
 
 use std::path::PathBuf;
 
-use powerinfer_engine::synth::{quantize, QuantizeOptions};
+use powerinfer_engine::synth::{predictor_type, quantize, PredictorRule, QuantizeOptions};
 use powerinfer_gguf::GgmlType;
 
+use super::predictor_check::{auto_candidates, check, CheckArgs};
 use super::progress;
 
 /// Arguments of `powerinfer quantize`.
@@ -20,9 +25,13 @@ pub struct Args {
     /// Target type of the 2-D weights.
     #[arg(value_name = "TYPE")]
     pub ty: String,
-    /// Predictor tensors: `f16` (default), `powerinfer` (Q4_0 for q4_0, else Q5_0) or a type.
-    #[arg(long, default_value = "f16")]
-    pub predictor_type: String,
+    /// Predictor tensors: `auto` (default for quantized targets: the cheapest type within the
+    /// margin, per layer), `f16` (default otherwise), `powerinfer` (Q4_0 for q4_0, else Q5_0)
+    /// or a type.
+    #[arg(long)]
+    pub predictor_type: Option<String>,
+    #[command(flatten)]
+    pub check: CheckArgs,
     /// Convert tensors that are already quantized (loses precision twice).
     #[arg(long)]
     pub allow_requantize: bool,
@@ -31,8 +40,22 @@ pub struct Args {
 /// Runs `powerinfer quantize`.
 pub fn run(args: Args) -> Result<(), String> {
     let ty = GgmlType::from_name(&args.ty).ok_or_else(|| format!("unknown type {:?}", args.ty))?;
+    let (rule, candidates) = match args.predictor_type.as_deref() {
+        Some("auto") => (PredictorRule::F16, auto_candidates()),
+        None if ty.is_quantized() => (PredictorRule::F16, auto_candidates()),
+        None => (
+            PredictorRule::F16,
+            vec![predictor_type(ty, PredictorRule::F16)],
+        ),
+        Some(s) => {
+            let rule = super::synth::parse_predictor_rule(s)?;
+            (rule, vec![predictor_type(ty, rule)])
+        }
+    };
+    let layers = check(&args.input, &candidates, None, &args.check)?;
     let opts = QuantizeOptions {
-        predictor_rule: super::synth::parse_predictor_rule(&args.predictor_type)?,
+        predictor_rule: rule,
+        predictor_layers: layers.unwrap_or_default(),
         allow_requantize: args.allow_requantize,
     };
     let bar = progress::bytes_bar("quantize");

@@ -13,9 +13,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use powerinfer_engine::FfnObserver;
+use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::{MatMul, ThreadPool};
-use powerinfer_predictor::predictor::FileDtype;
+use powerinfer_predictor::predictor::{safetensors_file_name, FileDtype};
 use powerinfer_predictor::quality::Confusion;
+use powerinfer_predictor::storage::{stored_quality, StorageMargin};
 use powerinfer_predictor::train::{
     evaluate, train_layer, write_predictor_dir, LayerSamples, TrainConfig,
 };
@@ -59,7 +61,9 @@ pub struct Args {
     /// The model-wide threshold θ the per-layer thresholds are folded onto (negative).
     #[arg(long, default_value_t = -1.0, allow_hyphen_values = true)]
     pub threshold: f32,
-    /// Tensor type of the written files: f32 or f16.
+    /// Tensor type of the written files: f32 or f16 (each layer's F16 form is checked on the
+    /// held-out tokens; one that loses more than 1% recall or adds more than 10% density
+    /// against the F32 form is written as F32, with a warning).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// Threads (0 = all cores).
@@ -238,6 +242,35 @@ pub fn run(args: Args) -> Result<(), String> {
         trained.push(t.predictor);
     }
     write_predictor_dir(&args.out, &trained, args.threshold, dtype).map_err(|e| e.to_string())?;
+    if dtype == FileDtype::F16 {
+        // The files hold F16 weights: check each layer's F16 form against the trained F32 one
+        // on the held-out tokens, and keep a layer outside the margin in F32.
+        let margin = StorageMargin::default();
+        for (l, (p, samples)) in trained.iter().zip(&c.layers).enumerate() {
+            let (_, hold) = samples.split(args.holdout);
+            let (h, t) = (samples.h_range(hold.clone()), hold.len());
+            let q = stored_quality(p, GgmlType::F16, &mm, h, t, args.threshold)
+                .map_err(|e| format!("layer {l}: {e}"))?;
+            if let Some(v) = report.get_mut(l) {
+                v["stored_f16"] = json!({"recall": q.recall, "density": q.density,
+                    "f32_density": q.reference_density, "within_margin": q.within(&margin)});
+            }
+            if !q.within(&margin) {
+                eprintln!(
+                    "warning: layer {l}: stored as F16 its predictor keeps recall {:.4} and density \
+                     {:.4} of the F32 one's {:.4} (margin: {:.1}% recall, +{:.0}% density); \
+                     written as F32",
+                    q.recall,
+                    q.density,
+                    q.reference_density,
+                    margin.recall_drop * 100.0,
+                    margin.density_rise * 100.0
+                );
+                p.write_safetensors(args.out.join(safetensors_file_name(l)), FileDtype::F32)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+    }
     if args.json {
         let mut v = json!({
             "model": args.model.display().to_string(),

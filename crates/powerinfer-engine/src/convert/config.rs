@@ -29,6 +29,9 @@ pub struct HfConfig {
     pub rope_linear_factor: Option<f64>,
     /// `tie_word_embeddings` (default false).
     pub tie_word_embeddings: bool,
+    /// `hidden_act` (`hidden_activation`), lower-cased, if present: `relu` for ReluLLaMA,
+    /// `fatrelu` for ProSparse, `silu` for a plain LLaMA.
+    pub hidden_act: Option<String>,
     /// `bos_token_id`, `eos_token_id`, `unk_token_id`, `sep_token_id`, `pad_token_id`, in that
     /// order (gguf-py `SpecialVocab`'s config.json source), where present and non-negative.
     pub special_ids: Vec<(&'static str, u32)>,
@@ -106,6 +109,14 @@ impl HfConfig {
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
             .unwrap_or(false);
+        let hidden_act = match v.get("hidden_act").or_else(|| v.get("hidden_activation")) {
+            None | Some(Value::Null) => None,
+            Some(x) => Some(
+                x.as_str()
+                    .ok_or("hidden_act must be a string")?
+                    .to_ascii_lowercase(),
+            ),
+        };
         let special_ids = SPECIAL_KINDS
             .iter()
             .filter_map(|(kind, _)| {
@@ -126,6 +137,7 @@ impl HfConfig {
             rope_theta,
             rope_linear_factor,
             tie_word_embeddings,
+            hidden_act,
             special_ids,
         };
         if c.n_embd % c.n_head != 0 || (c.n_embd / c.n_head) % 2 != 0 {
@@ -146,6 +158,12 @@ impl HfConfig {
     /// Head size.
     pub fn head_dim(&self) -> usize {
         self.n_embd / self.n_head
+    }
+
+    /// Whether `hidden_act` names a ReLU (`relu`, or ProSparse's `fatrelu`, whose shifted
+    /// threshold neither PowerInfer nor this engine applies).
+    pub fn is_relu(&self) -> bool {
+        matches!(self.hidden_act.as_deref(), Some("relu" | "fatrelu"))
     }
 
     /// Key/value width.
@@ -170,6 +188,22 @@ mod tests {
         assert_eq!(c.n_head_kv, 4);
         assert_eq!(c.rope_linear_factor, Some(2.0));
         assert_eq!(c.special_ids, [("bos", 1), ("eos", 2)]);
+        assert_eq!(c.hidden_act, None);
+        assert!(!c.is_relu());
+        let relu = HfConfig::parse(
+            r#"{"model_type":"llama","vocab_size":10,"hidden_size":64,"num_hidden_layers":2,
+            "max_position_embeddings":128,"intermediate_size":256,"num_attention_heads":4,
+            "rms_norm_eps":1e-6,"hidden_act":"ReLU"}"#,
+        )
+        .unwrap();
+        assert!(relu.is_relu());
+        assert!(HfConfig::parse(
+            r#"{"model_type":"llama","vocab_size":10,"hidden_size":64,"num_hidden_layers":2,
+            "max_position_embeddings":128,"intermediate_size":256,"num_attention_heads":4,
+            "rms_norm_eps":1e-6,"hidden_act":3}"#,
+        )
+        .unwrap_err()
+        .contains("hidden_act"));
         assert!(HfConfig::parse(r#"{"model_type":"gpt2"}"#)
             .unwrap_err()
             .contains("gpt2"));

@@ -10,7 +10,7 @@
 //!   `.feed_forward_length`, `.rope.dimension_count`, `.attention.head_count`,
 //!   `.attention.head_count_kv`, `.attention.layer_norm_rms_epsilon`, then if present
 //!   `.rope.freq_base`, `.rope.scaling.type` + `.rope.scaling.factor` (linear only),
-//!   `general.file_type` (0 f32, 1 f16, 7 q8_0), `powerinfer.sparse_threshold` (from the
+//!   `general.file_type` (0 f32, 1 f16, 7 q8_0, 2 q4_0), `powerinfer.sparse_threshold` (from the
 //!   predictor folder's `config.json`, sparse files only), the SentencePiece vocabulary
 //!   (`tokenizer.ggml.model` = `llama`, `.tokens`, `.scores`, `.token_type`), the special
 //!   ids gguf-py's `SpecialVocab` takes from `tokenizer_config.json` + `tokenizer.json`, then
@@ -20,7 +20,10 @@
 //!   for ggml's RoPE ([`permute_rows`]); `self_attn.rotary_emb.inv_freq` skipped; in sparse
 //!   files `mlp.down_proj` becomes `blk.N.ffn_down_t.weight`, transposed, and `model_N.pt`'s
 //!   `fc1.weight` / `fc2.weight` become `blk.N.fc1.weight` / `blk.N.fc2.weight`.
-//! - **Types**: 1-D tensors F32; 2-D tensors F32, F16 or Q8_0 (`outtype`). Q8_0 is convert.py's
+//! - **Types**: 1-D tensors F32; 2-D tensors F32, F16, Q8_0 or Q4_0 (`outtype`); Q4_0 is what
+//!   PowerInfer's `quantize` makes of convert.py's F16 file (values rounded to F16, ggml's
+//!   reference quantizer, the output head Q6_K, rows that are not whole blocks F16); a layer's
+//!   predictor may get its own type ([`ConvertOptions::predictor_layers`]). Q8_0 is convert.py's
 //!   own numpy quantizer ([`quantize_q8_0_convert_py`]), which divides by the scale and rounds
 //!   half to even (ggml's reference multiplies by the inverse and rounds half away from zero).
 //! - **Magic** `PWRI` (sparse) or `GGUF` (dense).
@@ -36,7 +39,7 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use powerinfer_gguf::quants::{bf16_to_f32, f16_bits_to_f32, f32_to_f16_bits};
+use powerinfer_gguf::quants::{bf16_to_f32, f16_bits_to_f32, f32_to_f16_bits, quantize_to_vec};
 use powerinfer_gguf::{FileKind, GgmlType, GgufError, GgufWriter, Value};
 use powerinfer_predictor::pt::{self, PtDtype};
 use rayon::prelude::*;
@@ -113,15 +116,20 @@ pub enum OutType {
     F16,
     /// 2-D weights Q8_0 with convert.py's quantizer (`general.file_type` 7).
     Q8_0,
+    /// 2-D weights Q4_0 with ggml's reference quantizer, as PowerInfer's `quantize` makes them
+    /// from an F16 file (`general.file_type` 2; predictors Q4_0 as PowerInfer stores them;
+    /// rows that are not whole blocks F16).
+    Q4_0,
 }
 
 impl OutType {
-    /// Parses `f32`, `f16` or `q8_0`.
+    /// Parses `f32`, `f16`, `q8_0` or `q4_0`.
     pub fn from_name(name: &str) -> Option<OutType> {
         match name {
             "f32" => Some(OutType::F32),
             "f16" => Some(OutType::F16),
             "q8_0" => Some(OutType::Q8_0),
+            "q4_0" => Some(OutType::Q4_0),
             _ => None,
         }
     }
@@ -132,6 +140,7 @@ impl OutType {
             OutType::F32 => 0,
             OutType::F16 => 1,
             OutType::Q8_0 => 7,
+            OutType::Q4_0 => 2,
         }
     }
 
@@ -141,6 +150,7 @@ impl OutType {
             OutType::F32 => GgmlType::F32,
             OutType::F16 => GgmlType::F16,
             OutType::Q8_0 => GgmlType::Q8_0,
+            OutType::Q4_0 => GgmlType::Q4_0,
         }
     }
 }
@@ -159,6 +169,11 @@ pub struct ConvertOptions {
     pub outtype: OutType,
     /// Write a dense GGUF file (`ffn_down` kept, no predictor) as convert-dense.py does.
     pub dense: bool,
+    /// Per layer, the type of that layer's predictor tensors instead of `outtype`'s (layers
+    /// past the end, and `None` entries, keep `outtype`'s); e.g. the F32 fallback of a layer
+    /// whose predictor did not survive storage
+    /// ([`predictor_storage`](crate::predictor_storage)).
+    pub predictor_layers: Vec<Option<GgmlType>>,
 }
 
 /// What [`convert`] wrote.
@@ -512,7 +527,9 @@ fn encode(values: &[f32], ty: GgmlType) -> Vec<u8> {
             out
         }
         GgmlType::Q8_0 => quantize_q8_0_convert_py(values),
-        _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        GgmlType::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        // Other types are planned only for rows of whole blocks.
+        ty => quantize_to_vec(ty, values).expect("rows planned as whole blocks"),
     }
 }
 
@@ -665,8 +682,47 @@ fn map_name(
     Ok(Some((format!("blk.{l}.{short}.weight"), shape, op)))
 }
 
-/// The predictor files `model_0`, `model_1`, … (`.pt` or `.safetensors`) until the first gap.
-fn find_predictors(dir: &Path) -> Result<Vec<PathBuf>> {
+/// The metadata key that marks a dense `llama` file whose FFN is ReLU(gate) ⊙ up (value
+/// `relu`). PowerInfer has none: its dense `llama` graph always uses SiLU, and only the
+/// architecture name `bamboo` selects ReLU, so a dense ReLU-LLaMA file is ambiguous without it.
+pub const FFN_ACTIVATION_KEY: &str = "powerinfer.ffn_activation";
+
+/// Refuses a `hidden_act` this converter cannot write faithfully: a dense file runs SiLU or
+/// ReLU, a PowerInfer file always ReLU.
+fn check_activation(dir: &Path, cfg: &HfConfig, dense: bool) -> Result<()> {
+    let act = cfg.hidden_act.as_deref();
+    let ok = match act {
+        None | Some("relu" | "fatrelu") => true,
+        Some("silu" | "swish") => dense,
+        Some(_) => false,
+    };
+    if ok {
+        return Ok(());
+    }
+    let act = act.unwrap_or_default();
+    Err(input_err(
+        &dir.join("config.json"),
+        if dense {
+            format!("hidden_act {act:?} is not supported (silu, relu, fatrelu are)")
+        } else {
+            format!(
+                "hidden_act {act:?}: a PowerInfer file runs its FFN with ReLU, so only a ReLU                  checkpoint (relu, fatrelu) converts to one; use --dense for this model"
+            )
+        },
+    ))
+}
+
+/// The layer of a predictor tensor `blk.N.fc1.weight` / `blk.N.fc2.weight`.
+fn predictor_layer(name: &str) -> Option<usize> {
+    let (n, tail) = name.strip_prefix("blk.")?.split_once('.')?;
+    matches!(tail, "fc1.weight" | "fc2.weight")
+        .then(|| n.parse().ok())
+        .flatten()
+}
+
+/// The predictor files `model_0`, `model_1`, … (`.pt` or `.safetensors`) of a predictor folder,
+/// until the first gap.
+pub fn find_predictors(dir: &Path) -> Result<Vec<PathBuf>> {
     if !dir.is_dir() {
         return Err(input_err(dir, "the predictor folder does not exist"));
     }
@@ -816,6 +872,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
     let cfg_path = dir.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
     let cfg = HfConfig::parse(&cfg_text).map_err(|m| input_err(&cfg_path, m))?;
+    check_activation(dir, &cfg, opts.dense)?;
     let (vocab_path, vocab) = find_vocab(dir)?;
     if vocab.tokens.len() != cfg.n_vocab {
         return Err(input_err(
@@ -998,18 +1055,36 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
         if p.op == Op::Transpose {
             ne.reverse();
         }
-        p.ty = if ne.len() > 1 {
-            opts.outtype.matrix_type()
-        } else {
-            GgmlType::F32
+        let layer_ty =
+            predictor_layer(&p.name).and_then(|l| opts.predictor_layers.get(l).copied().flatten());
+        p.ty = match (ne.len() > 1, layer_ty) {
+            (false, _) => GgmlType::F32,
+            (true, Some(ty)) => ty,
+            (true, None) => opts.outtype.matrix_type(),
         };
-        if p.ty == GgmlType::Q8_0 && ne[0] % 32 != 0 {
+        if opts.outtype == OutType::Q4_0 && layer_ty.is_none() && ne.len() > 1 {
+            if p.name == "output.weight" {
+                // PowerInfer's quantize: the output head Q6_K (Q8_0 for Falcon or rows that
+                // are not whole 256-value blocks).
+                p.ty = if cfg.model_type == "falcon" || ne[0] % 256 != 0 {
+                    GgmlType::Q8_0
+                } else {
+                    GgmlType::Q6_K
+                };
+            }
+            if ne[0] % p.ty.block_size() as u64 != 0 {
+                p.ty = GgmlType::F16;
+            }
+        }
+        if p.ty.block_size() > 1 && ne[0] % p.ty.block_size() as u64 != 0 {
             return Err(tensor_err(
                 p.listed.src.file(),
                 p.listed.src.key(),
                 format!(
-                    "row length {} is not a multiple of 32, needed for q8_0",
-                    ne[0]
+                    "row length {} is not a multiple of {}, needed for {}",
+                    ne[0],
+                    p.ty.block_size(),
+                    p.ty
                 ),
             ));
         }
@@ -1052,6 +1127,9 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
     w.add_kv("general.file_type", Value::U32(opts.outtype.file_type()))?;
     if let Some(t) = threshold {
         w.add_kv("powerinfer.sparse_threshold", Value::F32(t))?;
+    }
+    if opts.dense && cfg.model_type == "llama" && cfg.is_relu() {
+        w.add_kv(FFN_ACTIVATION_KEY, Value::String("relu".into()))?;
     }
     w.add_kv("tokenizer.ggml.model", Value::String("llama".into()))?;
     w.add_kv(
@@ -1114,7 +1192,13 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
                 }
             }
             _ => {
-                let values = read_values(&p.listed.src, numel, &mut pt_cache)?;
+                let mut values = read_values(&p.listed.src, numel, &mut pt_cache)?;
+                if opts.outtype == OutType::Q4_0 && p.ty.is_quantized() {
+                    // As PowerInfer's quantize sees them: through the F16 file convert.py writes.
+                    for v in &mut values {
+                        *v = f16_bits_to_f32(f32_to_f16_bits(*v));
+                    }
+                }
                 let values = match p.op {
                     Op::None => values,
                     Op::Permute(h) => permute_rows(&values, rows, cols, h),

@@ -86,10 +86,14 @@ pub const QUANTIZE_TYPES: [GgmlType; 10] = [
 ];
 
 /// Options of [`quantize`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct QuantizeOptions {
     /// How predictor tensors are stored.
     pub predictor_rule: PredictorRule,
+    /// Per layer, the type of that layer's predictor tensors, overriding `predictor_rule`
+    /// (layers past the end, and `None` entries, follow the rule); e.g. the choice of
+    /// [`choose_predictor_types`](crate::predictor_storage::choose_predictor_types).
+    pub predictor_layers: Vec<Option<GgmlType>>,
     /// Allow converting tensors that are already quantized.
     pub allow_requantize: bool,
 }
@@ -107,6 +111,15 @@ pub struct QuantizeReport {
 
 fn is_predictor(name: &str) -> bool {
     name.ends_with(".fc1.weight") || name.ends_with(".fc2.weight")
+}
+
+/// The layer of a predictor tensor `blk.N.fc1.weight` / `blk.N.fc2.weight`.
+fn predictor_layer(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("blk.")?;
+    let (n, tail) = rest.split_once('.')?;
+    matches!(tail, "fc1.weight" | "fc2.weight")
+        .then(|| n.parse().ok())
+        .flatten()
 }
 
 fn fits(ty: GgmlType, ne0: u64) -> bool {
@@ -175,7 +188,12 @@ pub fn quantize(
     let mut plan = Vec::new();
     for t in file.tensors() {
         let from = t.ggml_type();
-        let to = tensor_target(t.name(), t.shape(), from, target, opts.predictor_rule);
+        let layer_ty = predictor_layer(t.name())
+            .and_then(|l| opts.predictor_layers.get(l).copied().flatten())
+            .filter(|ty| t.shape().len() == 2 && fits(*ty, t.shape()[0]) && can_dequantize(from));
+        let to = layer_ty.unwrap_or_else(|| {
+            tensor_target(t.name(), t.shape(), from, target, opts.predictor_rule)
+        });
         if to != from && t.shape()[0] % from.block_size() as u64 != 0 {
             return Err(SynthError::Config(format!(
                 "tensor {}: rows of {} values are not whole {from} blocks",
@@ -183,7 +201,8 @@ pub fn quantize(
                 t.shape()[0]
             )));
         }
-        if to != from && from.is_quantized() && !opts.allow_requantize {
+        let widened = layer_ty.is_some() && !to.is_quantized();
+        if to != from && from.is_quantized() && !widened && !opts.allow_requantize {
             return Err(SynthError::Config(format!(
                 "tensor {} is already {from}; converting it to {to} loses precision twice \
                  (pass --allow-requantize to do it anyway)",
