@@ -32,6 +32,13 @@
 //! repacked layout in anonymous memory at load (its CPU repack or, on AMX CPUs, its AMX buffer),
 //! so for Q4_0 files `--repack` is the like-for-like comparison.
 //!
+//! With `--powerinfer PATH` (PowerInfer's `main`, built CPU-only by `scripts/build-powerinfer`),
+//! each PowerInfer file is also decoded by PowerInfer in the same rounds (`-p TEXT -n TOKENS -t
+//! THREADS --temp 0 --ignore-eos`, best of the repeats; TEXT decodes to our prompt's tokens),
+//! and its decode and prompt tok/s (from its `llama_print_timings`) are printed beside our
+//! sparse row with the ratios. Every row also gets the fraction of its byte-bound ceiling at
+//! the speed the weights' own memory reads (`weights_ceiling_share`).
+//!
 //! With `--rounds K`, the whole set (every file and mode, and llama.cpp) is measured K times,
 //! the order reversed every other round, and each figure is the median over the rounds; the
 //! ratios to llama.cpp are medians of the ratios within each round. On a machine whose memory
@@ -45,6 +52,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use powerinfer_engine::tokenizer::Tokenizer;
 use powerinfer_engine::{Batch, Engine, EvalOptions};
 use powerinfer_gguf::{FileKind, GgufFile};
 use powerinfer_kernels_cpu::ThreadPool;
@@ -86,6 +94,11 @@ pub struct DecodeArgs {
     /// llama.cpp's `llama-bench` binary: also run every dense GGUF file with it.
     #[arg(long)]
     llama_bench: Option<PathBuf>,
+    /// PowerInfer's `main` binary (its `llama-bench` does not load PowerInfer files): also
+    /// decode every PowerInfer file with it, beside our sparse row (`scripts/build-powerinfer`
+    /// builds it CPU-only from its public source).
+    #[arg(long)]
+    powerinfer: Option<PathBuf>,
     /// Sequences decoded together: each step evaluates one token of each of them in one
     /// batch ([`powerinfer_engine::Batch::decode`]); tok/s counts the tokens of all sequences.
     #[arg(long, default_value_t = 1)]
@@ -109,6 +122,17 @@ pub struct DecodeArgs {
     /// The device beside the CPU (sparse rows; with `--ffn-resident`, the hybrid rows).
     #[command(flatten)]
     device: super::device::DeviceArgs,
+}
+
+/// One measurement of a round.
+#[derive(Clone, Copy, Debug)]
+enum Job {
+    /// Our engine on configuration `i`.
+    Ours(usize),
+    /// llama.cpp's `llama-bench` on dense file `i`.
+    Llama(usize),
+    /// PowerInfer's `main` on PowerInfer file `i`.
+    PowerInfer(usize),
 }
 
 /// What a row measures.
@@ -530,6 +554,79 @@ fn llama_bench(
     Ok(LlamaRun { tg, pp })
 }
 
+/// The text PowerInfer's `main` is given: our prompt's tokens after BOS, decoded (`main` adds
+/// its own BOS; it re-tokenizes the text, and the prompt count it reports is the one used).
+fn prompt_text(path: &Path, a: &DecodeArgs) -> Result<String, String> {
+    let f = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let tok = Tokenizer::from_gguf(&f).map_err(|e| format!("{}: {e}", path.display()))?;
+    let n_vocab = tok.n_tokens() as u32;
+    let ids: Vec<u32> = (0..a.prompt.saturating_sub(1) as u32)
+        .map(|i| (100 + 37 * i) % n_vocab)
+        .collect();
+    tok.decode_lossy(&ids, false, false)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Milliseconds and count of one `llama_print_timings` line of PowerInfer's `main`
+/// (`prompt eval time =  69.04 ms /  4 tokens (...)`).
+fn timing(stderr: &str, label: &str) -> Option<(f64, f64)> {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("llama_print_timings") && l.contains(label))?;
+    let rest = line.split_once('=')?.1;
+    let mut words = rest.split_whitespace();
+    let ms: f64 = words.next()?.parse().ok()?;
+    let _unit = words.next()?;
+    let _slash = words.next()?;
+    let n: f64 = words.next()?.parse().ok()?;
+    Some((ms, n))
+}
+
+/// PowerInfer's `main` on a PowerInfer file: greedy decode of `a.tokens` tokens after the
+/// prompt, best of `a.repeats` runs; decode tok/s from its `eval time`, prompt tok/s from its
+/// `prompt eval time`.
+fn powerinfer_main(
+    bin: &Path,
+    path: &Path,
+    a: &DecodeArgs,
+    threads: usize,
+    text: &str,
+) -> Result<LlamaRun, String> {
+    let mut best = LlamaRun { tg: 0.0, pp: None };
+    for _ in 0..a.repeats.max(1) {
+        let out = Command::new(bin)
+            .arg("-m")
+            .arg(path)
+            .args(["-p", text])
+            .args(["-n", &a.tokens.to_string()])
+            .args(["-t", &threads.to_string()])
+            .args(["-c", &(a.prompt + a.tokens + 64).to_string()])
+            .args(["--temp", "0", "--ignore-eos", "--seed", "1"])
+            .output()
+            .map_err(|e| format!("{}: {e}", bin.display()))?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            return Err(format!(
+                "PowerInfer failed on {}: {}",
+                path.display(),
+                err.lines().last().unwrap_or("")
+            ));
+        }
+        // The decode line: `eval time` without `prompt`.
+        let (ms, runs) = err
+            .lines()
+            .filter(|l| !l.contains("prompt"))
+            .find_map(|l| timing(l, " eval time"))
+            .ok_or_else(|| format!("PowerInfer printed no eval time for {}", path.display()))?;
+        let tg = runs / (ms / 1e3);
+        let pp = timing(&err, "prompt eval time").map(|(ms, n)| n / (ms / 1e3));
+        if tg > best.tg {
+            best = LlamaRun { tg, pp };
+        }
+    }
+    Ok(best)
+}
+
 /// Runs `powerinfer bench decode`.
 pub fn run(a: DecodeArgs) -> Result<(), String> {
     let models = if a.models.is_empty() {
@@ -574,57 +671,96 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             .collect(),
         None => Vec::new(),
     };
+    let pi_files: Vec<&PathBuf> = match &a.powerinfer {
+        Some(_) => models
+            .iter()
+            .filter(|p| byte_model(p).is_ok_and(|b| b.is_powerinfer))
+            .collect(),
+        None => Vec::new(),
+    };
+    let pi_texts: Vec<String> = pi_files
+        .iter()
+        .map(|p| prompt_text(p, &a))
+        .collect::<Result<_, _>>()?;
     let rounds = a.rounds.max(1);
-    // measured[c][r]: configuration c in round r; llama[f][r]: llama.cpp on llama_files[f].
+    // measured[c][r]: configuration c in round r; llama[f][r]: llama.cpp on llama_files[f];
+    // pi[f][r]: PowerInfer on pi_files[f].
     let mut measured: Vec<Vec<Row>> = (0..configs.len()).map(|_| Vec::new()).collect();
-    let mut llama: Vec<Vec<f64>> = vec![Vec::new(); llama_files.len()];
-    // llama_pp[f][r]: llama.cpp's prompt processing, where it printed one.
-    let mut llama_pp: Vec<Vec<Option<f64>>> = vec![Vec::new(); llama_files.len()];
+    let mut llama: Vec<Vec<LlamaRun>> = (0..llama_files.len()).map(|_| Vec::new()).collect();
+    let mut pi: Vec<Vec<LlamaRun>> = (0..pi_files.len()).map(|_| Vec::new()).collect();
     for round in 0..rounds {
-        // Every job of the round: ours (configuration index) or llama.cpp (file index).
-        let mut jobs: Vec<(bool, usize)> = Vec::new();
-        for (c, (path, _)) in configs.iter().enumerate() {
-            jobs.push((false, c));
+        // Every job of the round: ours (configuration index), llama.cpp or PowerInfer (file
+        // index), each reference next to the first row of its file.
+        let mut jobs: Vec<Job> = Vec::new();
+        for (c, (path, mode)) in configs.iter().enumerate() {
+            jobs.push(Job::Ours(c));
             if let Some(f) = llama_files.iter().position(|p| *p == path) {
-                jobs.push((true, f));
+                jobs.push(Job::Llama(f));
+            }
+            if let Some(f) = pi_files.iter().position(|p| *p == path) {
+                if *mode == Mode::Sparse {
+                    jobs.push(Job::PowerInfer(f));
+                }
             }
         }
         if round % 2 == 1 {
             jobs.reverse();
         }
-        for (is_llama, i) in jobs {
-            if is_llama {
-                let bin = a.llama_bench.as_ref().expect("llama files need the binary");
-                let run = llama_bench(bin, llama_files[i], &a, threads)?;
-                if !a.json {
-                    eprintln!(
-                        "round {}: llama.cpp {}: {:.2} tok/s{}",
-                        round + 1,
-                        llama_files[i].display(),
-                        run.tg,
-                        run.pp
-                            .map(|p| format!(", prompt {p:.1} tok/s"))
-                            .unwrap_or_default()
-                    );
+        for job in jobs {
+            let (name, file, run, store) = match job {
+                Job::Ours(i) => {
+                    let (path, mode) = &configs[i];
+                    let r = measure(path, &a, *mode)?;
+                    if !a.json {
+                        eprintln!(
+                            "round {}: measured {} ({}): {:.2} tok/s",
+                            round + 1,
+                            r.model,
+                            r.mode,
+                            r.tps
+                        );
+                    }
+                    measured[i].push(r);
+                    continue;
                 }
-                llama[i].push(run.tg);
-                llama_pp[i].push(run.pp);
-            } else {
-                let (path, mode) = &configs[i];
-                let r = measure(path, &a, *mode)?;
-                if !a.json {
-                    eprintln!(
-                        "round {}: measured {} ({}): {:.2} tok/s",
-                        round + 1,
-                        r.model,
-                        r.mode,
-                        r.tps
-                    );
+                Job::Llama(i) => {
+                    let bin = a.llama_bench.as_ref().expect("llama files need the binary");
+                    let run = llama_bench(bin, llama_files[i], &a, threads)?;
+                    ("llama.cpp", llama_files[i], run, &mut llama[i])
                 }
-                measured[i].push(r);
+                Job::PowerInfer(i) => {
+                    let bin = a
+                        .powerinfer
+                        .as_ref()
+                        .expect("PowerInfer files need the binary");
+                    let run = powerinfer_main(bin, pi_files[i], &a, threads, &pi_texts[i])?;
+                    ("PowerInfer", pi_files[i], run, &mut pi[i])
+                }
+            };
+            if !a.json {
+                eprintln!(
+                    "round {}: {name} {}: {:.2} tok/s{}",
+                    round + 1,
+                    file.display(),
+                    run.tg,
+                    run.pp
+                        .map(|p| format!(", prompt {p:.1} tok/s"))
+                        .unwrap_or_default()
+                );
             }
+            store.push(run);
         }
     }
+    // llama_tg[f][r] / llama_pp[f][r]: llama.cpp's speeds (prompt where it printed one).
+    let llama_tg: Vec<Vec<f64>> = llama
+        .iter()
+        .map(|v| v.iter().map(|r| r.tg).collect())
+        .collect();
+    let llama_pp: Vec<Vec<Option<f64>>> = llama
+        .iter()
+        .map(|v| v.iter().map(|r| r.pp).collect())
+        .collect();
+    let llama = llama_tg;
     let llama_index = |m: &Path| llama_files.iter().position(|p| p.as_path() == m);
     // Each row's twin reference: the one file llama.cpp ran, if there is exactly one, else
     // the one llama.cpp file of the row's shape and weight type (see `ByteModel::twin_key`).
@@ -651,7 +787,7 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         .iter()
         .zip(&measured)
         .zip(&twins)
-        .map(|(((path, _), runs), twin)| {
+        .map(|(((path, mode), runs), twin)| {
             let tps_rounds: Vec<f64> = runs.iter().map(|r| r.tps).collect();
             let prompt_rounds: Vec<f64> = runs
                 .iter()
@@ -684,7 +820,26 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "prompt_tps_rounds": prompt_rounds,
                 "weights_read_gbps": r.memory.read_bps / 1e9,
                 "weights_huge_page_share": r.memory.huge_share,
+                // The byte-bound ceiling at the speed the weights' own memory reads.
+                "weights_ceiling_tps": r.memory.read_bps / r.bytes_per_token,
+                "weights_ceiling_share": tps * r.bytes_per_token / r.memory.read_bps,
             });
+            if let (Mode::Sparse, Some(f)) = (mode, pi_files.iter().position(|p| *p == path)) {
+                let tg: Vec<f64> = pi[f].iter().map(|r| r.tg).collect();
+                let ratios: Vec<f64> = tps_rounds.iter().zip(&tg).map(|(o, l)| o / l).collect();
+                o["powerinfer_tps"] = median(&tg).into();
+                o["powerinfer_tps_rounds"] = tg.into();
+                o["vs_powerinfer"] = median(&ratios).into();
+                o["vs_powerinfer_rounds"] = ratios.into();
+                let pp: Option<Vec<f64>> = pi[f].iter().map(|r| r.pp).collect();
+                if let Some(pp) = pp {
+                    let ratios: Vec<f64> =
+                        prompt_rounds.iter().zip(&pp).map(|(o, l)| o / l).collect();
+                    o["powerinfer_prompt_tps"] = median(&pp).into();
+                    o["prompt_vs_powerinfer"] = median(&ratios).into();
+                    o["prompt_vs_powerinfer_rounds"] = ratios.into();
+                }
+            }
             if let Some((report, prof)) = &r.hybrid {
                 o["device"] = super::device::json(report);
                 o["hybrid_per_layer"] = super::device::split_json(prof);
@@ -819,6 +974,26 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             a.prompt,
             num("prompt_tps")
         );
+        println!(
+            "    byte-bound ceiling at the weights' read speed: {:.1} tok/s; this row at {:.2} of it",
+            num("weights_ceiling_tps"),
+            num("weights_ceiling_share")
+        );
+        if o.get("powerinfer_tps").is_some() {
+            println!(
+                "    PowerInfer on the same file: {:.2} tok/s, ours {:.2}x{}",
+                num("powerinfer_tps"),
+                num("vs_powerinfer"),
+                match o.get("prompt_vs_powerinfer") {
+                    Some(r) => format!(
+                        "; prompt {:.1} tok/s, ours {:.2}x",
+                        num("powerinfer_prompt_tps"),
+                        r.as_f64().unwrap_or(0.0)
+                    ),
+                    None => String::new(),
+                }
+            );
+        }
         if rounds > 1 {
             let list = |k: &str| {
                 o[k].as_array()
@@ -847,6 +1022,22 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                     list("vs_llama_twin_rounds")
                 );
             }
+            if o.get("vs_powerinfer_rounds").is_some() {
+                println!(
+                    "    PowerInfer tok/s by round: {}",
+                    list("powerinfer_tps_rounds")
+                );
+                println!(
+                    "    ratio to PowerInfer by round: {}",
+                    list("vs_powerinfer_rounds")
+                );
+            }
+            if o.get("prompt_vs_powerinfer_rounds").is_some() {
+                println!(
+                    "    prompt ratio to PowerInfer by round: {}",
+                    list("prompt_vs_powerinfer_rounds")
+                );
+            }
             if o.get("prompt_vs_llama_cpp_rounds").is_some() {
                 println!(
                     "    prompt ratio to llama.cpp by round: {}",
@@ -862,4 +1053,30 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::timing;
+
+    #[test]
+    fn reads_powerinfer_timings() {
+        let err = "llama_print_timings:        load time =      85.51 ms\n\
+            llama_print_timings: prompt eval time =      69.04 ms /     4 tokens (   17.26 ms per token,    57.94 tokens per second)\n\
+            llama_print_timings:        eval time =     366.66 ms /    15 runs   (   24.44 ms per token,    40.91 tokens per second)\n";
+        assert_eq!(timing(err, "prompt eval time"), Some((69.04, 4.0)));
+        let decode = err
+            .lines()
+            .filter(|l| !l.contains("prompt"))
+            .find_map(|l| timing(l, " eval time"));
+        assert_eq!(decode, Some((366.66, 15.0)));
+        assert_eq!(timing("no timings here", "eval time"), None);
+        assert_eq!(
+            timing(
+                "llama_print_timings: eval time = x ms / 3 runs",
+                "eval time"
+            ),
+            None
+        );
+    }
 }
