@@ -706,7 +706,8 @@ fn check_activation(dir: &Path, cfg: &HfConfig, dense: bool) -> Result<()> {
             format!("hidden_act {act:?} is not supported (silu, relu, fatrelu are)")
         } else {
             format!(
-                "hidden_act {act:?}: a PowerInfer file runs its FFN with ReLU, so only a ReLU                  checkpoint (relu, fatrelu) converts to one; use --dense for this model"
+                "hidden_act {act:?}: a PowerInfer file runs its FFN with ReLU, so only a ReLU \
+                 checkpoint (relu, fatrelu) converts to one; use --dense for this model"
             )
         },
     ))
