@@ -249,6 +249,19 @@ async fn routes_bad_input_and_load() {
     ] {
         assert!(metrics.contains(key), "{key} missing:\n{metrics}");
     }
+    // The decoding thread's account: batches evaluated, with at least one sequence each and
+    // never more than the slots.
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
+    };
+    assert!(value("powerinfer_steps_total") > 0.0);
+    assert!(value("powerinfer_step_seconds_total") > 0.0);
+    let busy = value("powerinfer_busy_slots_per_step");
+    assert!((1.0..=4.0).contains(&busy), "{busy}");
+    assert!(value("powerinfer_tokens_per_step") >= busy);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -149,6 +149,8 @@ pub struct Scheduler<'e> {
     /// Steps evaluated, and tokens in them.
     steps: u64,
     tokens: u64,
+    /// Sequences and tokens of the last evaluated batch.
+    last: (usize, usize),
     /// Sum over evaluated tokens of their mean FFN density.
     density: f64,
 }
@@ -168,6 +170,7 @@ impl<'e> Scheduler<'e> {
             next_handle: 0,
             steps: 0,
             tokens: 0,
+            last: (0, 0),
             density: 0.0,
         }
     }
@@ -249,6 +252,12 @@ impl<'e> Scheduler<'e> {
         (self.steps, self.tokens)
     }
 
+    /// Sequences and tokens in the batch the last [`step`](Self::step) evaluated ((0, 0) when it
+    /// had nothing to do): how full the decoding slots are.
+    pub fn last_batch(&self) -> (usize, usize) {
+        self.last
+    }
+
     /// Mean FFN density (share of neurons computed) over every token evaluated so far.
     pub fn ffn_density(&self) -> f64 {
         if self.tokens == 0 {
@@ -272,6 +281,7 @@ impl<'e> Scheduler<'e> {
         self.make_room(&mut events)?;
         // The batch: decode tokens first, then prompt chunks in arrival order.
         let mut plan: Vec<(usize, Vec<u32>)> = Vec::new();
+        self.last = (0, 0);
         for (i, s) in self.seqs.iter().enumerate() {
             if let Phase::Decode { next } = s.phase {
                 plan.push((i, vec![next]));
@@ -293,6 +303,7 @@ impl<'e> Scheduler<'e> {
         }
         let outputs = self.evaluate(&plan, &mut events);
         self.steps += 1;
+        self.last = (plan.len(), plan.iter().map(|(_, t)| t.len()).sum());
         let mut ended = Vec::new();
         for ((i, tokens), out) in plan.iter().zip(outputs) {
             let Some((mut logits, density)) = out else {

@@ -159,6 +159,13 @@ async fn one(
     s
 }
 
+/// The value of an unlabelled sample `name` in a Prometheus text exposition.
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// Runs `powerinfer bench serve`.
 pub fn run(a: ServeArgs) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
@@ -198,7 +205,7 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let (samples, wall) = rt.block_on(async {
+    let (samples, wall, metrics) = rt.block_on(async {
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(600))
             .pool_max_idle_per_host(a.clients)
@@ -234,7 +241,12 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
         }
         let wall = start.elapsed();
         let samples = std::mem::take(&mut *samples.lock().await);
-        (samples, wall)
+        // The decoding thread's own account of the run.
+        let metrics = match client.get(format!("{url}/metrics")).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        (samples, wall, metrics)
     });
     let _ = child.kill();
     let _ = child.wait();
@@ -260,6 +272,10 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
         "prompt_tokens": prompt_tokens, "evaluated_tokens_per_second": evaluated,
         "ttft_ms_p50": percentile(&mut ttft, 0.5), "ttft_ms_p99": percentile(&mut ttft, 0.99),
         "token_ms_p50": percentile(&mut gaps, 0.5), "token_ms_p99": percentile(&mut gaps, 0.99),
+        "steps": metric(&metrics, "powerinfer_steps_total"),
+        "step_seconds": metric(&metrics, "powerinfer_step_seconds_total"),
+        "busy_slots_per_step": metric(&metrics, "powerinfer_busy_slots_per_step"),
+        "tokens_per_step": metric(&metrics, "powerinfer_tokens_per_step"),
     });
     if a.json {
         println!("{report}");
@@ -283,6 +299,18 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
             f("token_ms_p50"),
             f("token_ms_p99")
         );
+        if f("steps") > 0.0 {
+            println!(
+                "decoding thread: {} batches, evaluating {:.1}% of the run ({:.2} ms each), \
+                 {:.2} of {} slots and {:.2} tokens per batch",
+                f("steps"),
+                100.0 * f("step_seconds") / wall.as_secs_f64(),
+                1e3 * f("step_seconds") / f("steps"),
+                f("busy_slots_per_step"),
+                a.parallel,
+                f("tokens_per_step")
+            );
+        }
         for e in failed.iter().take(5) {
             println!("failed: {e}");
         }

@@ -21,6 +21,14 @@ pub struct Metrics {
     density: AtomicU64,
     /// f64 bits.
     rate: AtomicU64,
+    /// Batches the decoding thread evaluated.
+    steps: AtomicU64,
+    /// Nanoseconds it spent evaluating them.
+    step_nanos: AtomicU64,
+    /// Sequences in them, summed.
+    step_sequences: AtomicU64,
+    /// Tokens in them, summed.
+    step_tokens: AtomicU64,
 }
 
 impl Metrics {
@@ -48,6 +56,17 @@ impl Metrics {
     /// Generated tokens per second since the start.
     pub fn set_rate(&self, r: f64) {
         self.rate.store(r.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Counts one evaluated batch of `sequences` sequences and `tokens` tokens that took
+    /// `elapsed`.
+    pub fn step(&self, sequences: usize, tokens: usize, elapsed: std::time::Duration) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.step_nanos
+            .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
+        self.step_sequences
+            .fetch_add(sequences as u64, Ordering::Relaxed);
+        self.step_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition.
@@ -106,6 +125,35 @@ impl Metrics {
             "gauge",
             "Sequences decoding.",
             self.live.load(Ordering::Relaxed).to_string(),
+        );
+        let steps = self.steps.load(Ordering::Relaxed);
+        let per_step = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / steps.max(1) as f64;
+        line(
+            "powerinfer_steps_total",
+            "counter",
+            "Batches the decoding thread evaluated.",
+            steps.to_string(),
+        );
+        line(
+            "powerinfer_step_seconds_total",
+            "counter",
+            "Time the decoding thread spent evaluating batches.",
+            format!(
+                "{:.6}",
+                self.step_nanos.load(Ordering::Relaxed) as f64 / 1e9
+            ),
+        );
+        line(
+            "powerinfer_busy_slots_per_step",
+            "gauge",
+            "Mean sequences per evaluated batch (llama.cpp's n_busy_slots_per_decode).",
+            format!("{:.3}", per_step(&self.step_sequences)),
+        );
+        line(
+            "powerinfer_tokens_per_step",
+            "gauge",
+            "Mean tokens (prompt and generated) per evaluated batch.",
+            format!("{:.3}", per_step(&self.step_tokens)),
         );
         line(
             "powerinfer_ffn_density",

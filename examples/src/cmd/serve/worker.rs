@@ -100,7 +100,13 @@ pub fn run(
             metrics.set_load(0, 0);
             continue;
         }
-        let events = match sched.step() {
+        let t0 = Instant::now();
+        let stepped = sched.step();
+        let (seqs, toks) = sched.last_batch();
+        if seqs > 0 {
+            metrics.step(seqs, toks, t0.elapsed());
+        }
+        let events = match stepped {
             Ok(e) => e,
             Err(e) => {
                 // A failure outside any one sequence: every sequence ends with it.
