@@ -5,7 +5,7 @@
 //!   data from many distributions must give byte-identical blocks, and dequantizing them must
 //!   give bit-identical f32.
 //! - Every type both sides can only dequantize (the K-quants), plus the others: random valid
-//!   block bytes (f16 scales finite), and the output of our Q4_K/Q6_K quantizers, must
+//!   block bytes (f16 scales finite), and the output of our K-quant quantizers, must
 //!   dequantize to bit-identical f32.
 //!
 //! Our side also runs on deliberately misaligned buffers, which must not change anything.
@@ -355,7 +355,7 @@ fn codecs_match_gguf_quants_bit_for_bit() {
             "normal" | "mixed_scale" | "specials" | "equal_blocks" | "positive"
         )
     }) {
-        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
             let blocks = quantize_to_vec(ty, &values).unwrap();
             let input = dir.path().join(format!("k-{dist}-{ty}.bin"));
             std::fs::write(&input, &blocks).unwrap();

@@ -141,7 +141,7 @@ fn q2k_group<const SHIFT: u32>(q: &[u8], d: f32, dmin: f32, sc: u8, out: &mut [f
 
 /// The 16 signed 6-bit scales of a Q3_K block, still offset by 32.
 #[inline]
-fn q3k_scales(s: &[u8; 12]) -> [u8; 16] {
+pub(crate) fn q3k_scales(s: &[u8; 12]) -> [u8; 16] {
     let mut out = [0u8; 16];
     for (i, o) in out.iter_mut().enumerate() {
         let low = if i < 8 { s[i] & 0x0f } else { s[i - 8] >> 4 };

@@ -1,16 +1,17 @@
-//! Quantization to the K-quant weight formats Q4_K and Q6_K.
+//! Quantization to the K-quant weight formats Q4_K, Q5_K and Q6_K.
 //!
 //! These reproduce llama.cpp's reference quantizers without an importance matrix
-//! (`quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`): a per-sub-block search for the scale (and,
-//! for Q4_K, the minimum) that minimizes a weighted squared error, the sub-block scales then
-//! quantized to 6 or 8 bits against one f16 super-block scale, and the values re-quantized with
-//! the scales as stored. Float operations are those of the C reference compiled without
-//! contraction into fused multiply-adds (`-ffp-contract=off`, or any x86-64 build without FMA):
-//! against such a build the output was byte-identical on 150k values of varied distributions,
-//! infinities and NaNs included. Builds of llama.cpp that fuse them (`-march=native` on FMA
-//! hardware) pick different scales in some blocks (about 8% of Q4_K and 1% of Q6_K blocks in
-//! that check): the reference itself is not platform-independent there. `gguf.quants` has no
-//! K-quant quantizers to compare with.
+//! (`quantize_row_q4_K_ref`, `quantize_row_q5_K_ref`, `quantize_row_q6_K_ref`): a per-sub-block
+//! search for the scale (and, for Q4_K/Q5_K, the minimum) that minimizes a weighted squared
+//! error, the sub-block scales then quantized to 6 or 8 bits against one f16 super-block scale,
+//! and the values re-quantized with the scales as stored. Float operations are those of the C
+//! reference compiled without contraction into fused multiply-adds (`-ffp-contract=off`, or any
+//! x86-64 build without FMA): against such a build the output is byte-identical, infinities and
+//! NaNs included, which `tests/kquant_golden.rs` checks on golden files written by llama.cpp
+//! itself (`scripts/kquant-golden`). Builds of llama.cpp that fuse them (`-march=native` on FMA
+//! hardware) pick different scales in some blocks (a few percent of Q4_K blocks): the reference
+//! itself is not platform-independent there. `gguf.quants` has no K-quant quantizers to compare
+//! with.
 
 use super::blocks::*;
 use super::dequant::k4_scales_mins;
@@ -21,18 +22,41 @@ use half::f16;
 /// Sub-block maxima below this count as all-zero (llama.cpp's `GROUP_MAX_EPS`).
 const GROUP_MAX_EPS: f32 = 1e-15;
 
-/// Weighted search for the scale and minimum of one sub-block quantized to `0..=nmax` as
-/// `x ~ scale * l - the_min` (llama.cpp's `make_qkx2_quants` with squared errors). Writes the
-/// levels to `l_out` and returns `(scale, the_min)`.
-fn scale_min_search(
-    x: &[f32],
-    weights: &[f32],
+/// Search parameters of [`scale_min_search`]: candidate inverse scales
+/// `(nmax + rmin + rdelta * i) / (max - min)` for `i` in `0..=nstep`, each judged by the
+/// weighted sum of squared errors, or of absolute errors with `absolute_error` (llama.cpp's
+/// `use_mad`).
+struct Search {
     nmax: i32,
     rmin: f32,
     rdelta: f32,
     nstep: i32,
-    l_out: &mut [u8],
-) -> (f32, f32) {
+    absolute_error: bool,
+}
+
+impl Search {
+    /// The error measure of one value's difference from its reconstruction.
+    #[inline(always)]
+    fn error(&self, diff: f32) -> f32 {
+        if self.absolute_error {
+            diff.abs()
+        } else {
+            diff * diff
+        }
+    }
+}
+
+/// Weighted search for the scale and minimum of one sub-block quantized to `0..=nmax` as
+/// `x ~ scale * l - the_min` (llama.cpp's `make_qkx2_quants`). Writes the levels to `l_out`
+/// and returns `(scale, the_min)`.
+fn scale_min_search(x: &[f32], weights: &[f32], search: &Search, l_out: &mut [u8]) -> (f32, f32) {
+    let &Search {
+        nmax,
+        rmin,
+        rdelta,
+        nstep,
+        ..
+    } = search;
     let n = x.len();
     let mut min = x[0];
     let mut max = x[0];
@@ -64,7 +88,7 @@ fn scale_min_search(
         let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
         l_out[i] = l as u8;
         let diff = scale * l as f32 + min - x[i];
-        best_error += weights[i] * (diff * diff);
+        best_error += weights[i] * search.error(diff);
     }
     let mut aux = [0u8; QK_K];
     let aux = &mut aux[..n];
@@ -91,7 +115,7 @@ fn scale_min_search(
             let mut cur_error = 0.0f32;
             for i in 0..n {
                 let diff = this_scale * f32::from(aux[i]) + this_min - x[i];
-                cur_error += weights[i] * (diff * diff);
+                cur_error += weights[i] * search.error(diff);
             }
             if cur_error < best_error {
                 l_out[..n].copy_from_slice(aux);
@@ -159,78 +183,97 @@ fn signed_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
     scale
 }
 
+/// The first half of Q4_K and Q5_K: each sub-block of 32 searched for its scale and minimum
+/// (weights `rms(sub-block) + |x|`), the eight of each packed as 6-bit values against the f16
+/// super-block scales `d` and `dmin`, and the values re-quantized to `0..=nmax` with the scales
+/// as stored. Returns `(d, dmin, packed scales)`; the levels are in `levels`.
+fn k4_scales_and_levels(
+    x: &[f32],
+    search: &Search,
+    levels: &mut [u8; QK_K],
+) -> (f16, f16, [u8; K_SCALE_SIZE]) {
+    let mut scales = [0.0f32; 8];
+    let mut mins = [0.0f32; 8];
+    let mut max_scale = 0.0f32;
+    let mut max_min = 0.0f32;
+    for (j, (xs, ls)) in x
+        .chunks_exact(32)
+        .zip(levels.chunks_exact_mut(32))
+        .enumerate()
+    {
+        let mut sum_x2 = 0.0f32;
+        for &v in xs {
+            sum_x2 += v * v;
+        }
+        let av_x = (sum_x2 / 32.0).sqrt();
+        let mut weights = [0.0f32; 32];
+        for (w, &v) in weights.iter_mut().zip(xs) {
+            *w = av_x + v.abs();
+        }
+        let (scale, min) = scale_min_search(xs, &weights, search, ls);
+        scales[j] = scale;
+        mins[j] = min;
+        if scale > max_scale {
+            max_scale = scale;
+        }
+        if min > max_min {
+            max_min = min;
+        }
+    }
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let mut packed = [0u8; K_SCALE_SIZE];
+    for j in 0..8 {
+        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        if j < 4 {
+            packed[j] = ls;
+            packed[j + 4] = lm;
+        } else {
+            packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
+            packed[j - 4] |= (ls >> 4) << 6;
+            packed[j] |= (lm >> 4) << 6;
+        }
+    }
+    let d = f16_from_f32(max_scale / 63.0);
+    let dmin = f16_from_f32(max_min / 63.0);
+    let (sc, mn) = k4_scales_mins(&packed);
+    let (df, dminf) = (
+        f16_bits_to_f32(d.to_bits()),
+        f16_bits_to_f32(dmin.to_bits()),
+    );
+    for (j, (xs, ls)) in x
+        .chunks_exact(32)
+        .zip(levels.chunks_exact_mut(32))
+        .enumerate()
+    {
+        let dl = df * f32::from(sc[j]);
+        if dl == 0.0 {
+            continue;
+        }
+        let dm = dminf * f32::from(mn[j]);
+        for (l, &v) in ls.iter_mut().zip(xs) {
+            *l = nearest_int((v + dm) / dl).clamp(0, search.nmax) as u8;
+        }
+    }
+    (d, dmin, packed)
+}
+
 impl QuantizeBlock for BlockQ4K {
     fn quantize(x: &[f32]) -> Self {
-        let x = &x[..QK_K];
-        let mut levels = [0u8; QK_K];
-        let mut scales = [0.0f32; 8];
-        let mut mins = [0.0f32; 8];
-        let mut max_scale = 0.0f32;
-        let mut max_min = 0.0f32;
-        for (j, (xs, ls)) in x
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let mut sum_x2 = 0.0f32;
-            for &v in xs {
-                sum_x2 += v * v;
-            }
-            let av_x = (sum_x2 / 32.0).sqrt();
-            let mut weights = [0.0f32; 32];
-            for (w, &v) in weights.iter_mut().zip(xs) {
-                *w = av_x + v.abs();
-            }
-            let (scale, min) = scale_min_search(xs, &weights, 15, -1.0, 0.1, 20, ls);
-            scales[j] = scale;
-            mins[j] = min;
-            if scale > max_scale {
-                max_scale = scale;
-            }
-            if min > max_min {
-                max_min = min;
-            }
-        }
-        let inv_scale = if max_scale > 0.0 {
-            63.0 / max_scale
-        } else {
-            0.0
+        let search = Search {
+            nmax: 15,
+            rmin: -1.0,
+            rdelta: 0.1,
+            nstep: 20,
+            absolute_error: false,
         };
-        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
-        let mut packed = [0u8; K_SCALE_SIZE];
-        for j in 0..8 {
-            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
-            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
-            if j < 4 {
-                packed[j] = ls;
-                packed[j + 4] = lm;
-            } else {
-                packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
-                packed[j - 4] |= (ls >> 4) << 6;
-                packed[j] |= (lm >> 4) << 6;
-            }
-        }
-        let d = f16_from_f32(max_scale / 63.0);
-        let dmin = f16_from_f32(max_min / 63.0);
-        let (sc, mn) = k4_scales_mins(&packed);
-        let (df, dminf) = (
-            f16_bits_to_f32(d.to_bits()),
-            f16_bits_to_f32(dmin.to_bits()),
-        );
-        for (j, (xs, ls)) in x
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let dl = df * f32::from(sc[j]);
-            if dl == 0.0 {
-                continue;
-            }
-            let dm = dminf * f32::from(mn[j]);
-            for (l, &v) in ls.iter_mut().zip(xs) {
-                *l = nearest_int((v + dm) / dl).clamp(0, 15) as u8;
-            }
-        }
+        let mut levels = [0u8; QK_K];
+        let (d, dmin, scales) = k4_scales_and_levels(&x[..QK_K], &search, &mut levels);
         let mut qs = [0u8; QK_K / 2];
         for (q, l) in qs.chunks_exact_mut(32).zip(levels.chunks_exact(64)) {
             for (i, q) in q.iter_mut().enumerate() {
@@ -240,7 +283,43 @@ impl QuantizeBlock for BlockQ4K {
         BlockQ4K {
             d,
             dmin,
-            scales: packed,
+            scales,
+            qs,
+        }
+    }
+}
+
+impl QuantizeBlock for BlockQ5K {
+    fn quantize(x: &[f32]) -> Self {
+        let search = Search {
+            nmax: 31,
+            rmin: -0.5,
+            rdelta: 0.1,
+            nstep: 15,
+            absolute_error: false,
+        };
+        let mut levels = [0u8; QK_K];
+        let (d, dmin, scales) = k4_scales_and_levels(&x[..QK_K], &search, &mut levels);
+        // Values 64c + i and 64c + 32 + i: low nibbles in qs[32c + i], fifth bits in bits 2c
+        // and 2c + 1 of qh[i].
+        let mut qs = [0u8; QK_K / 2];
+        let mut qh = [0u8; QK_K / 8];
+        for (c, (q, l)) in qs
+            .chunks_exact_mut(32)
+            .zip(levels.chunks_exact(64))
+            .enumerate()
+        {
+            for (i, q) in q.iter_mut().enumerate() {
+                let (a, b) = (l[i], l[i + 32]);
+                *q = (a & 0x0f) | ((b & 0x0f) << 4);
+                qh[i] |= ((a >> 4) << (2 * c)) | ((b >> 4) << (2 * c + 1));
+            }
+        }
+        BlockQ5K {
+            d,
+            dmin,
+            scales,
+            qh,
             qs,
         }
     }
@@ -312,6 +391,11 @@ impl QuantizeBlock for BlockQ6K {
 
 /// Quantizes `src` into Q4_K blocks; `src.len()` must be `dst.len() * 256`.
 pub fn quantize_row_q4_k(src: &[f32], dst: &mut [BlockQ4K]) -> Result<(), QuantError> {
+    quantize_blocks(src, dst)
+}
+
+/// Quantizes `src` into Q5_K blocks; `src.len()` must be `dst.len() * 256`.
+pub fn quantize_row_q5_k(src: &[f32], dst: &mut [BlockQ5K]) -> Result<(), QuantError> {
     quantize_blocks(src, dst)
 }
 

@@ -18,11 +18,12 @@
 //! round-to-nearest-even. Where the reference relies on a float-to-integer cast of a value that
 //! does not fit (NaN or infinite scales from non-finite or denormal-tiny blocks), we reproduce
 //! what that cast does on x86-64 (`cvttss2si`: the result is `i32::MIN`, whose low byte is 0),
-//! so such blocks are deterministic on every platform. Q8_1, Q8_K, Q4_K and Q6_K, which
+//! so such blocks are deterministic on every platform. Q8_1, Q8_K and the K-quants, which
 //! `gguf.quants` cannot quantize, follow llama.cpp's reference quantizers
-//! (`quantize_row_q8_1_ref`, `quantize_row_q8_K_ref`, `quantize_row_q4_K_ref`,
-//! `quantize_row_q6_K_ref`). The conformance test `tests/quants_conformance.rs` checks everything
-//! `gguf.quants` implements (all dequantizers but Q8_1/Q8_K, all quantizers but those four).
+//! (`quantize_row_q8_1_ref`, `quantize_row_q8_K_ref`, `quantize_row_q4_K_ref`, ...). The
+//! conformance test `tests/quants_conformance.rs` checks everything `gguf.quants` implements
+//! (all dequantizers but Q8_1/Q8_K, all quantizers but those); `tests/kquant_golden.rs` checks
+//! the K-quant quantizers and dequantizers against golden files from llama.cpp itself.
 //!
 //! Multi-byte fields are little-endian, as in GGUF files; the typed block structs assume a
 //! little-endian host, which is all this crate supports.
@@ -192,7 +193,7 @@ pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q4_K | Q6_K | Q8_K
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q4_K | Q5_K | Q6_K | Q8_K
     )
 }
 
@@ -285,6 +286,7 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q8_0 => quantize_bytes::<BlockQ8_0>(src, dst),
         Q8_1 => quantize_bytes::<BlockQ8_1>(src, dst),
         Q4_K => quantize_bytes::<BlockQ4K>(src, dst),
+        Q5_K => quantize_bytes::<BlockQ5K>(src, dst),
         Q6_K => quantize_bytes::<BlockQ6K>(src, dst),
         Q8_K => quantize_bytes::<BlockQ8K>(src, dst),
         _ => return Err(QuantError::UnsupportedQuantize(ty)),
