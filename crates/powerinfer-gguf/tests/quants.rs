@@ -107,16 +107,18 @@ proptest! {
     }
 
     #[test]
-    fn q4_k_q5_k_and_q6_k_round_trips_are_close(x in block256()) {
+    fn k_quant_round_trips_are_close(x in block256()) {
         let amax = x.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
         let energy: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        // Worst cases seen on Gaussian and uniform data (Q4_K / Q5_K / Q6_K): max error
-        // 0.18 / 0.07 / 0.02 of the largest magnitude, relative RMS error 0.07 / 0.04 / 0.017;
-        // the bounds leave some room. Small blocks
+        // Worst cases seen on Gaussian and uniform data (Q2_K / Q3_K / Q4_K / Q5_K / Q6_K): max
+        // error 0.42 / 0.26 / 0.18 / 0.07 / 0.02 of the largest magnitude, relative RMS error
+        // 0.36 / 0.18 / 0.07 / 0.04 / 0.017; the bounds leave some room. Small blocks
         // have f16-subnormal super-block scales, whose 2^-25 rounding error times the largest
         // sub-block scale and level (Q6_K: 128 * 32) adds an absolute term.
         let slack = 128.0 * 32.0 * 2f64.powi(-25);
         for (ty, max_rel, rms_rel) in [
+            (GgmlType::Q2_K, 0.6, 0.45),
+            (GgmlType::Q3_K, 0.35, 0.25),
             (GgmlType::Q4_K, 0.25, 0.1),
             (GgmlType::Q5_K, 0.12, 0.06),
             (GgmlType::Q6_K, 0.03, 0.025),
@@ -359,8 +361,8 @@ fn length_errors_are_typed_and_leave_dst_alone() {
     );
     assert!(bytes.iter().all(|&b| b == 9));
     assert_eq!(
-        quantize(GgmlType::Q2_K, &[1.0; 256], &mut bytes),
-        Err(QuantError::UnsupportedQuantize(GgmlType::Q2_K))
+        quantize(GgmlType::IQ2_XXS, &[1.0; 256], &mut bytes),
+        Err(QuantError::UnsupportedQuantize(GgmlType::IQ2_XXS))
     );
     assert_eq!(
         quantize_to_vec(GgmlType::MXFP4, &[0.0; 32]),
@@ -451,7 +453,13 @@ fn k_quant_zero_and_constant_blocks() {
     q4.dequantize(&mut y);
     assert!(y.iter().all(|&v| v == 0.0));
     // A constant positive block is all minimum-free scale in Q4_K and reproduced closely.
-    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+    for ty in [
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ] {
         let y = dequantize_to_vec(ty, &quantize_to_vec(ty, &[0.75; 256]).unwrap()).unwrap();
         assert!(
             y.iter().all(|&v| (v - 0.75).abs() < 0.75 / 30.0),

@@ -355,7 +355,13 @@ fn codecs_match_gguf_quants_bit_for_bit() {
             "normal" | "mixed_scale" | "specials" | "equal_blocks" | "positive"
         )
     }) {
-        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        for ty in [
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ] {
             let blocks = quantize_to_vec(ty, &values).unwrap();
             let input = dir.path().join(format!("k-{dist}-{ty}.bin"));
             std::fs::write(&input, &blocks).unwrap();

@@ -1,10 +1,10 @@
-//! Quantization to the K-quant weight formats Q4_K, Q5_K and Q6_K.
+//! Quantization to the K-quant weight formats Q2_K, Q3_K, Q4_K, Q5_K and Q6_K.
 //!
 //! These reproduce llama.cpp's reference quantizers without an importance matrix
-//! (`quantize_row_q4_K_ref`, `quantize_row_q5_K_ref`, `quantize_row_q6_K_ref`): a per-sub-block
-//! search for the scale (and, for Q4_K/Q5_K, the minimum) that minimizes a weighted squared
-//! error, the sub-block scales then quantized to 6 or 8 bits against one f16 super-block scale,
-//! and the values re-quantized with the scales as stored. Float operations are those of the C
+//! (`quantize_row_q2_K_ref` ... `quantize_row_q6_K_ref`): a per-sub-block search for the scale
+//! (and, for Q2_K/Q4_K/Q5_K, the minimum) that minimizes a weighted error (absolute for Q2_K,
+//! squared for the others), the sub-block scales then quantized to 4, 6 or 8 bits against f16
+//! super-block scales, and the values re-quantized with the scales as stored. Float operations are those of the C
 //! reference compiled without contraction into fused multiply-adds (`-ffp-contract=off`, or any
 //! x86-64 build without FMA): against such a build the output is byte-identical, infinities and
 //! NaNs included, which `tests/kquant_golden.rs` checks on golden files written by llama.cpp
@@ -14,7 +14,7 @@
 //! with.
 
 use super::blocks::*;
-use super::dequant::k4_scales_mins;
+use super::dequant::{k4_scales_mins, q3k_scales};
 use super::quantize::{f16_from_f32, nearest_int};
 use super::{f16_bits_to_f32, quantize_blocks, QuantError, QuantizeBlock};
 use half::f16;
@@ -183,6 +183,72 @@ fn signed_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
     scale
 }
 
+/// Signed scale of one sub-block of Q3_K, levels `-nmax..nmax` (llama.cpp's `make_q3_quants`
+/// with `do_rmse`): levels from `nmax / max|x|`, then up to five passes that move single levels
+/// where that raises the `x^2`-weighted fit `sum(w x l)^2 / sum(w l^2)`. Writes the levels plus
+/// `nmax` to `l_out` and returns the least-squares scale of the final levels.
+fn q3_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
+    let n = x.len();
+    let mut max = 0.0f32;
+    let mut amax = 0.0f32;
+    for &v in x {
+        let a = v.abs();
+        if a > amax {
+            amax = a;
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        l_out[..n].fill(0);
+        return 0.0;
+    }
+    let iscale = -(nmax as f32) / max;
+    let mut levels = [0i32; 16];
+    let levels = &mut levels[..n];
+    let (mut sumlx, mut suml2) = (0.0f32, 0.0f32);
+    for (l, &v) in levels.iter_mut().zip(x) {
+        *l = nearest_int(iscale * v).clamp(-nmax, nmax - 1);
+        let w = v * v;
+        let lf = *l as f32;
+        sumlx += w * v * lf;
+        suml2 += w * lf * lf;
+    }
+    for _ in 0..5 {
+        let mut changed = false;
+        for (l, &v) in levels.iter_mut().zip(x) {
+            let w = v * v;
+            let lf = *l as f32;
+            let mut slx = sumlx - w * v * lf;
+            if slx > 0.0 {
+                let mut sl2 = suml2 - w * lf * lf;
+                let new_l = nearest_int(v * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new_l != *l {
+                    let nf = new_l as f32;
+                    slx += w * v * nf;
+                    sl2 += w * nf * nf;
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        *l = new_l;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    for (o, &l) in l_out.iter_mut().zip(levels.iter()) {
+        *o = (l + nmax) as u8;
+    }
+    if suml2 > 0.0 {
+        sumlx / suml2
+    } else {
+        0.0
+    }
+}
+
 /// The first half of Q4_K and Q5_K: each sub-block of 32 searched for its scale and minimum
 /// (weights `rms(sub-block) + |x|`), the eight of each packed as 6-bit values against the f16
 /// super-block scales `d` and `dmin`, and the values re-quantized to `0..=nmax` with the scales
@@ -325,6 +391,164 @@ impl QuantizeBlock for BlockQ5K {
     }
 }
 
+impl QuantizeBlock for BlockQ2K {
+    fn quantize(x: &[f32]) -> Self {
+        let x = &x[..QK_K];
+        let search = Search {
+            nmax: 3,
+            rmin: -0.5,
+            rdelta: 0.1,
+            nstep: 15,
+            absolute_error: true,
+        };
+        let mut levels = [0u8; QK_K];
+        let mut scales = [0.0f32; 16];
+        let mut mins = [0.0f32; 16];
+        let mut max_scale = 0.0f32;
+        let mut max_min = 0.0f32;
+        for (j, (xs, ls)) in x
+            .chunks_exact(16)
+            .zip(levels.chunks_exact_mut(16))
+            .enumerate()
+        {
+            let mut weights = [0.0f32; 16];
+            for (w, &v) in weights.iter_mut().zip(xs) {
+                *w = v.abs();
+            }
+            let (scale, min) = scale_min_search(xs, &weights, &search, ls);
+            scales[j] = scale;
+            mins[j] = min;
+            if scale > max_scale {
+                max_scale = scale;
+            }
+            if min > max_min {
+                max_min = min;
+            }
+        }
+        // Scales in the low nibbles, minimums in the high ones, 4 bits each against f16
+        // super-block values.
+        let mut packed = [0u8; QK_K / 16];
+        let mut d = f16::ZERO;
+        if max_scale > 0.0 {
+            let iscale = 15.0 / max_scale;
+            for (p, &scale) in packed.iter_mut().zip(&scales) {
+                *p = nearest_int(iscale * scale) as u8;
+            }
+            d = f16_from_f32(max_scale / 15.0);
+        }
+        let mut dmin = f16::ZERO;
+        if max_min > 0.0 {
+            let iscale = 15.0 / max_min;
+            for (p, &min) in packed.iter_mut().zip(&mins) {
+                *p |= (nearest_int(iscale * min) as u8) << 4;
+            }
+            dmin = f16_from_f32(max_min / 15.0);
+        }
+        let (df, dminf) = (
+            f16_bits_to_f32(d.to_bits()),
+            f16_bits_to_f32(dmin.to_bits()),
+        );
+        for ((xs, ls), &p) in x
+            .chunks_exact(16)
+            .zip(levels.chunks_exact_mut(16))
+            .zip(&packed)
+        {
+            let dl = df * f32::from(p & 0x0f);
+            if dl == 0.0 {
+                continue;
+            }
+            let dm = dminf * f32::from(p >> 4);
+            for (l, &v) in ls.iter_mut().zip(xs) {
+                *l = nearest_int((v + dm) / dl).clamp(0, 3) as u8;
+            }
+        }
+        BlockQ2K {
+            scales: packed,
+            qs: pack_2bit(&levels),
+            d,
+            dmin,
+        }
+    }
+}
+
+/// Low 2 bits of 256 levels as Q2_K and Q3_K store them: level `128h + 32s + i` in bits
+/// `2s..2s + 2` of byte `32h + i`.
+fn pack_2bit(levels: &[u8; QK_K]) -> [u8; QK_K / 4] {
+    let mut qs = [0u8; QK_K / 4];
+    for (q, l) in qs.chunks_exact_mut(32).zip(levels.chunks_exact(128)) {
+        for (i, q) in q.iter_mut().enumerate() {
+            *q = (l[i] & 3)
+                | ((l[i + 32] & 3) << 2)
+                | ((l[i + 64] & 3) << 4)
+                | ((l[i + 96] & 3) << 6);
+        }
+    }
+    qs
+}
+
+impl QuantizeBlock for BlockQ3K {
+    fn quantize(x: &[f32]) -> Self {
+        let x = &x[..QK_K];
+        let mut levels = [0u8; QK_K];
+        let mut scales = [0.0f32; 16];
+        let mut max_scale = 0.0f32;
+        let mut max_abs_scale = 0.0f32;
+        for (j, (xs, ls)) in x
+            .chunks_exact(16)
+            .zip(levels.chunks_exact_mut(16))
+            .enumerate()
+        {
+            let scale = q3_scale_search(xs, 4, ls);
+            scales[j] = scale;
+            if scale.abs() > max_abs_scale {
+                max_abs_scale = scale.abs();
+                max_scale = scale;
+            }
+        }
+        // Signed 6-bit sub-block scales offset by 32: low nibbles in bytes 0..8 (sub-blocks
+        // 0..8 low, 8..16 high), top two bits of sub-block j in bits 2(j / 4).. of byte
+        // 8 + j % 4.
+        let mut packed = [0u8; 12];
+        let mut d = f16::ZERO;
+        // NaN counts as nonzero, as in C's `if (max_scale)`.
+        if max_scale != 0.0 || max_scale.is_nan() {
+            let iscale = -32.0 / max_scale;
+            for (j, &scale) in scales.iter().enumerate() {
+                let l = ((nearest_int(iscale * scale) as i8).clamp(-32, 31) + 32) as u8;
+                if j < 8 {
+                    packed[j] = l & 0x0f;
+                } else {
+                    packed[j - 8] |= (l & 0x0f) << 4;
+                }
+                packed[8 + j % 4] |= (l >> 4) << (2 * (j / 4));
+            }
+            d = f16_from_f32(1.0 / iscale);
+        }
+        let sc = q3k_scales(&packed);
+        let df = f16_bits_to_f32(d.to_bits());
+        for ((xs, ls), &s) in x.chunks_exact(16).zip(levels.chunks_exact_mut(16)).zip(&sc) {
+            let dl = df * f32::from(s as i8 - 32);
+            if dl == 0.0 {
+                continue;
+            }
+            for (l, &v) in ls.iter_mut().zip(xs) {
+                *l = (nearest_int(v / dl).clamp(-4, 3) + 4) as u8;
+            }
+        }
+        // The third bit of level j goes to bit j / 32 of hmask[j % 32].
+        let mut hmask = [0u8; QK_K / 8];
+        for (j, &l) in levels.iter().enumerate() {
+            hmask[j % 32] |= (l >> 2) << (j / 32);
+        }
+        BlockQ3K {
+            hmask,
+            qs: pack_2bit(&levels),
+            scales: packed,
+            d,
+        }
+    }
+}
+
 impl QuantizeBlock for BlockQ6K {
     fn quantize(x: &[f32]) -> Self {
         let x = &x[..QK_K];
@@ -387,6 +611,16 @@ impl QuantizeBlock for BlockQ6K {
         }
         block
     }
+}
+
+/// Quantizes `src` into Q2_K blocks; `src.len()` must be `dst.len() * 256`.
+pub fn quantize_row_q2_k(src: &[f32], dst: &mut [BlockQ2K]) -> Result<(), QuantError> {
+    quantize_blocks(src, dst)
+}
+
+/// Quantizes `src` into Q3_K blocks; `src.len()` must be `dst.len() * 256`.
+pub fn quantize_row_q3_k(src: &[f32], dst: &mut [BlockQ3K]) -> Result<(), QuantError> {
+    quantize_blocks(src, dst)
 }
 
 /// Quantizes `src` into Q4_K blocks; `src.len()` must be `dst.len() * 256`.

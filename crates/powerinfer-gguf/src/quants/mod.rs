@@ -193,7 +193,20 @@ pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q4_K | Q5_K | Q6_K | Q8_K
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q8_1
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | Q8_K
     )
 }
 
@@ -285,6 +298,8 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q5_1 => quantize_bytes::<BlockQ5_1>(src, dst),
         Q8_0 => quantize_bytes::<BlockQ8_0>(src, dst),
         Q8_1 => quantize_bytes::<BlockQ8_1>(src, dst),
+        Q2_K => quantize_bytes::<BlockQ2K>(src, dst),
+        Q3_K => quantize_bytes::<BlockQ3K>(src, dst),
         Q4_K => quantize_bytes::<BlockQ4K>(src, dst),
         Q5_K => quantize_bytes::<BlockQ5K>(src, dst),
         Q6_K => quantize_bytes::<BlockQ6K>(src, dst),
