@@ -120,11 +120,16 @@ pub fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut SplitMix
                 c.copy_from_slice(&v[..c.len()]);
             }
             let d = f16::from_f32(0.01).to_le_bytes();
-            let off = if ty == T::Q6_K { 208 } else { 0 };
+            let off = match ty {
+                T::Q6_K => 208,
+                T::Q2_K => 80,
+                T::Q3_K => 108,
+                _ => 0,
+            };
             for blk in data.chunks_exact_mut(ts) {
                 blk[off..off + 2].copy_from_slice(&d);
-                if matches!(ty, T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K) {
-                    blk[2..4].copy_from_slice(&d);
+                if matches!(ty, T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K | T::Q2_K) {
+                    blk[off + 2..off + 4].copy_from_slice(&d);
                 }
             }
         }

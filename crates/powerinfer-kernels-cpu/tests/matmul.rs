@@ -290,25 +290,33 @@ fn check_axpy(ty_i: usize, rows: usize, units: usize, n_tokens: usize, seed: u64
     }
 }
 
+/// How many weight types the property tests below draw from: all of `supported_types()`.
+const N_TYPES: usize = 13;
+
+#[test]
+fn property_tests_draw_every_supported_type() {
+    assert_eq!(N_TYPES, supported_types().len());
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn dense_matches_reference(ty_i in 0usize..11, rows in 1usize..10, units in 1usize..80,
+    fn dense_matches_reference(ty_i in 0usize..N_TYPES, rows in 1usize..10, units in 1usize..80,
                                n_tokens in prop_oneof![Just(1usize), 2usize..9, 60usize..=64],
                                seed in any::<u64>()) {
         check_dense(ty_i, rows, units, n_tokens, seed);
     }
 
     #[test]
-    fn sparse_matches_reference_and_zeroed_dense(ty_i in 0usize..11, rows in 1usize..24,
+    fn sparse_matches_reference_and_zeroed_dense(ty_i in 0usize..N_TYPES, rows in 1usize..24,
                                units in 1usize..80, n_tokens in prop_oneof![Just(1usize), 2usize..6, Just(17usize)],
                                seed in any::<u64>(), use_skip in any::<bool>()) {
         check_sparse(ty_i, rows, units, n_tokens, seed, use_skip);
     }
 
     #[test]
-    fn axpy_matches_reference(ty_i in 0usize..11, rows in 1usize..24, units in 1usize..150,
+    fn axpy_matches_reference(ty_i in 0usize..N_TYPES, rows in 1usize..24, units in 1usize..150,
                               n_tokens in prop_oneof![Just(1usize), 2usize..6, Just(13usize)],
                               seed in any::<u64>(), use_skip in any::<bool>()) {
         check_axpy(ty_i, rows, units, n_tokens, seed, use_skip);
@@ -388,8 +396,8 @@ fn bad_arguments_are_typed_errors() {
         Err(KernelError::Length { .. })
     ));
     assert!(matches!(
-        Weights::new(GgmlType::Q2_K, 1, 256, &[0u8; 84][..]),
-        Err(KernelError::UnsupportedType(GgmlType::Q2_K))
+        Weights::new(GgmlType::Q8_K, 1, 256, &[0u8; 292][..]),
+        Err(KernelError::UnsupportedType(GgmlType::Q8_K))
     ));
     let w = Weights::new(GgmlType::Q4_0, 4, 64, &data).unwrap();
     let x = vec![1f32; 64];
@@ -1032,6 +1040,8 @@ fn long_quantized_rows_gemv() {
         (GgmlType::Q4_K, 4096, 19),
         (GgmlType::Q4_K, 11008, 19),
         (GgmlType::Q4_K, 2048, 700),
+        (GgmlType::Q3_K, 4096, 19),
+        (GgmlType::Q2_K, 11008, 19),
     ] {
         let c = make_case(ty, rows, cols, &mut rng);
         let w = Weights::new(ty, rows, cols, &c.data).unwrap();

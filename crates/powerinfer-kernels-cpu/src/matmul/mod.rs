@@ -13,7 +13,8 @@
 //! | [`sparse_axpy`](MatMul::sparse_axpy), [`sparse_axpy_batch`](MatMul::sparse_axpy_batch) | `y_t += Σ a_t[i] · row_i` over selected `i` with `a_t[i] != 0` |
 //! | [`sparse_axpy_indexed`](MatMul::sparse_axpy_indexed) | the same over the rows listed in `active` |
 //!
-//! Weight types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, for every kernel.
+//! Weight types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, for
+//! every kernel (Q2_K and Q3_K through the portable kernels of `scalar` on every backend).
 //! F32 and BF16 weights take f32 activations; F16 weights take them rounded to f16 (ties to
 //! even, as ggml converts them for its F16 dot products; beyond ±65504 a value becomes ±∞), and
 //! so do the F16 axpy's coefficients `a_i`; quantized weights take activations quantized on the

@@ -101,7 +101,7 @@ pub(crate) struct RowOps {
 }
 
 /// The weight types the matrix kernels take.
-pub(crate) const SUPPORTED: [GgmlType; 11] = [
+pub(crate) const SUPPORTED: [GgmlType; 13] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -110,6 +110,8 @@ pub(crate) const SUPPORTED: [GgmlType; 11] = [
     GgmlType::Q4_1,
     GgmlType::Q5_0,
     GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,

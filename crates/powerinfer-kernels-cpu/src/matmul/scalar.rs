@@ -266,6 +266,78 @@ pub(crate) fn dot_q6_k(row: &[u8], a: &Act<'_>) -> f32 {
     acc
 }
 
+/// The 2-bit value (0..4) of element `e` (0..256) of a Q2_K or Q3_K super-block from its 64
+/// `qs` bytes: bits `2s..2s + 2` of `qs[32n + l]` for `e = 128n + 32s + l`.
+#[inline(always)]
+fn k23_low(qs: &[u8], e: usize) -> i32 {
+    let (n, s, l) = (e / 128, (e % 128) / 32, e % 32);
+    ((qs[32 * n + l] >> (2 * s)) & 3) as i32
+}
+
+/// Q2_K row · Q8_K activation (84-byte super-blocks: 16 scale bytes (low nibble scale, high
+/// nibble minimum of each sub-block of 16), 64 qs, f16 d, f16 dmin).
+pub(crate) fn dot_q2_k(row: &[u8], a: &Act<'_>) -> f32 {
+    let mut acc = 0f32;
+    for (b, blk) in row.chunks_exact(84).enumerate() {
+        let (sc, qs) = (&blk[0..16], &blk[16..80]);
+        let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+        let qa = &a.q[b * 256..b * 256 + 256];
+        let bs = &a.bs[b * 16..b * 16 + 16];
+        let mut sums = [0i32; 16];
+        for e in 0..256 {
+            sums[e / 16] += k23_low(qs, e) * qa[e] as i32;
+        }
+        let (mut sum_q, mut sum_m) = (0i32, 0i32);
+        for g in 0..16 {
+            sum_q += (sc[g] & 0xF) as i32 * sums[g];
+            sum_m += (sc[g] >> 4) as i32 * bs[g] as i32;
+        }
+        acc += a.d[b] * (d * sum_q as f32 - dmin * sum_m as f32);
+    }
+    acc
+}
+
+/// The 16 signed 6-bit sub-block scales of a Q3_K super-block from its 12 scale bytes: low 4
+/// bits of sub-block `g` in the low (g < 8) or high (g ≥ 8) nibble of byte `g % 8`, high 2 bits
+/// in bits `2(g / 4)..` of byte `8 + g % 4`; offset by -32.
+#[inline(always)]
+fn q3k_scales(s: &[u8]) -> [i32; 16] {
+    let mut out = [0i32; 16];
+    for (g, o) in out.iter_mut().enumerate() {
+        let low = if g < 8 { s[g] & 0xF } else { s[g - 8] >> 4 };
+        let high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+        *o = (low | (high << 4)) as i32 - 32;
+    }
+    out
+}
+
+/// The signed 3-bit value (-4..4) of element `e` of a Q3_K super-block: the 2 low bits from
+/// `qs`, minus 4 where bit `4n + s` of `hmask[l]` is clear (`e = 128n + 32s + l`).
+#[inline(always)]
+fn q3k_value(hmask: &[u8], qs: &[u8], e: usize) -> i32 {
+    let (n, s, l) = (e / 128, (e % 128) / 32, e % 32);
+    let high = ((hmask[l] >> (4 * n + s)) & 1) as i32;
+    k23_low(qs, e) - 4 + 4 * high
+}
+
+/// Q3_K row · Q8_K activation (110-byte super-blocks: 32 hmask, 64 qs, 12 scale bytes, f16 d).
+pub(crate) fn dot_q3_k(row: &[u8], a: &Act<'_>) -> f32 {
+    let mut acc = 0f32;
+    for (b, blk) in row.chunks_exact(110).enumerate() {
+        let (hmask, qs) = (&blk[0..32], &blk[32..96]);
+        let sc = q3k_scales(&blk[96..108]);
+        let d = f16_at(blk, 108);
+        let qa = &a.q[b * 256..b * 256 + 256];
+        let mut sums = [0i32; 16];
+        for e in 0..256 {
+            sums[e / 16] += q3k_value(hmask, qs, e) * qa[e] as i32;
+        }
+        let total: i32 = sums.iter().zip(&sc).map(|(&s, &scale)| s * scale).sum();
+        acc += a.d[b] * d * total as f32;
+    }
+    acc
+}
+
 /// Decodes one block (or super-block) of a quantized type into `out` (32 or 256 values).
 pub(crate) fn dequant_block(ty: powerinfer_gguf::GgmlType, blk: &[u8], out: &mut [f32]) {
     use powerinfer_gguf::GgmlType as T;
@@ -306,6 +378,22 @@ pub(crate) fn dequant_block(ty: powerinfer_gguf::GgmlType, blk: &[u8], out: &mut
                 let (lo, hi) = q5_values(qh, &blk[8..24], j);
                 out[j] = d * lo as f32 + m;
                 out[j + 16] = d * hi as f32 + m;
+            }
+        }
+        T::Q2_K => {
+            let (sc, qs) = (&blk[0..16], &blk[16..80]);
+            let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+            for (e, o) in out.iter_mut().enumerate().take(256) {
+                let g = sc[e / 16];
+                *o = d * (g & 0xF) as f32 * k23_low(qs, e) as f32 - dmin * (g >> 4) as f32;
+            }
+        }
+        T::Q3_K => {
+            let (hmask, qs) = (&blk[0..32], &blk[32..96]);
+            let sc = q3k_scales(&blk[96..108]);
+            let d = f16_at(blk, 108);
+            for (e, o) in out.iter_mut().enumerate().take(256) {
+                *o = d * sc[e / 16] as f32 * q3k_value(hmask, qs, e) as f32;
             }
         }
         T::Q4_K => dequant_k45::<false>(blk, out),
@@ -397,6 +485,8 @@ macro_rules! generic_axpy {
 generic_axpy!(axpy_q4_1, Q4_1, 20, 32);
 generic_axpy!(axpy_q5_0, Q5_0, 22, 32);
 generic_axpy!(axpy_q5_1, Q5_1, 24, 32);
+generic_axpy!(axpy_q2_k, Q2_K, 84, 256);
+generic_axpy!(axpy_q3_k, Q3_K, 110, 256);
 generic_axpy!(axpy_q4_k, Q4_K, 144, 256);
 generic_axpy!(axpy_q5_k, Q5_K, 176, 256);
 generic_axpy!(axpy_q6_k, Q6_K, 210, 256);
@@ -420,6 +510,8 @@ dot4_from_dot!(
     dot4_q4_1 => dot_q4_1,
     dot4_q5_0 => dot_q5_0,
     dot4_q5_1 => dot_q5_1,
+    dot4_q2_k => dot_q2_k,
+    dot4_q3_k => dot_q3_k,
     dot4_q4_k => dot_q4_k,
     dot4_q5_k => dot_q5_k,
     dot4_q6_k => dot_q6_k,

@@ -32,6 +32,8 @@ fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
         T::Q4_1 => ops(s::dot_q4_1, s::dot4_q4_1, s::axpy_q4_1, A::Q8_1),
         T::Q5_0 => ops(s::dot_q5_0, s::dot4_q5_0, s::axpy_q5_0, A::Q8_0),
         T::Q5_1 => ops(s::dot_q5_1, s::dot4_q5_1, s::axpy_q5_1, A::Q8_1),
+        T::Q2_K => ops(s::dot_q2_k, s::dot4_q2_k, s::axpy_q2_k, A::Q8K),
+        T::Q3_K => ops(s::dot_q3_k, s::dot4_q3_k, s::axpy_q3_k, A::Q8K),
         T::Q4_K => ops(s::dot_q4_k, s::dot4_q4_k, s::axpy_q4_k, A::Q8K),
         T::Q5_K => ops(s::dot_q5_k, s::dot4_q5_k, s::axpy_q5_k, A::Q8K),
         T::Q6_K => ops(s::dot_q6_k, s::dot4_q6_k, s::axpy_q6_k, A::Q8K),

@@ -70,6 +70,36 @@ pub fn dequantize_block(ty: GgmlType, b: &[u8]) -> Option<Vec<f64>> {
                 out[j] = h(b, 0) * (q as f64 - bias) + m;
             }
         }
+        T::Q2_K | T::Q3_K => {
+            // Element 128n + 32s + l: 2 low bits at bits 2s.. of qs[32n + l]; sub-block of 16:
+            // element / 16. Q2_K (scales, qs, d, dmin): d·(scale nibble)·q − dmin·(min nibble).
+            // Q3_K (hmask, qs, scales, d): d·(6-bit scale − 32)·(q − 4 + 4·bit 4n+s of
+            // hmask[l]), the scale's low 4 bits in nibble g/8 of byte g%8, high 2 bits at bits
+            // 2(g/4).. of byte 8 + g%4.
+            let qs = if ty == T::Q2_K {
+                &b[16..80]
+            } else {
+                &b[32..96]
+            };
+            for e in 0..256 {
+                let (n, s, l, g) = (e / 128, (e % 128) / 32, e % 32, e / 16);
+                let q = ((qs[32 * n + l] >> (2 * s)) & 3) as f64;
+                out[e] = if ty == T::Q2_K {
+                    let sc = b[g];
+                    h(b, 80) * (sc & 0xF) as f64 * q - h(b, 82) * (sc >> 4) as f64
+                } else {
+                    let low = if g < 8 {
+                        b[96 + g] & 0xF
+                    } else {
+                        b[96 + g - 8] >> 4
+                    };
+                    let high = (b[104 + g % 4] >> (2 * (g / 4))) & 3;
+                    let sc = (low | (high << 4)) as f64 - 32.0;
+                    let hbit = ((b[l] >> (4 * n + s)) & 1) as f64;
+                    h(b, 108) * sc * (q - 4.0 + 4.0 * hbit)
+                };
+            }
+        }
         T::Q4_K | T::Q5_K => {
             // 4 chunks of 64: sub-block 2c = low nibbles of qs[32c..32c+32], 2c+1 = high
             // nibbles; Q5_K's fifth bits: bit 2c / 2c+1 of qh[l].
@@ -151,7 +181,7 @@ pub fn activation_quant(ty: GgmlType) -> ActivationQuant {
     use GgmlType as T;
     match ty {
         T::Q8_0 | T::Q4_0 | T::Q5_0 | T::Q4_1 | T::Q5_1 => ActivationQuant::Q8Blocks32,
-        T::Q4_K | T::Q5_K | T::Q6_K => ActivationQuant::Q8Blocks256,
+        T::Q2_K | T::Q3_K | T::Q4_K | T::Q5_K | T::Q6_K => ActivationQuant::Q8Blocks256,
         T::F16 => ActivationQuant::F16,
         _ => ActivationQuant::None,
     }

@@ -70,6 +70,11 @@ pub fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> 
                         put_f16(blk, 2, 0.002 * rng.f32());
                     }
                     T::Q6_K => put_f16(blk, 208, 0.0005 * rng.f32()),
+                    T::Q2_K => {
+                        put_f16(blk, 80, 0.01 * rng.f32());
+                        put_f16(blk, 82, 0.01 * rng.f32());
+                    }
+                    T::Q3_K => put_f16(blk, 108, 0.002 * rng.f32()),
                     _ => unreachable!("not a kernel type"),
                 }
             }
@@ -85,6 +90,7 @@ pub fn abs_parts(ty: GgmlType, data: &[u8]) -> Vec<f64> {
     let full = r::dequantize(ty, data).expect("type");
     let min_off = match ty {
         T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K => Some(2),
+        T::Q2_K => Some(82),
         _ => None,
     };
     let Some(off) = min_off else {
