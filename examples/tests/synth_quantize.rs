@@ -96,6 +96,16 @@ fn synth_then_quantize() {
         GgmlType::F16
     );
 
+    // A llama.cpp K-quant mix by name: output Q6_K, the rest of this one-layer model's
+    // ffn_gate Q4_K.
+    let o = powerinfer(&["quantize", &p("m.gguf"), &p("qm.gguf"), "q4_k_m"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let q = GgufFile::open(p("qm.gguf")).unwrap();
+    let ty = |n: &str| q.tensor_info(n).unwrap().ggml_type();
+    assert_eq!(ty("blk.0.ffn_gate.weight"), GgmlType::Q4_K);
+    assert_eq!(ty("output.weight"), GgmlType::Q6_K);
+    assert_eq!(q.metadata().get_u32("general.file_type").unwrap(), 15);
+
     let o = powerinfer(&[
         "quantize",
         &p("m.gguf"),

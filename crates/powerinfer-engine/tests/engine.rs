@@ -579,3 +579,38 @@ fn fused_decode_is_bit_identical() {
         }
     }
 }
+
+/// Files quantized to K-quants by `synth::quantize` (pure Q2_K, Q3_K, Q5_K and the Q3_K_M mix)
+/// run on the CPU kernels close to the f64 forward over their own dequantized weights: what
+/// separates them is the kernels' Q8_K activations (8 bits against each block's largest
+/// value) and f32 sums, the same for every K-quant (Q4_K files land at the same level). Sparse
+/// runs get twice the bound: the F16 predictor, made from the unquantized gate, no longer picks
+/// exactly the neurons the quantized gate activates, which the reference's ReLU does.
+#[test]
+fn k_quant_files_match_f64_reference() {
+    use powerinfer_engine::synth::{quantize, KQuantMix, QuantizeOptions, QuantizeTarget};
+    let f = make(GgmlType::F32, Arch::Llama, 2);
+    let dir = tempfile::tempdir().unwrap();
+    let targets: [QuantizeTarget; 4] = [
+        GgmlType::Q2_K.into(),
+        GgmlType::Q3_K.into(),
+        GgmlType::Q5_K.into(),
+        KQuantMix::Q3_K_M.into(),
+    ];
+    for target in targets {
+        for (src, dense) in [(&f.sparse, false), (&f.sparse, true), (&f.dense, true)] {
+            let out = dir.path().join(format!("{target}-{dense}.gguf"));
+            let opts_q = QuantizeOptions::default();
+            quantize(src, &out, target, opts_q, &mut |_, _| {}).unwrap();
+            let engine = Engine::load(&out, opts(dense)).unwrap();
+            let got = engine.session().eval_all(&PROMPT).unwrap();
+            let r = rel_diff(&got, &reference(&out, &PROMPT));
+            eprintln!(
+                "{target} {} dense={dense}: max diff / std = {r:.3e}",
+                src.display()
+            );
+            let bound = if dense { 0.05 } else { 0.1 };
+            assert!(r <= bound, "{target} dense={dense}: max diff / std = {r}");
+        }
+    }
+}

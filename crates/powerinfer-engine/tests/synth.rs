@@ -8,8 +8,8 @@ use std::process::Command;
 
 use powerinfer_engine::synth::math::{gaussian, stream_key};
 use powerinfer_engine::synth::{
-    quantize, synthesize, Arch, PredictorRule, QuantizeOptions, Shape, SynthConfig, SynthOutputs,
-    SynthReport, VocabSource, BIAS_CHANNEL, BIAS_VALUE, RMS_EPS, TOPIC_CHANNEL,
+    quantize, synthesize, Arch, KQuantMix, PredictorRule, QuantizeOptions, Shape, SynthConfig,
+    SynthOutputs, SynthReport, VocabSource, BIAS_CHANNEL, BIAS_VALUE, RMS_EPS, TOPIC_CHANNEL,
 };
 use powerinfer_gguf::quants::{dequantize_to_vec, quantize_to_vec};
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
@@ -712,8 +712,10 @@ fn bad_input_is_a_clear_error_and_leaves_nothing_behind() {
     let o = dir.path().join("o.gguf");
     assert!(q(&missing, &o, GgmlType::Q4_0).is_err());
     let (src, _) = run_synth(dir.path(), &SynthConfig::new(tiny(1)), false, false);
-    let err = q(&src.model, &o, GgmlType::Q2_K).unwrap_err().to_string();
-    assert!(err.contains("Q2_K"), "{err}");
+    let err = q(&src.model, &o, GgmlType::IQ2_XXS)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("IQ2_XXS") && err.contains("Q4_K_M"), "{err}");
     assert!(q(&src.model, &src.model, GgmlType::Q4_0).is_err());
     // Garbage input.
     let junk = dir.path().join("junk.gguf");
@@ -749,6 +751,9 @@ fn quantize_keeps_the_layout_and_matches_the_reference_codecs() {
         (GgmlType::Q8_0, PredictorRule::PowerInfer, GgmlType::Q5_0),
         (GgmlType::Q5_1, PredictorRule::F16, GgmlType::F16),
         (GgmlType::Q4_K, PredictorRule::F16, GgmlType::F16),
+        (GgmlType::Q2_K, PredictorRule::F16, GgmlType::F16),
+        (GgmlType::Q3_K, PredictorRule::PowerInfer, GgmlType::Q5_0),
+        (GgmlType::Q5_K, PredictorRule::F16, GgmlType::F16),
         (GgmlType::F16, PredictorRule::PowerInfer, GgmlType::F16),
     ] {
         let out = dir
@@ -788,6 +793,33 @@ fn quantize_keeps_the_layout_and_matches_the_reference_codecs() {
         }
         assert_eq!(report.tensors.len(), q.tensors().len());
     }
+    // A llama.cpp mix: Q4_K_M gives output Q6_K and, of the two layers, Q6_K attn_v and
+    // ffn_down_t in both (llama.cpp's use_more_bits takes every layer of so small a model), the
+    // rest Q4_K; every tensor byte-identical to quantizing its f32 to the type it got.
+    let out = dir.path().join("q-Q4_K_M.gguf");
+    let opts = QuantizeOptions::default();
+    quantize(&src.model, &out, KQuantMix::Q4_K_M, opts, &mut |_, _| {}).unwrap();
+    let q = GgufFile::open(&out).unwrap();
+    assert_eq!(q.metadata().get_u32("general.file_type").unwrap(), 15);
+    for (a, b) in input.tensors().iter().zip(q.tensors()) {
+        let name = a.name();
+        let want = if a.shape().len() == 1 {
+            GgmlType::F32
+        } else if name.ends_with("fc1.weight") || name.ends_with("fc2.weight") {
+            GgmlType::F16
+        } else if name == "output.weight"
+            || name.ends_with("attn_v.weight")
+            || name.ends_with("ffn_down_t.weight")
+        {
+            GgmlType::Q6_K
+        } else {
+            GgmlType::Q4_K
+        };
+        assert_eq!(b.ggml_type(), want, "{name}");
+        let expect = quantize_to_vec(want, input.tensor_f32(name).unwrap()).unwrap();
+        assert!(q.data_of(b) == expect.as_slice(), "{name}");
+    }
+    assert!(q.tensor_info("output.weight").is_some());
     // Quantized input: refused without allow_requantize, fine with it.
     let q4 = dir.path().join("q-Q4_0-F16.gguf");
     let q8 = dir.path().join("requant.gguf");

@@ -73,8 +73,8 @@ use std::path::PathBuf;
 
 pub use generate::{synthesize, LayerPlan, SynthReport};
 pub use quantize::{
-    default_output, ftype_of, predictor_type, quantize, PredictorRule, QuantizeOptions,
-    QuantizeReport, QUANTIZE_TYPES,
+    default_output, ftype_of, predictor_type, quantize, KQuantMix, PredictorRule, QuantizeOptions,
+    QuantizeReport, QuantizeTarget, QUANTIZE_TYPES,
 };
 
 use powerinfer_gguf::GgmlType;
