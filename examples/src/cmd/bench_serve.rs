@@ -6,8 +6,8 @@
 //! time between tokens (p50, p99), and every failed request.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,9 +18,14 @@ use tokio::sync::Mutex;
 /// Arguments of `powerinfer bench serve`.
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    model: PathBuf,
+    /// Model file (the server `powerinfer serve` is started on).
+    #[arg(short = 'm', long = "model", required_unless_present = "url")]
+    model: Option<PathBuf>,
+    /// Load-test a server that is already running at this address instead (e.g. llama.cpp's
+    /// `llama-server` at `http://127.0.0.1:8080`, for the same clients against it): no server
+    /// is started, and `--parallel`, `-t`, `--server-args` are that server's business.
+    #[arg(long)]
+    url: Option<String>,
     /// Concurrent clients.
     #[arg(long, default_value_t = 64)]
     clients: usize,
@@ -106,7 +111,7 @@ async fn one(
             return s;
         }
         Err(e) => {
-            s.error = Some(e.to_string());
+            s.error = Some(chain(&e));
             return s;
         }
     };
@@ -118,7 +123,7 @@ async fn one(
         let chunk = match chunk {
             Ok(c) => c,
             Err(e) => {
-                s.error = Some(e.to_string());
+                s.error = Some(chain(&e));
                 return s;
             }
         };
@@ -159,6 +164,18 @@ async fn one(
     s
 }
 
+/// An error with its causes, outermost first.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
 /// The value of an unlabelled sample `name` in a Prometheus text exposition.
 fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()
@@ -166,12 +183,12 @@ fn metric(text: &str, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
-/// Runs `powerinfer bench serve`.
-pub fn run(a: ServeArgs) -> Result<(), String> {
+/// Starts `powerinfer serve` on `model` on a free port; returns it and its address.
+fn start_server(model: &Path, a: &ServeArgs) -> Result<(Child, String), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
         .args(["serve", "-m"])
-        .arg(&a.model)
+        .arg(model)
         .args(["--port", "0", "--parallel", &a.parallel.to_string()])
         .args([
             "-t",
@@ -200,6 +217,19 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
         }
     };
     std::thread::spawn(move || for _ in lines {});
+    Ok((child, url))
+}
+
+/// Runs `powerinfer bench serve`.
+pub fn run(a: ServeArgs) -> Result<(), String> {
+    let (mut child, url) = match (&a.url, &a.model) {
+        (Some(u), _) => (None, u.trim_end_matches('/').to_string()),
+        (None, Some(model)) => {
+            let (c, u) = start_server(model, &a)?;
+            (Some(c), u)
+        }
+        (None, None) => return Err("give -m MODEL or --url URL".into()),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -208,7 +238,10 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
     let (samples, wall, metrics) = rt.block_on(async {
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(600))
-            .pool_max_idle_per_host(a.clients)
+            // Another server may close an idle keep-alive connection just as a client reuses
+            // it (llama.cpp's does: "connection closed before message completed"); against one,
+            // every request opens its own connection.
+            .pool_max_idle_per_host(if a.url.is_some() { 0 } else { a.clients })
             .build()
             .expect("an HTTP client");
         let next = Arc::new(Mutex::new(0usize));
@@ -248,8 +281,10 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
         };
         (samples, wall, metrics)
     });
-    let _ = child.kill();
-    let _ = child.wait();
+    if let Some(c) = &mut child {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
     let failed: Vec<&String> = samples.iter().filter_map(|s| s.error.as_ref()).collect();
     let tokens: usize = samples.iter().map(|s| s.tokens).sum();
     let mut ttft: Vec<f64> = samples
@@ -265,7 +300,7 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
     // Prompt and generated tokens evaluated per second: what `batched` counts too, once.
     let evaluated = (tokens + prompt_tokens) as f64 / wall.as_secs_f64();
     let report = json!({
-        "model": a.model.display().to_string(),
+        "model": a.model.as_ref().map_or(url.clone(), |m| m.display().to_string()),
         "clients": a.clients, "requests": samples.len(), "failed": failed.len(),
         "parallel": a.parallel, "max_tokens": a.max_tokens,
         "tokens": tokens, "seconds": wall.as_secs_f64(), "tokens_per_second": tps,
