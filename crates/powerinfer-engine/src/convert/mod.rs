@@ -32,6 +32,7 @@
 //! stays at about one tensor in f32. The output goes to a temporary file renamed into place on
 //! success: a failed conversion leaves nothing behind.
 
+pub mod bpe;
 pub mod config;
 pub mod spm;
 
@@ -45,7 +46,8 @@ use powerinfer_predictor::pt::{self, PtDtype};
 use rayon::prelude::*;
 use serde_json::Value as Json;
 
-pub use config::HfConfig;
+pub use bpe::BpeVocab;
+pub use config::{HfArch, HfConfig};
 pub use spm::SpmModel;
 
 /// Why a conversion failed. Every variant names the file (and the tensor, where one is at
@@ -487,6 +489,34 @@ pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
+/// PowerInfer's Falcon QKV regrouping (the `jploski` tensor data layout): the rows of a fused
+/// `query_key_value` weight come as `n_head_kv` groups of `n_head / n_head_kv` query heads, one
+/// key head and one value head (`head_dim` rows each); they leave as all query heads, then all
+/// key heads, then all value heads, each in group order. `values` holds the rows, `row_len`
+/// elements each (any element type, so raw bytes work too).
+pub fn regroup_qkv<T: Copy>(
+    values: &[T],
+    row_len: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+) -> Vec<T> {
+    let group = n_head / n_head_kv;
+    let head = head_dim * row_len;
+    let mut out = Vec::with_capacity(values.len());
+    for dst in 0..n_head + 2 * n_head_kv {
+        let src = if dst < n_head {
+            (dst / group) * (group + 2) + dst % group
+        } else if dst < n_head + n_head_kv {
+            (dst - n_head) * (group + 2) + group
+        } else {
+            (dst - n_head - n_head_kv) * (group + 2) + group + 1
+        };
+        out.extend_from_slice(&values[src * head..(src + 1) * head]);
+    }
+    out
+}
+
 /// convert.py's Q8_0 quantizer (numpy): per block of 32, `d = max|x| / 127` (f32),
 /// `q = round_half_even(x / d)` (0 where `d` is 0), `d` stored as F16. `values.len()` must be
 /// a multiple of 32.
@@ -539,8 +569,12 @@ fn encode(values: &[f32], ty: GgmlType) -> Vec<u8> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
     None,
+    /// convert.py's RoPE permutation with this many heads ([`permute_rows`]).
     Permute(usize),
+    /// Transposed (`ffn_down` in sparse files).
     Transpose,
+    /// Falcon's fused QKV regrouped ([`regroup_qkv`]): (n_head, n_head_kv, head_dim).
+    Regroup(usize, usize, usize),
 }
 
 struct Planned {
@@ -634,12 +668,135 @@ fn check_index(dir: &Path, listed: &[Listed]) -> Result<()> {
     Ok(())
 }
 
+/// A mapped tensor: ggml name, expected torch shape, transformation; `None` = skipped.
+type Mapped = Option<(String, Vec<usize>, Op)>;
+
 /// The ggml name of an HF tensor and its expected torch shape; `Ok(None)` = skipped.
-fn map_name(
-    name: &str,
+fn map_name(name: &str, c: &HfConfig, dense: bool) -> std::result::Result<Mapped, String> {
+    match c.arch {
+        HfArch::Llama | HfArch::Bamboo => map_llama(name, c, dense),
+        HfArch::Falcon => map_falcon(name, c, dense),
+        HfArch::Opt => map_opt(name, c, dense),
+    }
+}
+
+/// `{prefix}{layer}.{part}` split into the layer (checked against `num_hidden_layers`) and
+/// the part.
+fn layer_part<'a>(
+    name: &'a str,
+    prefix: &str,
     c: &HfConfig,
-    dense: bool,
-) -> std::result::Result<Option<(String, Vec<usize>, Op)>, String> {
+) -> std::result::Result<(usize, &'a str), String> {
+    let unexpected = || unexpected_name(c);
+    let rest = name.strip_prefix(prefix).ok_or_else(unexpected)?;
+    let (idx, part) = rest.split_once('.').ok_or_else(unexpected)?;
+    let l: usize = idx.parse().map_err(|_| unexpected())?;
+    if l >= c.n_layer {
+        return Err(format!(
+            "layer {l} is beyond num_hidden_layers {}",
+            c.n_layer
+        ));
+    }
+    Ok((l, part))
+}
+
+fn unexpected_name(c: &HfConfig) -> String {
+    format!(
+        "unexpected tensor name (not in PowerInfer's {} tensor map)",
+        c.arch.name()
+    )
+}
+
+/// gguf-py's tensor map for `falcon` (7B style `input_layernorm`, 40B style `ln_mlp` →
+/// `attn_norm` and `ln_attn` → `attn_norm_2`), the fused QKV regrouped, `dense_4h_to_h`
+/// transposed into `ffn_down_t` in sparse files.
+fn map_falcon(name: &str, c: &HfConfig, dense: bool) -> std::result::Result<Mapped, String> {
+    let (e, ff, v, kv) = (c.n_embd, c.n_ff, c.n_vocab, c.n_embd_kv());
+    let top = match name {
+        "transformer.word_embeddings.weight" => Some(("token_embd.weight", vec![v, e])),
+        "transformer.ln_f.weight" => Some(("output_norm.weight", vec![e])),
+        "transformer.ln_f.bias" => Some(("output_norm.bias", vec![e])),
+        "lm_head.weight" => Some(("output.weight", vec![v, e])),
+        _ => None,
+    };
+    if let Some((n, s)) = top {
+        return Ok(Some((n.to_string(), s, Op::None)));
+    }
+    let (l, part) = layer_part(name, "transformer.h.", c)?;
+    let (short, suffix) = part.rsplit_once('.').unwrap_or((part, ""));
+    let (short, shape, op) = match (short, suffix) {
+        ("input_layernorm" | "ln_mlp", "weight" | "bias") => ("attn_norm", vec![e], Op::None),
+        ("ln_attn", "weight" | "bias") => ("attn_norm_2", vec![e], Op::None),
+        ("self_attention.query_key_value", "weight") => (
+            "attn_qkv",
+            vec![e.saturating_add(kv.saturating_mul(2)), e],
+            Op::Regroup(c.n_head, c.n_head_kv, c.head_dim()),
+        ),
+        ("self_attention.dense", "weight") => ("attn_output", vec![e, e], Op::None),
+        ("mlp.dense_h_to_4h", "weight") => ("ffn_up", vec![ff, e], Op::None),
+        ("mlp.dense_4h_to_h", "weight") if dense => ("ffn_down", vec![e, ff], Op::None),
+        ("mlp.dense_4h_to_h", "weight") => ("ffn_down_t", vec![e, ff], Op::Transpose),
+        // A rotary buffer some checkpoints store; derived from the head size.
+        (_, "inv_freq") => return Ok(None),
+        _ => return Err(unexpected_name(c)),
+    };
+    Ok(Some((format!("blk.{l}.{short}.{suffix}"), shape, op)))
+}
+
+/// gguf-py's tensor map for `opt` (names with or without the `model.` prefix), biases
+/// included; `fc2` → `ffn_down_t` transposed in sparse files, its bias renamed
+/// `ffn_down_t.bias` too (PowerInfer renames by substring); `lm_head.weight` skipped (OPT's
+/// head is the token embedding, which PowerInfer's `opt` graph reads; its loader would refuse
+/// the extra `output.weight` PowerInfer's script writes from it).
+fn map_opt(name: &str, c: &HfConfig, dense: bool) -> std::result::Result<Mapped, String> {
+    let (e, ff, v) = (c.n_embd, c.n_ff, c.n_vocab);
+    if name == "lm_head.weight" {
+        return Ok(None);
+    }
+    let unexpected = || unexpected_name(c);
+    let rest = name
+        .strip_prefix("model.decoder.")
+        .or_else(|| name.strip_prefix("decoder."))
+        .ok_or_else(unexpected)?;
+    let top = match rest {
+        "embed_tokens.weight" => Some(("token_embd.weight", vec![v, e])),
+        "embed_positions.weight" => Some(("position_embd.weight", vec![c.n_ctx, e])),
+        "final_layer_norm.weight" => Some(("output_norm.weight", vec![e])),
+        "final_layer_norm.bias" => Some(("output_norm.bias", vec![e])),
+        _ => None,
+    };
+    if let Some((n, s)) = top {
+        return Ok(Some((n.to_string(), s, Op::None)));
+    }
+    let (l, part) = layer_part(rest, "layers.", c)?;
+    let (short, suffix) = part.rsplit_once('.').ok_or_else(unexpected)?;
+    let down = if dense { "ffn_down" } else { "ffn_down_t" };
+    let (short, shape, op) = match (short, suffix) {
+        ("self_attn_layer_norm", _) => ("attn_norm", vec![e], Op::None),
+        ("self_attn.q_proj", "weight") => ("attn_q", vec![e, e], Op::None),
+        ("self_attn.k_proj", "weight") => ("attn_k", vec![e, e], Op::None),
+        ("self_attn.v_proj", "weight") => ("attn_v", vec![e, e], Op::None),
+        ("self_attn.out_proj", "weight") => ("attn_output", vec![e, e], Op::None),
+        ("self_attn.q_proj", _) => ("attn_q", vec![e], Op::None),
+        ("self_attn.k_proj", _) => ("attn_k", vec![e], Op::None),
+        ("self_attn.v_proj", _) => ("attn_v", vec![e], Op::None),
+        ("self_attn.out_proj", _) => ("attn_output", vec![e], Op::None),
+        ("final_layer_norm", _) => ("ffn_norm", vec![e], Op::None),
+        ("fc1", "weight") => ("ffn_up", vec![ff, e], Op::None),
+        ("fc1", _) => ("ffn_up", vec![ff], Op::None),
+        ("fc2", "weight") if dense => (down, vec![e, ff], Op::None),
+        ("fc2", "weight") => (down, vec![e, ff], Op::Transpose),
+        ("fc2", _) => (down, vec![e], Op::None),
+        _ => return Err(unexpected()),
+    };
+    if suffix != "weight" && suffix != "bias" {
+        return Err(unexpected());
+    }
+    Ok(Some((format!("blk.{l}.{short}.{suffix}"), shape, op)))
+}
+
+/// convert.py's tensor map for `llama` / `bamboo`.
+fn map_llama(name: &str, c: &HfConfig, dense: bool) -> std::result::Result<Mapped, String> {
     let (e, ff, v, kv) = (c.n_embd, c.n_ff, c.n_vocab, c.n_embd_kv());
     let top = match name {
         "model.embed_tokens.weight" => Some(("token_embd.weight".to_string(), vec![v, e])),
@@ -763,7 +920,27 @@ fn read_sparse_threshold(dir: &Path) -> Result<Option<f32>> {
     }
 }
 
-fn find_vocab(dir: &Path) -> Result<(PathBuf, SpmModel)> {
+/// The vocabulary a checkpoint converts with.
+enum Vocab {
+    /// SentencePiece (`tokenizer.model`): llama, bamboo.
+    Spm(SpmModel),
+    /// Byte-level BPE (`tokenizer.json`): falcon, opt.
+    Bpe(BpeVocab),
+}
+
+impl Vocab {
+    fn len(&self) -> usize {
+        match self {
+            Vocab::Spm(m) => m.tokens.len(),
+            Vocab::Bpe(b) => b.tokens.len(),
+        }
+    }
+}
+
+fn find_vocab(dir: &Path, cfg: &HfConfig) -> Result<(PathBuf, Vocab)> {
+    if cfg.arch.hf_script() {
+        return find_bpe(dir, cfg.n_vocab).map(|(p, v)| (p, Vocab::Bpe(v)));
+    }
     let mut candidates = vec![dir.join("tokenizer.model")];
     if let Some(parent) = dir.parent() {
         candidates.push(parent.join("tokenizer.model"));
@@ -773,19 +950,50 @@ fn find_vocab(dir: &Path) -> Result<(PathBuf, SpmModel)> {
             let bytes = std::fs::read(p).map_err(io_err(p))?;
             let m = SpmModel::parse(&bytes)
                 .map_err(|e| input_err(p, format!("not a SentencePiece model: {e}")))?;
-            return Ok((p.clone(), m));
+            return Ok((p.clone(), Vocab::Spm(m)));
         }
     }
     if dir.join("tokenizer.json").is_file() {
         return Err(input_err(
             &dir.join("tokenizer.json"),
-            "only SentencePiece vocabularies (tokenizer.model) are supported; tokenizer.json (BPE) is not",
+            "a llama/bamboo model needs a SentencePiece vocabulary (tokenizer.model); tokenizer.json is not read for these",
         ));
     }
     Err(input_err(
         dir,
         "no tokenizer.model here or in the parent folder",
     ))
+}
+
+/// The byte-level BPE vocabulary of a falcon/opt model: `tokenizer.json`, with `merges.txt`
+/// when `tokenizer.json` has no merges ([`BpeVocab`]).
+fn find_bpe(dir: &Path, n_vocab: usize) -> Result<(PathBuf, BpeVocab)> {
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        return Err(input_err(
+            dir,
+            "no tokenizer.json (falcon and opt models convert with their Hugging Face byte-level BPE tokenizer.json)",
+        ));
+    }
+    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+    let mut vocab =
+        BpeVocab::from_tokenizer_json(&text, n_vocab).map_err(|m| input_err(&path, m))?;
+    if vocab.merges.is_empty() {
+        let txt = dir.join("merges.txt");
+        if txt.is_file() {
+            let text = std::fs::read_to_string(&txt).map_err(io_err(&txt))?;
+            vocab
+                .set_merges_txt(&text)
+                .map_err(|m| input_err(&txt, m))?;
+        }
+    }
+    if vocab.merges.is_empty() {
+        return Err(input_err(
+            &path,
+            "model.merges is empty and there is no merges.txt: a BPE vocabulary needs its merges",
+        ));
+    }
+    Ok((path, vocab))
 }
 
 /// GGUF special-token keys as gguf-py's `SpecialVocab` fills them: ids first from
@@ -857,7 +1065,108 @@ fn special_vocab(dir: &Path, cfg: &HfConfig, n_vocab: usize) -> Result<SpecialKe
     ))
 }
 
+/// The metadata, in the order of the PowerInfer converter of `cfg.arch` (see the module
+/// documentation).
+fn write_metadata(
+    w: &mut GgufWriter<impl std::io::Write>,
+    dir: &Path,
+    cfg: &HfConfig,
+    opts: &ConvertOptions,
+    threshold: Option<f32>,
+    vocab: &Vocab,
+) -> Result<()> {
+    let a = cfg.arch.name();
+    let u = |x: usize| Value::U32(x as u32);
+    w.add_kv("general.architecture", Value::String(a.to_string()))?;
+    w.add_kv("general.name", Value::String(model_name(dir, cfg)))?;
+    w.add_kv(format!("{a}.context_length"), u(cfg.n_ctx))?;
+    match cfg.arch {
+        HfArch::Llama | HfArch::Bamboo => {
+            w.add_kv(format!("{a}.embedding_length"), u(cfg.n_embd))?;
+            w.add_kv(format!("{a}.block_count"), u(cfg.n_layer))?;
+            w.add_kv(format!("{a}.feed_forward_length"), u(cfg.n_ff))?;
+            w.add_kv(format!("{a}.rope.dimension_count"), u(cfg.head_dim()))?;
+            w.add_kv(format!("{a}.attention.head_count"), u(cfg.n_head))?;
+            w.add_kv(format!("{a}.attention.head_count_kv"), u(cfg.n_head_kv))?;
+            w.add_kv(
+                format!("{a}.attention.layer_norm_rms_epsilon"),
+                Value::F32(cfg.rms_eps as f32),
+            )?;
+            if let Some(t) = cfg.rope_theta {
+                w.add_kv(format!("{a}.rope.freq_base"), Value::F32(t as f32))?;
+            }
+            if let Some(f) = cfg.rope_linear_factor {
+                w.add_kv(
+                    format!("{a}.rope.scaling.type"),
+                    Value::String("linear".into()),
+                )?;
+                w.add_kv(format!("{a}.rope.scaling.factor"), Value::F32(f as f32))?;
+            }
+        }
+        HfArch::Falcon => {
+            w.add_kv(
+                format!("{a}.tensor_data_layout"),
+                Value::String("jploski".into()),
+            )?;
+            w.add_kv(format!("{a}.embedding_length"), u(cfg.n_embd))?;
+            w.add_kv(format!("{a}.feed_forward_length"), u(cfg.n_ff))?;
+            w.add_kv(format!("{a}.block_count"), u(cfg.n_layer))?;
+            w.add_kv(format!("{a}.attention.head_count"), u(cfg.n_head))?;
+            w.add_kv(format!("{a}.attention.head_count_kv"), u(cfg.n_head_kv))?;
+            w.add_kv(
+                format!("{a}.attention.layer_norm_epsilon"),
+                Value::F32(cfg.rms_eps as f32),
+            )?;
+        }
+        HfArch::Opt => {
+            w.add_kv(format!("{a}.embedding_length"), u(cfg.n_embd))?;
+            w.add_kv(format!("{a}.block_count"), u(cfg.n_layer))?;
+            w.add_kv(format!("{a}.feed_forward_length"), u(cfg.n_ff))?;
+            w.add_kv(format!("{a}.attention.head_count"), u(cfg.n_head))?;
+        }
+    }
+    w.add_kv("general.file_type", Value::U32(opts.outtype.file_type()))?;
+    if let Some(t) = threshold {
+        w.add_kv("powerinfer.sparse_threshold", Value::F32(t))?;
+    }
+    if opts.dense && cfg.arch == HfArch::Llama && cfg.is_relu() {
+        w.add_kv(FFN_ACTIVATION_KEY, Value::String("relu".into()))?;
+    }
+    let strings = |v: &[String]| Value::Array(powerinfer_gguf::Array::String(v.to_vec()));
+    let ints = |v: &[i32]| Value::Array(powerinfer_gguf::Array::I32(v.to_vec()));
+    match vocab {
+        Vocab::Spm(m) => {
+            w.add_kv("tokenizer.ggml.model", Value::String("llama".into()))?;
+            w.add_kv("tokenizer.ggml.tokens", strings(&m.tokens))?;
+            w.add_kv(
+                "tokenizer.ggml.scores",
+                Value::Array(powerinfer_gguf::Array::F32(m.scores.clone())),
+            )?;
+            w.add_kv("tokenizer.ggml.token_type", ints(&m.token_types))?;
+        }
+        Vocab::Bpe(b) => {
+            w.add_kv("tokenizer.ggml.model", Value::String("gpt2".into()))?;
+            w.add_kv("tokenizer.ggml.tokens", strings(&b.tokens))?;
+            w.add_kv("tokenizer.ggml.token_type", ints(&b.token_types))?;
+            w.add_kv("tokenizer.ggml.merges", strings(&b.merges))?;
+        }
+    }
+    let (ids, adds) = special_vocab(dir, cfg, vocab.len())?;
+    for (key, id) in ids {
+        w.add_kv(key, Value::U32(id))?;
+    }
+    for (key, add) in adds {
+        w.add_kv(key, Value::Bool(add))?;
+    }
+    Ok(())
+}
+
 fn model_name(dir: &Path, c: &HfConfig) -> String {
+    match c.arch {
+        HfArch::Falcon => return "Falcon".to_string(),
+        HfArch::Opt => return "opt".to_string(),
+        HfArch::Llama | HfArch::Bamboo => {}
+    }
     if c.n_ctx == 4096 {
         return "LLaMA v2".to_string();
     }
@@ -873,17 +1182,8 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
     let cfg_path = dir.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?;
     let cfg = HfConfig::parse(&cfg_text).map_err(|m| input_err(&cfg_path, m))?;
-    check_activation(dir, &cfg, opts.dense)?;
-    let (vocab_path, vocab) = find_vocab(dir)?;
-    if vocab.tokens.len() != cfg.n_vocab {
-        return Err(input_err(
-            &vocab_path,
-            format!(
-                "vocabulary has {} pieces, config.json vocab_size is {}",
-                vocab.tokens.len(),
-                cfg.n_vocab
-            ),
-        ));
+    if !cfg.arch.hf_script() {
+        check_activation(dir, &cfg, opts.dense)?;
     }
 
     // Model tensors, in file order.
@@ -924,8 +1224,9 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
     // Every tensor the model needs, checked name by name (the first missing one is the error;
     // nothing is built per configured layer first, so a hostile num_hidden_layers fails at the
     // first layer the checkpoint lacks instead of exhausting memory).
-    let require = |r: &str| -> Result<()> {
-        if plan.iter().any(|p| p.name == r) {
+    let has = |plan: &[Planned], r: &str| plan.iter().any(|p| p.name == r);
+    let require = |plan: &[Planned], r: &str| -> Result<()> {
+        if has(plan, r) {
             Ok(())
         } else {
             Err(input_err(
@@ -934,30 +1235,120 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
             ))
         }
     };
-    require("token_embd.weight")?;
-    require("output_norm.weight")?;
-    if !cfg.tie_word_embeddings {
-        require("output.weight")?;
-    }
     let down = if opts.dense { "ffn_down" } else { "ffn_down_t" };
-    for b in 0..cfg.n_layer {
-        for t in [
-            "attn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_norm",
-            "ffn_gate",
-            "ffn_up",
-            down,
-        ] {
-            require(&format!("blk.{b}.{t}.weight"))?;
+    match cfg.arch {
+        HfArch::Llama | HfArch::Bamboo => {
+            require(&plan, "token_embd.weight")?;
+            require(&plan, "output_norm.weight")?;
+            if !cfg.tie_word_embeddings {
+                require(&plan, "output.weight")?;
+            }
+            for b in 0..cfg.n_layer {
+                for t in [
+                    "attn_norm",
+                    "attn_q",
+                    "attn_k",
+                    "attn_v",
+                    "attn_output",
+                    "ffn_norm",
+                    "ffn_gate",
+                    "ffn_up",
+                    down,
+                ] {
+                    require(&plan, &format!("blk.{b}.{t}.weight"))?;
+                }
+            }
         }
+        HfArch::Falcon => {
+            for t in [
+                "token_embd.weight",
+                "output_norm.weight",
+                "output_norm.bias",
+            ] {
+                require(&plan, t)?;
+            }
+            // 40B style (ln_attn) in one layer means in every layer.
+            let norm_2 = plan.iter().any(|p| p.name.ends_with(".attn_norm_2.weight"));
+            for b in 0..cfg.n_layer {
+                let mut names = vec![
+                    format!("blk.{b}.attn_norm.weight"),
+                    format!("blk.{b}.attn_norm.bias"),
+                ];
+                if norm_2 {
+                    names.push(format!("blk.{b}.attn_norm_2.weight"));
+                    names.push(format!("blk.{b}.attn_norm_2.bias"));
+                }
+                for t in ["attn_qkv", "attn_output", "ffn_up", down] {
+                    names.push(format!("blk.{b}.{t}.weight"));
+                }
+                for n in names {
+                    require(&plan, &n)?;
+                }
+            }
+            if !cfg.tie_word_embeddings {
+                require(&plan, "output.weight")?;
+            }
+            if !has(&plan, "output.weight") {
+                // A tied head (no lm_head.weight): PowerInfer's falcon loader requires
+                // output.weight, so the token embedding is written again under that name.
+                let embd = plan
+                    .iter()
+                    .find(|p| p.name == "token_embd.weight")
+                    .map(|p| p.listed.clone())
+                    .expect("required above");
+                plan.push(Planned {
+                    name: "output.weight".into(),
+                    listed: embd,
+                    op: Op::None,
+                    ne: Vec::new(),
+                    ty: GgmlType::F32,
+                });
+            }
+        }
+        HfArch::Opt => {
+            for t in [
+                "token_embd.weight",
+                "position_embd.weight",
+                "output_norm.weight",
+                "output_norm.bias",
+            ] {
+                require(&plan, t)?;
+            }
+            for b in 0..cfg.n_layer {
+                for t in [
+                    "attn_norm",
+                    "attn_q",
+                    "attn_k",
+                    "attn_v",
+                    "attn_output",
+                    "ffn_norm",
+                    "ffn_up",
+                    down,
+                ] {
+                    for s in ["weight", "bias"] {
+                        require(&plan, &format!("blk.{b}.{t}.{s}"))?;
+                    }
+                }
+            }
+        }
+    }
+
+    // The vocabulary, once the token embedding has shown that vocab_size is real.
+    let (vocab_path, vocab) = find_vocab(dir, &cfg)?;
+    if vocab.len() != cfg.n_vocab {
+        return Err(input_err(
+            &vocab_path,
+            format!(
+                "vocabulary has {} pieces, config.json vocab_size is {}",
+                vocab.len(),
+                cfg.n_vocab
+            ),
+        ));
     }
 
     // Predictors.
     let mut threshold = None;
+    let mut preds: Vec<Planned> = Vec::new();
     match (&opts.predictor_dir, opts.dense) {
         (Some(pdir), false) => {
             threshold = read_sparse_threshold(pdir)?;
@@ -1025,7 +1416,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
                             "fc1 and fc2 disagree on the predictor rank",
                         ));
                     }
-                    plan.push(Planned {
+                    preds.push(Planned {
                         name: format!("blk.{layer}.{}", e.name),
                         listed: e,
                         op: Op::None,
@@ -1049,6 +1440,15 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
         }
         (None, true) => {}
     }
+    if cfg.arch.hf_script() {
+        // PowerInfer's HF script: every predictor first, each as its rebuilt module's state
+        // dict (fc1, then fc2), then the model.
+        preds.sort_by_key(|p| (predictor_layer(&p.name), p.name.ends_with("fc2.weight")));
+        preds.append(&mut plan);
+        plan = preds;
+    } else {
+        plan.append(&mut preds);
+    }
 
     // Output shapes and types.
     for p in &mut plan {
@@ -1067,7 +1467,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
             if p.name == "output.weight" {
                 // PowerInfer's quantize: the output head Q6_K (Q8_0 for Falcon or rows that
                 // are not whole 256-value blocks).
-                p.ty = if cfg.model_type == "falcon" || ne[0] % 256 != 0 {
+                p.ty = if cfg.arch == HfArch::Falcon || ne[0] % 256 != 0 {
                     GgmlType::Q8_0
                 } else {
                     GgmlType::Q6_K
@@ -1093,65 +1493,14 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
     }
 
     // Write.
-    let arch = cfg.model_type.clone();
+    let arch = cfg.arch.name().to_string();
     let kind = if opts.dense {
         FileKind::Gguf
     } else {
         FileKind::PowerInfer
     };
     let mut w = GgufWriter::create(&opts.out, kind)?;
-    let a = &arch;
-    w.add_kv("general.architecture", Value::String(arch.clone()))?;
-    w.add_kv("general.name", Value::String(model_name(dir, &cfg)))?;
-    let u = |x: usize| Value::U32(x as u32);
-    w.add_kv(format!("{a}.context_length"), u(cfg.n_ctx))?;
-    w.add_kv(format!("{a}.embedding_length"), u(cfg.n_embd))?;
-    w.add_kv(format!("{a}.block_count"), u(cfg.n_layer))?;
-    w.add_kv(format!("{a}.feed_forward_length"), u(cfg.n_ff))?;
-    w.add_kv(format!("{a}.rope.dimension_count"), u(cfg.head_dim()))?;
-    w.add_kv(format!("{a}.attention.head_count"), u(cfg.n_head))?;
-    w.add_kv(format!("{a}.attention.head_count_kv"), u(cfg.n_head_kv))?;
-    w.add_kv(
-        format!("{a}.attention.layer_norm_rms_epsilon"),
-        Value::F32(cfg.rms_eps as f32),
-    )?;
-    if let Some(t) = cfg.rope_theta {
-        w.add_kv(format!("{a}.rope.freq_base"), Value::F32(t as f32))?;
-    }
-    if let Some(f) = cfg.rope_linear_factor {
-        w.add_kv(
-            format!("{a}.rope.scaling.type"),
-            Value::String("linear".into()),
-        )?;
-        w.add_kv(format!("{a}.rope.scaling.factor"), Value::F32(f as f32))?;
-    }
-    w.add_kv("general.file_type", Value::U32(opts.outtype.file_type()))?;
-    if let Some(t) = threshold {
-        w.add_kv("powerinfer.sparse_threshold", Value::F32(t))?;
-    }
-    if opts.dense && cfg.model_type == "llama" && cfg.is_relu() {
-        w.add_kv(FFN_ACTIVATION_KEY, Value::String("relu".into()))?;
-    }
-    w.add_kv("tokenizer.ggml.model", Value::String("llama".into()))?;
-    w.add_kv(
-        "tokenizer.ggml.tokens",
-        Value::Array(powerinfer_gguf::Array::String(vocab.tokens.clone())),
-    )?;
-    w.add_kv(
-        "tokenizer.ggml.scores",
-        Value::Array(powerinfer_gguf::Array::F32(vocab.scores.clone())),
-    )?;
-    w.add_kv(
-        "tokenizer.ggml.token_type",
-        Value::Array(powerinfer_gguf::Array::I32(vocab.token_types.clone())),
-    )?;
-    let (ids, adds) = special_vocab(dir, &cfg, vocab.tokens.len())?;
-    for (key, id) in ids {
-        w.add_kv(key, Value::U32(id))?;
-    }
-    for (key, add) in adds {
-        w.add_kv(key, Value::Bool(add))?;
-    }
+    write_metadata(&mut w, dir, &cfg, opts, threshold, &vocab)?;
     let mut total = 0u64;
     for p in &plan {
         w.add_tensor(&p.name, &p.ne, p.ty)?;
@@ -1190,6 +1539,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
                     Op::None => raw,
                     Op::Permute(h) => permute_rows_raw(&raw, rows, cols * es, h),
                     Op::Transpose => transpose_raw(&raw, rows, cols, es),
+                    Op::Regroup(h, kv, hd) => regroup_qkv(&raw, cols * es, h, kv, hd),
                 }
             }
             _ => {
@@ -1204,6 +1554,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
                     Op::None => values,
                     Op::Permute(h) => permute_rows(&values, rows, cols, h),
                     Op::Transpose => transpose(&values, rows, cols),
+                    Op::Regroup(h, kv, hd) => regroup_qkv(&values, cols, h, kv, hd),
                 };
                 encode(&values, p.ty)
             }
@@ -1219,7 +1570,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
         arch,
         n_layer: cfg.n_layer,
         n_tensors: plan.len(),
-        n_vocab: vocab.tokens.len(),
+        n_vocab: vocab.len(),
         file_bytes,
         kind,
     })
