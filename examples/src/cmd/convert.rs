@@ -1,8 +1,10 @@
 //! `powerinfer convert HF_MODEL_DIR [PREDICTOR_DIR] --out FILE [--outtype f32|f16|q8_0|q4_0]
 //! [--dense]`:
-//! a Hugging Face LLaMA or Bamboo checkpoint (safetensors, `tokenizer.model`) plus a predictor
-//! folder (`model_N.pt` / `model_N.safetensors`) into the PowerInfer file PowerInfer's
-//! `convert.py` writes; `--dense` writes the plain GGUF file of `convert-dense.py` instead. See
+//! a Hugging Face checkpoint (safetensors) plus a predictor folder (`model_N.pt` /
+//! `model_N.safetensors`) into the PowerInfer file PowerInfer's converters write: LLaMA or
+//! Bamboo with `tokenizer.model` (as `convert.py`), ReluFalcon (Falcon-7B or -40B layout) or OPT
+//! with a byte-level BPE `tokenizer.json` (as `convert-hf-to-powerinfer-gguf.py`); `--dense`
+//! writes a plain GGUF file (`ffn_down` kept, no predictor) instead. See
 //! `powerinfer_engine::convert` for exactly what is written. A PowerInfer file's predictors are
 //! then checked in their stored type on held-out tokens (`predictor_check`); a layer outside the
 //! margin is rewritten in F32 with a warning, and `--predictor-type auto` stores each layer in
@@ -20,7 +22,8 @@ use super::progress;
 /// Arguments of `powerinfer convert`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Hugging Face model folder (config.json, model*.safetensors, tokenizer.model).
+    /// Hugging Face model folder (config.json, model*.safetensors, and tokenizer.model for
+    /// LLaMA/Bamboo or tokenizer.json for Falcon/OPT).
     pub model_dir: PathBuf,
     /// Predictor folder (model_N.pt or model_N.safetensors, optional config.json with
     /// sparse_threshold); required unless --dense.

@@ -1,8 +1,11 @@
-//! `powerinfer convert`: a Hugging Face LLaMA or Bamboo checkpoint plus a predictor folder into
-//! the PowerInfer file PowerInfer's `convert.py` writes (or, with `dense`, the plain GGUF file
-//! `convert-dense.py` writes).
+//! `powerinfer convert`: a Hugging Face checkpoint plus a predictor folder into the PowerInfer
+//! file PowerInfer's converters write (or, with `dense`, a plain GGUF file with `ffn_down`
+//! kept and no predictor, as `convert-dense.py` writes for LLaMA). Families ([`HfArch`]):
+//! LLaMA and Bamboo (`model_type` `llama` / `bamboo`) as PowerInfer's `convert.py` converts
+//! them; ReluFalcon (`FalconForCausalLM`, `RWForCausalLM`; Falcon-7B and Falcon-40B layouts)
+//! and OPT (`OPTForCausalLM`) as its `convert-hf-to-powerinfer-gguf.py` does.
 //!
-//! # What is written (as convert.py does it)
+//! # LLaMA and Bamboo (as convert.py does it)
 //!
 //! - **Metadata**, in this order: `general.architecture` (`llama`, or `bamboo` when
 //!   `model_type` is `bamboo`), `general.name` (`LLaMA v2` when the context is 4096, else the
@@ -20,12 +23,53 @@
 //!   for ggml's RoPE ([`permute_rows`]); `self_attn.rotary_emb.inv_freq` skipped; in sparse
 //!   files `mlp.down_proj` becomes `blk.N.ffn_down_t.weight`, transposed, and `model_N.pt`'s
 //!   `fc1.weight` / `fc2.weight` become `blk.N.fc1.weight` / `blk.N.fc2.weight`.
-//! - **Types**: 1-D tensors F32; 2-D tensors F32, F16, Q8_0 or Q4_0 (`outtype`); Q4_0 is what
-//!   PowerInfer's `quantize` makes of convert.py's F16 file (values rounded to F16, ggml's
-//!   reference quantizer, the output head Q6_K, rows that are not whole blocks F16); a layer's
-//!   predictor may get its own type ([`ConvertOptions::predictor_layers`]). Q8_0 is convert.py's
-//!   own numpy quantizer ([`quantize_q8_0_convert_py`]), which divides by the scale and rounds
-//!   half to even (ggml's reference multiplies by the inverse and rounds half away from zero).
+//!
+//! # Falcon and OPT (as convert-hf-to-powerinfer-gguf.py does it)
+//!
+//! - **Metadata**, in this order: `general.architecture`, `general.name` (`Falcon` / `opt`),
+//!   `{arch}.context_length` (falcon 2048; opt `max_position_embeddings + 2`, the rows of its
+//!   position table, which is the 2050 the script hard-codes for every released OPT), then for
+//!   falcon `.tensor_data_layout` = `jploski`, `.embedding_length`, `.feed_forward_length`
+//!   (4 · hidden), `.block_count`, `.attention.head_count`, `.attention.head_count_kv`,
+//!   `.attention.layer_norm_epsilon`; for opt `.embedding_length`, `.block_count`,
+//!   `.feed_forward_length` (`ffn_dim`), `.attention.head_count`. Then `general.file_type`,
+//!   `powerinfer.sparse_threshold` and the byte-level BPE vocabulary of `tokenizer.json`
+//!   ([`BpeVocab`]: `tokenizer.ggml.model` = `gpt2`, `.tokens`, `.token_type`, `.merges`), then
+//!   the special ids and `add_*_token` flags as above.
+//! - **Tensors**: first the predictor tensors layer by layer (`fc1`, then `fc2`), then the
+//!   model tensors in the order of the safetensors headers, named by gguf-py's tensor map:
+//!   Falcon `word_embeddings` → `token_embd`, `input_layernorm` (7B) or `ln_mlp` (40B) →
+//!   `attn_norm`, `ln_attn` (40B) → `attn_norm_2`, `self_attention.query_key_value` →
+//!   `attn_qkv` regrouped into the `jploski` layout ([`regroup_qkv`]), `self_attention.dense` →
+//!   `attn_output`, `mlp.dense_h_to_4h` → `ffn_up`, `mlp.dense_4h_to_h` → `ffn_down_t`
+//!   (transposed; `ffn_down` as is in dense files), `ln_f` → `output_norm`, `lm_head` →
+//!   `output`; OPT (`model.decoder.` or `decoder.` names) `embed_tokens`, `embed_positions` →
+//!   `position_embd`, per layer `self_attn_layer_norm` → `attn_norm`, `q/k/v/out_proj` →
+//!   `attn_q/k/v/output`, `final_layer_norm` → `ffn_norm`, `fc1` → `ffn_up`, `fc2` →
+//!   `ffn_down_t` (weight transposed, bias renamed as is), all with their biases, the final
+//!   `final_layer_norm` → `output_norm`.
+//! - Where this converter differs from the script on purpose: `RWForCausalLM` is written as
+//!   `falcon` (the script names it `llama`, and a falcon tensor set under that name does not
+//!   load); a Falcon checkpoint without `lm_head.weight` (tied head) gets the token embedding
+//!   again as `output.weight` (PowerInfer's falcon loader requires one; the script writes
+//!   none); OPT's `lm_head.weight` is not written (the head is the token embedding; PowerInfer's
+//!   loader would refuse the extra tensor); `model.decoder.` names are accepted besides the
+//!   `decoder.` ones the script's map knows; merges stored as `[left, right]` pairs are joined
+//!   (the script's gguf-py only reads string merges); special ids at or above `vocab_size` are
+//!   dropped (the script passes no vocabulary size and keeps them). Configurations PowerInfer's
+//!   graphs cannot run (ALiBi or sequential Falcon, Falcon or OPT without ReLU, post-norm or
+//!   projected-embedding OPT, ...) are refused rather than converted.
+//!
+//! # Common to all
+//!
+//! - **Types**: 1-D tensors F32; 2-D tensors F32, F16, Q8_0 or Q4_0 (`outtype`; the HF script
+//!   itself knows only f32 and f16); Q4_0 is what PowerInfer's `quantize` makes of the F16
+//!   file (values rounded to F16, ggml's reference quantizer, the output head Q6_K — Q8_0 for
+//!   falcon or rows that are not whole 256-value blocks —, rows that are not whole blocks F16);
+//!   a layer's predictor may get its own type ([`ConvertOptions::predictor_layers`]). Q8_0 is
+//!   convert.py's own numpy quantizer ([`quantize_q8_0_convert_py`]), which divides by the
+//!   scale and rounds half to even (ggml's reference multiplies by the inverse and rounds half
+//!   away from zero).
 //! - **Magic** `PWRI` (sparse) or `GGUF` (dense).
 //!
 //! Input is read one tensor at a time (positioned reads of the safetensors shards), so memory
@@ -160,7 +204,8 @@ impl OutType {
 /// What to convert and where to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConvertOptions {
-    /// The Hugging Face model folder (`config.json`, safetensors shards, `tokenizer.model`).
+    /// The Hugging Face model folder (`config.json`, safetensors shards, `tokenizer.model` for
+    /// llama/bamboo or `tokenizer.json` for falcon/opt).
     pub model_dir: PathBuf,
     /// The predictor folder (`model_N.pt` or `model_N.safetensors`, optional `config.json`);
     /// required unless `dense`.
