@@ -109,7 +109,19 @@ fn calibration_starts_the_split_from_measured_speeds() {
     assert!(c.ratio() < 1.0, "{c:?}");
     assert!(c.device.per_row_us > 0.0 && c.cpu.per_row_us > 0.0);
     let t = r.total();
-    assert!(t.enabled < t.held, "{t:?}");
+    // The split follows the measured costs: with the CPU's fixed cost per call below a few
+    // device rows (what an idle machine measures), the CPU takes part of the held neurons. A
+    // machine busy with other work can measure a CPU call at hundreds of µs (the pool's
+    // threads descheduled), and then the device rightly keeps everything.
+    if c.cpu.fixed_us < c.device.fixed_us + 8.0 * c.device.per_row_us {
+        assert!(t.enabled < t.held, "{t:?}");
+    } else {
+        eprintln!(
+            "CPU fixed cost {:.0} µs: the machine was busy; split check skipped",
+            c.cpu.fixed_us
+        );
+        assert!(t.enabled <= t.held, "{t:?}");
+    }
     assert_eq!(t.evals, 0);
     // The second load reads the cache.
     let again = Engine::load(&m.path, o).unwrap();
