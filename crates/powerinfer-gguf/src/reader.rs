@@ -407,34 +407,12 @@ impl<B: AsRef<[u8]>> GgufFile<B> {
     }
 }
 
-/// A `#[repr(C)]` block struct that is the storage unit of one [`GgmlType`].
+/// A `#[repr(C)]` block struct that is the storage unit of one [`GgmlType`]: every struct in
+/// [`crate::quants::blocks`].
 pub trait GgmlBlock: Pod {
     /// The type whose blocks this struct holds.
     const TYPE: GgmlType;
 }
-
-macro_rules! blocks {
-    ($($block:ident => $ty:ident),* $(,)?) => {
-        $(impl GgmlBlock for crate::quants::blocks::$block {
-            const TYPE: GgmlType = GgmlType::$ty;
-        })*
-    };
-}
-
-blocks!(
-    BlockQ4_0 => Q4_0,
-    BlockQ4_1 => Q4_1,
-    BlockQ5_0 => Q5_0,
-    BlockQ5_1 => Q5_1,
-    BlockQ8_0 => Q8_0,
-    BlockQ8_1 => Q8_1,
-    BlockQ2K => Q2_K,
-    BlockQ3K => Q3_K,
-    BlockQ4K => Q4_K,
-    BlockQ5K => Q5_K,
-    BlockQ6K => Q6_K,
-    BlockQ8K => Q8_K,
-);
 
 /// A bounds-checked little-endian cursor over the file bytes.
 struct Cursor<'a> {

@@ -126,7 +126,7 @@ impl GgmlType {
     }
 
     /// Elements per block (1 for plain types).
-    pub fn block_size(self) -> usize {
+    pub const fn block_size(self) -> usize {
         use GgmlType::*;
         match self {
             F32 | F16 | BF16 | F64 | I8 | I16 | I32 | I64 => 1,

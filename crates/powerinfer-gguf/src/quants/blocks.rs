@@ -2,9 +2,10 @@
 //!
 //! Each struct has exactly the byte layout of the ggml block of the same name, so a tensor's
 //! bytes can be viewed as a slice of blocks with `bytemuck::try_cast_slice` (they need the
-//! alignment of their widest field: 2 bytes, or 4 for [`BlockQ8K`]). Sizes are checked at
-//! compile time against [`GgmlType::type_size`](crate::GgmlType::type_size).
+//! alignment of their widest field: 2 bytes, or 4 for [`BlockQ8K`]). Each implements
+//! [`GgmlBlock`], whose type's [`GgmlType::type_size`] its size is checked against at compile time.
 
+use crate::{GgmlBlock, GgmlType};
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
@@ -171,15 +172,20 @@ pub struct BlockQ8K {
     pub bsums: [i16; QK_K / 16],
 }
 
-macro_rules! check_size {
+/// Binds each block struct to its type ([`GgmlBlock`]) and checks its size against
+/// [`GgmlType::type_size`](crate::GgmlType::type_size) at compile time.
+macro_rules! block_types {
     ($($block:ty => $ty:ident),* $(,)?) => {
-        $(const _: () = assert!(
-            std::mem::size_of::<$block>() == crate::GgmlType::$ty.type_size_const()
-        );)*
+        $(
+            impl GgmlBlock for $block {
+                const TYPE: GgmlType = GgmlType::$ty;
+            }
+            const _: () = assert!(std::mem::size_of::<$block>() == GgmlType::$ty.type_size_const());
+        )*
     };
 }
 
-check_size!(
+block_types!(
     BlockQ4_0 => Q4_0,
     BlockQ4_1 => Q4_1,
     BlockQ5_0 => Q5_0,

@@ -6,106 +6,80 @@
 
 use super::blocks::*;
 use super::{dequantize_blocks, f16_bits_to_f32, QuantBlock, QuantError};
-use crate::GgmlType;
+use half::f16;
+
+/// The 32 values of a 32-wide block from their quants: value j from the low nibble of `qs[j]`,
+/// value j + 16 from its high nibble, each with bit j (j + 16) of `qh` as fifth bit (Q5_0,
+/// Q5_1; 0 for Q4_0, Q4_1), through `value`.
+#[inline(always)]
+fn nibble_block(qs: &[u8; QK / 2], qh: u32, value: impl Fn(u8) -> f32, out: &mut [f32]) {
+    let (lo, hi) = out[..QK].split_at_mut(QK / 2);
+    for (j, ((l, h), &b)) in lo.iter_mut().zip(hi.iter_mut()).zip(qs).enumerate() {
+        *l = value((b & 0x0f) | ((((qh >> j) & 1) as u8) << 4));
+        *h = value((b >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4));
+    }
+}
 
 impl QuantBlock for BlockQ4_0 {
-    const TYPE: GgmlType = GgmlType::Q4_0;
-    const BLOCK: usize = QK;
-
     #[inline(always)]
     fn dequantize(&self, out: &mut [f32]) {
-        let (lo, hi) = out[..QK].split_at_mut(QK / 2);
         let d = f16_bits_to_f32(self.d.to_bits());
-        for ((l, h), &b) in lo.iter_mut().zip(hi.iter_mut()).zip(&self.qs) {
-            *l = d * (i32::from(b & 0x0f) - 8) as f32;
-            *h = d * (i32::from(b >> 4) - 8) as f32;
-        }
+        nibble_block(&self.qs, 0, |q| d * (i32::from(q) - 8) as f32, out);
     }
 }
 
 impl QuantBlock for BlockQ4_1 {
-    const TYPE: GgmlType = GgmlType::Q4_1;
-    const BLOCK: usize = QK;
-
     #[inline(always)]
     fn dequantize(&self, out: &mut [f32]) {
-        let (lo, hi) = out[..QK].split_at_mut(QK / 2);
         let d = f16_bits_to_f32(self.d.to_bits());
         let m = f16_bits_to_f32(self.m.to_bits());
-        for ((l, h), &b) in lo.iter_mut().zip(hi.iter_mut()).zip(&self.qs) {
-            *l = d * f32::from(b & 0x0f) + m;
-            *h = d * f32::from(b >> 4) + m;
-        }
+        nibble_block(&self.qs, 0, |q| d * f32::from(q) + m, out);
     }
 }
 
 impl QuantBlock for BlockQ5_0 {
-    const TYPE: GgmlType = GgmlType::Q5_0;
-    const BLOCK: usize = QK;
-
     #[inline(always)]
     fn dequantize(&self, out: &mut [f32]) {
-        let (lo, hi) = out[..QK].split_at_mut(QK / 2);
         let d = f16_bits_to_f32(self.d.to_bits());
         let qh = u32::from_le_bytes(self.qh);
-        for (j, ((l, h), &b)) in lo.iter_mut().zip(hi.iter_mut()).zip(&self.qs).enumerate() {
-            let ql = i32::from(b & 0x0f) | ((((qh >> j) & 1) as i32) << 4);
-            let qh_ = i32::from(b >> 4) | ((((qh >> (j + 16)) & 1) as i32) << 4);
-            *l = d * (ql - 16) as f32;
-            *h = d * (qh_ - 16) as f32;
-        }
+        nibble_block(&self.qs, qh, |q| d * (i32::from(q) - 16) as f32, out);
     }
 }
 
 impl QuantBlock for BlockQ5_1 {
-    const TYPE: GgmlType = GgmlType::Q5_1;
-    const BLOCK: usize = QK;
-
     #[inline(always)]
     fn dequantize(&self, out: &mut [f32]) {
-        let (lo, hi) = out[..QK].split_at_mut(QK / 2);
         let d = f16_bits_to_f32(self.d.to_bits());
         let m = f16_bits_to_f32(self.m.to_bits());
         let qh = u32::from_le_bytes(self.qh);
-        for (j, ((l, h), &b)) in lo.iter_mut().zip(hi.iter_mut()).zip(&self.qs).enumerate() {
-            let ql = u32::from(b & 0x0f) | (((qh >> j) & 1) << 4);
-            let qh_ = u32::from(b >> 4) | (((qh >> (j + 16)) & 1) << 4);
-            *l = d * ql as f32 + m;
-            *h = d * qh_ as f32 + m;
-        }
+        nibble_block(&self.qs, qh, |q| d * f32::from(q) + m, out);
+    }
+}
+
+/// `d * q` for the values of a Q8_0 or Q8_1 block.
+#[inline(always)]
+fn scaled_i8(d: f16, qs: &[i8; QK], out: &mut [f32]) {
+    let d = f16_bits_to_f32(d.to_bits());
+    for (o, &q) in out[..QK].iter_mut().zip(qs) {
+        *o = f32::from(q) * d;
     }
 }
 
 impl QuantBlock for BlockQ8_0 {
-    const TYPE: GgmlType = GgmlType::Q8_0;
-    const BLOCK: usize = QK;
-
     #[inline(always)]
     fn dequantize(&self, out: &mut [f32]) {
-        let d = f16_bits_to_f32(self.d.to_bits());
-        for (o, &q) in out[..QK].iter_mut().zip(&self.qs) {
-            *o = f32::from(q) * d;
-        }
+        scaled_i8(self.d, &self.qs, out);
     }
 }
 
 impl QuantBlock for BlockQ8_1 {
-    const TYPE: GgmlType = GgmlType::Q8_1;
-    const BLOCK: usize = QK;
-
     #[inline(always)]
     fn dequantize(&self, out: &mut [f32]) {
-        let d = f16_bits_to_f32(self.d.to_bits());
-        for (o, &q) in out[..QK].iter_mut().zip(&self.qs) {
-            *o = f32::from(q) * d;
-        }
+        scaled_i8(self.d, &self.qs, out);
     }
 }
 
 impl QuantBlock for BlockQ2K {
-    const TYPE: GgmlType = GgmlType::Q2_K;
-    const BLOCK: usize = QK_K;
-
     #[inline]
     fn dequantize(&self, out: &mut [f32]) {
         let d = f16_bits_to_f32(self.d.to_bits());
@@ -152,9 +126,6 @@ pub(crate) fn q3k_scales(s: &[u8; 12]) -> [u8; 16] {
 }
 
 impl QuantBlock for BlockQ3K {
-    const TYPE: GgmlType = GgmlType::Q3_K;
-    const BLOCK: usize = QK_K;
-
     #[inline]
     fn dequantize(&self, out: &mut [f32]) {
         let d = f16_bits_to_f32(self.d.to_bits());
@@ -216,9 +187,6 @@ pub(crate) fn k4_scales_mins(s: &[u8; K_SCALE_SIZE]) -> ([u8; 8], [u8; 8]) {
 }
 
 impl QuantBlock for BlockQ4K {
-    const TYPE: GgmlType = GgmlType::Q4_K;
-    const BLOCK: usize = QK_K;
-
     #[inline]
     fn dequantize(&self, out: &mut [f32]) {
         let d = f16_bits_to_f32(self.d.to_bits());
@@ -244,9 +212,6 @@ impl QuantBlock for BlockQ4K {
 }
 
 impl QuantBlock for BlockQ5K {
-    const TYPE: GgmlType = GgmlType::Q5_K;
-    const BLOCK: usize = QK_K;
-
     #[inline]
     fn dequantize(&self, out: &mut [f32]) {
         let d = f16_bits_to_f32(self.d.to_bits());
@@ -284,9 +249,6 @@ fn q5k_pair<const BIT: u32>(qs: &[u8], qh: &[u8], sub: [(f32, f32); 2], out: &mu
 }
 
 impl QuantBlock for BlockQ6K {
-    const TYPE: GgmlType = GgmlType::Q6_K;
-    const BLOCK: usize = QK_K;
-
     #[inline]
     fn dequantize(&self, out: &mut [f32]) {
         let d = f16_bits_to_f32(self.d.to_bits());
@@ -326,9 +288,6 @@ fn q6k_group<const S: usize>(ql: &[u8], qh: &[u8], dl: [f32; 2], out: &mut [f32]
 }
 
 impl QuantBlock for BlockQ8K {
-    const TYPE: GgmlType = GgmlType::Q8_K;
-    const BLOCK: usize = QK_K;
-
     #[inline(always)]
     fn dequantize(&self, out: &mut [f32]) {
         let d = self.d;

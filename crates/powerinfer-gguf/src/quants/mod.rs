@@ -40,8 +40,7 @@ pub use float::*;
 pub use kquants::*;
 pub use quantize::*;
 
-use crate::GgmlType;
-use bytemuck::Pod;
+use crate::{GgmlBlock, GgmlType};
 
 #[cfg(target_endian = "big")]
 compile_error!(
@@ -94,13 +93,11 @@ pub enum QuantError {
 
 /// One ggml quantization block: a fixed number of values stored in a fixed number of bytes.
 ///
-/// Implemented by every block struct in [`blocks`]. `size_of::<Self>()` is the type's
-/// [`GgmlType::type_size`].
-pub trait QuantBlock: Pod + Send + Sync + 'static {
-    /// The ggml type whose blocks these are.
-    const TYPE: GgmlType;
-    /// Values per block.
-    const BLOCK: usize;
+/// Implemented by every block struct in [`blocks`]; its type is [`GgmlBlock::TYPE`], and
+/// `size_of::<Self>()` is that type's [`GgmlType::type_size`].
+pub trait QuantBlock: GgmlBlock + Send + Sync + 'static {
+    /// Values per block: the type's [`GgmlType::block_size`].
+    const BLOCK: usize = Self::TYPE.block_size();
 
     /// Writes this block's [`BLOCK`](Self::BLOCK) values to `out[..BLOCK]`.
     ///
