@@ -127,17 +127,52 @@ fn inverse(d: f32) -> f32 {
     }
 }
 
+/// Packs the quants `q(v)` of the 32 values of a 32-wide block: the low 4 bits of values j and
+/// j + 16 in the low and high nibble of byte j, their fifth bits in bits j and j + 16 of the
+/// returned u32 (Q5_0, Q5_1; always 0 for Q4_0, Q4_1, whose quants fit in 4 bits).
+#[inline(always)]
+fn pack_nibbles(x: &[f32], q: impl Fn(f32) -> u8) -> ([u8; QK / 2], u32) {
+    let mut qs = [0u8; QK / 2];
+    let mut qh = 0u32;
+    for (j, ((b, &v0), &v1)) in qs
+        .iter_mut()
+        .zip(&x[..QK / 2])
+        .zip(&x[QK / 2..QK])
+        .enumerate()
+    {
+        let (q0, q1) = (q(v0), q(v1));
+        *b = (q0 & 0x0f) | (q1 << 4);
+        qh |= u32::from(q0 >> 4) << j;
+        qh |= u32::from(q1 >> 4) << (j + QK / 2);
+    }
+    (qs, qh)
+}
+
+/// Q4_0 and Q5_0: scale `d = signed_absmax / -half` and the packed quants of
+/// `min(trunc(v / d + half + 0.5), 2 * half - 1)` ([`pack_nibbles`]).
+#[inline(always)]
+fn quantize_offset(x: &[f32], half: u8) -> (f32, [u8; QK / 2], u32) {
+    let d = signed_absmax(&x[..QK]) / -f32::from(half);
+    let id = inverse(d);
+    let bias = f32::from(half) + 0.5;
+    let (qs, qh) = pack_nibbles(x, |v| (trunc_i32(v * id + bias) as u8).min(2 * half - 1));
+    (d, qs, qh)
+}
+
+/// Q4_1 and Q5_1: scale `d = (max - min) / nmax`, minimum `min` and the packed quants of
+/// `min(trunc((v - min) / d + 0.5), nmax)` ([`pack_nibbles`]).
+#[inline(always)]
+fn quantize_min(x: &[f32], nmax: u8) -> (f32, f32, [u8; QK / 2], u32) {
+    let (min, max) = min_max(&x[..QK]);
+    let d = (max - min) / f32::from(nmax);
+    let id = inverse(d);
+    let (qs, qh) = pack_nibbles(x, |v| (trunc_i32((v - min) * id + 0.5) as u8).min(nmax));
+    (d, min, qs, qh)
+}
+
 impl QuantizeBlock for BlockQ4_0 {
     fn quantize(x: &[f32]) -> Self {
-        let x = &x[..QK];
-        let d = signed_absmax(x) / -8.0;
-        let id = inverse(d);
-        let mut qs = [0u8; QK / 2];
-        for ((q, &a), &b) in qs.iter_mut().zip(&x[..QK / 2]).zip(&x[QK / 2..]) {
-            let q0 = (trunc_i32(a * id + 8.5) as u8).min(15);
-            let q1 = (trunc_i32(b * id + 8.5) as u8).min(15);
-            *q = q0 | (q1 << 4);
-        }
+        let (d, qs, _) = quantize_offset(x, 8);
         BlockQ4_0 {
             d: f16_from_f32(d),
             qs,
@@ -147,16 +182,7 @@ impl QuantizeBlock for BlockQ4_0 {
 
 impl QuantizeBlock for BlockQ4_1 {
     fn quantize(x: &[f32]) -> Self {
-        let x = &x[..QK];
-        let (min, max) = min_max(x);
-        let d = (max - min) / 15.0;
-        let id = inverse(d);
-        let mut qs = [0u8; QK / 2];
-        for ((q, &a), &b) in qs.iter_mut().zip(&x[..QK / 2]).zip(&x[QK / 2..]) {
-            let q0 = (trunc_i32((a - min) * id + 0.5) as u8).min(15);
-            let q1 = (trunc_i32((b - min) * id + 0.5) as u8).min(15);
-            *q = q0 | (q1 << 4);
-        }
+        let (d, min, qs, _) = quantize_min(x, 15);
         BlockQ4_1 {
             d: f16_from_f32(d),
             m: f16_from_f32(min),
@@ -167,23 +193,7 @@ impl QuantizeBlock for BlockQ4_1 {
 
 impl QuantizeBlock for BlockQ5_0 {
     fn quantize(x: &[f32]) -> Self {
-        let x = &x[..QK];
-        let d = signed_absmax(x) / -16.0;
-        let id = inverse(d);
-        let mut qs = [0u8; QK / 2];
-        let mut qh = 0u32;
-        for (j, ((q, &a), &b)) in qs
-            .iter_mut()
-            .zip(&x[..QK / 2])
-            .zip(&x[QK / 2..])
-            .enumerate()
-        {
-            let q0 = (trunc_i32(a * id + 16.5) as u8).min(31);
-            let q1 = (trunc_i32(b * id + 16.5) as u8).min(31);
-            *q = (q0 & 0x0f) | (q1 << 4);
-            qh |= u32::from(q0 >> 4) << j;
-            qh |= u32::from(q1 >> 4) << (j + QK / 2);
-        }
+        let (d, qs, qh) = quantize_offset(x, 16);
         BlockQ5_0 {
             d: f16_from_f32(d),
             qh: qh.to_le_bytes(),
@@ -194,24 +204,7 @@ impl QuantizeBlock for BlockQ5_0 {
 
 impl QuantizeBlock for BlockQ5_1 {
     fn quantize(x: &[f32]) -> Self {
-        let x = &x[..QK];
-        let (min, max) = min_max(x);
-        let d = (max - min) / 31.0;
-        let id = inverse(d);
-        let mut qs = [0u8; QK / 2];
-        let mut qh = 0u32;
-        for (j, ((q, &a), &b)) in qs
-            .iter_mut()
-            .zip(&x[..QK / 2])
-            .zip(&x[QK / 2..])
-            .enumerate()
-        {
-            let q0 = (trunc_i32((a - min) * id + 0.5) as u8).min(31);
-            let q1 = (trunc_i32((b - min) * id + 0.5) as u8).min(31);
-            *q = (q0 & 0x0f) | (q1 << 4);
-            qh |= u32::from(q0 >> 4) << j;
-            qh |= u32::from(q1 >> 4) << (j + QK / 2);
-        }
+        let (d, min, qs, qh) = quantize_min(x, 31);
         BlockQ5_1 {
             d: f16_from_f32(d),
             m: f16_from_f32(min),
