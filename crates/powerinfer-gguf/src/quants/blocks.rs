@@ -172,8 +172,8 @@ pub struct BlockQ8K {
     pub bsums: [i16; QK_K / 16],
 }
 
-/// Binds each block struct to its type ([`GgmlBlock`]) and checks its size against
-/// [`GgmlType::type_size`](crate::GgmlType::type_size) at compile time.
+/// Binds each block struct to its type ([`GgmlBlock`]), checks its size against
+/// [`GgmlType::type_size`] at compile time and lists the types in [`TYPES`].
 macro_rules! block_types {
     ($($block:ty => $ty:ident),* $(,)?) => {
         $(
@@ -182,6 +182,9 @@ macro_rules! block_types {
             }
             const _: () = assert!(std::mem::size_of::<$block>() == GgmlType::$ty.type_size_const());
         )*
+
+        /// The types with a block struct here, in this module's order.
+        pub const TYPES: &[GgmlType] = &[$(GgmlType::$ty),*];
     };
 }
 

@@ -163,48 +163,15 @@ fn check_len(
     }
 }
 
-/// Whether [`dequantize`] supports `ty`.
+/// Whether [`dequantize`] supports `ty`: the float types F32, F16, BF16 and every type with a
+/// block struct in [`blocks`].
 pub fn can_dequantize(ty: GgmlType) -> bool {
-    use GgmlType::*;
-    matches!(
-        ty,
-        F32 | F16
-            | BF16
-            | Q4_0
-            | Q4_1
-            | Q5_0
-            | Q5_1
-            | Q8_0
-            | Q8_1
-            | Q2_K
-            | Q3_K
-            | Q4_K
-            | Q5_K
-            | Q6_K
-            | Q8_K
-    )
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) || blocks::TYPES.contains(&ty)
 }
 
-/// Whether [`quantize`](fn@quantize) supports `ty`.
+/// Whether [`quantize`](fn@quantize) supports `ty`: the same types as [`can_dequantize`].
 pub fn can_quantize(ty: GgmlType) -> bool {
-    use GgmlType::*;
-    matches!(
-        ty,
-        F32 | F16
-            | BF16
-            | Q4_0
-            | Q4_1
-            | Q5_0
-            | Q5_1
-            | Q8_0
-            | Q8_1
-            | Q2_K
-            | Q3_K
-            | Q4_K
-            | Q5_K
-            | Q6_K
-            | Q8_K
-    )
+    can_dequantize(ty)
 }
 
 /// Number of values stored in `len` bytes of `ty`, or an error when `len` is not a whole number
@@ -231,35 +198,56 @@ pub fn bytes_for_values(ty: GgmlType, n: usize) -> Result<usize, QuantError> {
     Ok(n / block_size * ty.type_size())
 }
 
+/// `$f::<B>($args)` for the block struct `B` of the type `$ty`; `$other` for a type without one.
+macro_rules! per_block {
+    ($ty:expr, $f:ident($($arg:expr),*), $other:expr) => {
+        match $ty {
+            GgmlType::Q4_0 => $f::<BlockQ4_0>($($arg),*),
+            GgmlType::Q4_1 => $f::<BlockQ4_1>($($arg),*),
+            GgmlType::Q5_0 => $f::<BlockQ5_0>($($arg),*),
+            GgmlType::Q5_1 => $f::<BlockQ5_1>($($arg),*),
+            GgmlType::Q8_0 => $f::<BlockQ8_0>($($arg),*),
+            GgmlType::Q8_1 => $f::<BlockQ8_1>($($arg),*),
+            GgmlType::Q2_K => $f::<BlockQ2K>($($arg),*),
+            GgmlType::Q3_K => $f::<BlockQ3K>($($arg),*),
+            GgmlType::Q4_K => $f::<BlockQ4K>($($arg),*),
+            GgmlType::Q5_K => $f::<BlockQ5K>($($arg),*),
+            GgmlType::Q6_K => $f::<BlockQ6K>($($arg),*),
+            GgmlType::Q8_K => $f::<BlockQ8K>($($arg),*),
+            _ => $other,
+        }
+    };
+}
+
+/// The checks [`dequantize`] and [`quantize`](fn@quantize) make before writing anything: `ty` is
+/// supported (else `unsupported`), then the destination's length `got` is `expected` `unit`s.
+fn admit(
+    ty: GgmlType,
+    unsupported: QuantError,
+    expected: Result<usize, QuantError>,
+    got: usize,
+    unit: &'static str,
+) -> Result<(), QuantError> {
+    if !can_dequantize(ty) {
+        return Err(unsupported);
+    }
+    check_len(ty, expected?, got, unit)
+}
+
 /// Dequantizes the tensor bytes `src` of type `ty` into `dst`.
 ///
 /// `src` must be a whole number of blocks and `dst` must hold exactly the values they encode
 /// ([`values_in_bytes`]). `src` may have any alignment.
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
-    if !can_dequantize(ty) {
-        return Err(QuantError::UnsupportedDequantize(ty));
-    }
-    let n = values_in_bytes(ty, src.len())?;
-    check_len(ty, n, dst.len(), "values")?;
-    use GgmlType::*;
+    let unsupported = QuantError::UnsupportedDequantize(ty);
+    let n = values_in_bytes(ty, src.len());
+    admit(ty, unsupported.clone(), n, dst.len(), "values")?;
     match ty {
         // Little-endian host: the f32 bytes are the values.
-        F32 => bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(src),
-        F16 => f16_bytes_to_f32(src, dst),
-        BF16 => bf16_bytes_to_f32(src, dst),
-        Q4_0 => dequantize_bytes::<BlockQ4_0>(src, dst),
-        Q4_1 => dequantize_bytes::<BlockQ4_1>(src, dst),
-        Q5_0 => dequantize_bytes::<BlockQ5_0>(src, dst),
-        Q5_1 => dequantize_bytes::<BlockQ5_1>(src, dst),
-        Q8_0 => dequantize_bytes::<BlockQ8_0>(src, dst),
-        Q8_1 => dequantize_bytes::<BlockQ8_1>(src, dst),
-        Q2_K => dequantize_bytes::<BlockQ2K>(src, dst),
-        Q3_K => dequantize_bytes::<BlockQ3K>(src, dst),
-        Q4_K => dequantize_bytes::<BlockQ4K>(src, dst),
-        Q5_K => dequantize_bytes::<BlockQ5K>(src, dst),
-        Q6_K => dequantize_bytes::<BlockQ6K>(src, dst),
-        Q8_K => dequantize_bytes::<BlockQ8K>(src, dst),
-        _ => return Err(QuantError::UnsupportedDequantize(ty)),
+        GgmlType::F32 => bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(src),
+        GgmlType::F16 => f16_bytes_to_f32(src, dst),
+        GgmlType::BF16 => bf16_bytes_to_f32(src, dst),
+        _ => per_block!(ty, dequantize_bytes(src, dst), return Err(unsupported)),
     }
     Ok(())
 }
@@ -279,29 +267,14 @@ pub fn dequantize_to_vec(ty: GgmlType, src: &[u8]) -> Result<Vec<f32>, QuantErro
 /// `src.len()` must be a whole number of blocks and `dst` must have exactly the size of the
 /// result ([`bytes_for_values`]). `dst` may have any alignment.
 pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
-    if !can_quantize(ty) {
-        return Err(QuantError::UnsupportedQuantize(ty));
-    }
-    let n = bytes_for_values(ty, src.len())?;
-    check_len(ty, n, dst.len(), "bytes")?;
-    use GgmlType::*;
+    let unsupported = QuantError::UnsupportedQuantize(ty);
+    let n = bytes_for_values(ty, src.len());
+    admit(ty, unsupported.clone(), n, dst.len(), "bytes")?;
     match ty {
-        F32 => dst.copy_from_slice(bytemuck::cast_slice::<f32, u8>(src)),
-        F16 => f32_to_f16_bytes(src, dst),
-        BF16 => f32_to_bf16_bytes(src, dst),
-        Q4_0 => quantize_bytes::<BlockQ4_0>(src, dst),
-        Q4_1 => quantize_bytes::<BlockQ4_1>(src, dst),
-        Q5_0 => quantize_bytes::<BlockQ5_0>(src, dst),
-        Q5_1 => quantize_bytes::<BlockQ5_1>(src, dst),
-        Q8_0 => quantize_bytes::<BlockQ8_0>(src, dst),
-        Q8_1 => quantize_bytes::<BlockQ8_1>(src, dst),
-        Q2_K => quantize_bytes::<BlockQ2K>(src, dst),
-        Q3_K => quantize_bytes::<BlockQ3K>(src, dst),
-        Q4_K => quantize_bytes::<BlockQ4K>(src, dst),
-        Q5_K => quantize_bytes::<BlockQ5K>(src, dst),
-        Q6_K => quantize_bytes::<BlockQ6K>(src, dst),
-        Q8_K => quantize_bytes::<BlockQ8K>(src, dst),
-        _ => return Err(QuantError::UnsupportedQuantize(ty)),
+        GgmlType::F32 => dst.copy_from_slice(bytemuck::cast_slice::<f32, u8>(src)),
+        GgmlType::F16 => f32_to_f16_bytes(src, dst),
+        GgmlType::BF16 => f32_to_bf16_bytes(src, dst),
+        _ => per_block!(ty, quantize_bytes(src, dst), return Err(unsupported)),
     }
     Ok(())
 }
