@@ -128,11 +128,9 @@ fn scale_min_search(x: &[f32], weights: &[f32], search: &Search, l_out: &mut [u8
     (scale, -min)
 }
 
-/// Search for the signed scale of one sub-block quantized to `-nmax..nmax` with weights `x^2`
-/// (llama.cpp's `make_qx_quants` with `rmse_type` 1 and no importance weights). Writes the
-/// levels plus `nmax` to `l_out` and returns the scale.
-fn signed_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
-    let n = x.len();
+/// The value of largest magnitude in `x` (the first of a tie), or `None` when that magnitude
+/// is below [`GROUP_MAX_EPS`] and the sub-block quantizes to zeros.
+fn signed_max(x: &[f32]) -> Option<f32> {
     let mut max = 0.0f32;
     let mut amax = 0.0f32;
     for &v in x {
@@ -142,10 +140,115 @@ fn signed_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
             max = v;
         }
     }
-    if amax < GROUP_MAX_EPS {
+    (amax >= GROUP_MAX_EPS).then_some(max)
+}
+
+/// Scale and minimum of each sub-block of `N` values of `x` (`S` of them), searched by
+/// [`scale_min_search`] with the weights `weights(xs)` (levels into `levels`), and the largest
+/// scale and minimum (0 when none is positive).
+fn min_subs<const N: usize, const S: usize>(
+    x: &[f32],
+    levels: &mut [u8; QK_K],
+    search: &Search,
+    weights: impl Fn(&[f32]) -> [f32; N],
+) -> ([f32; S], [f32; S], f32, f32) {
+    let mut scales = [0.0f32; S];
+    let mut mins = [0.0f32; S];
+    let mut max_scale = 0.0f32;
+    let mut max_min = 0.0f32;
+    for (j, (xs, ls)) in x
+        .chunks_exact(N)
+        .zip(levels.chunks_exact_mut(N))
+        .enumerate()
+    {
+        let (scale, min) = scale_min_search(xs, &weights(xs), search, ls);
+        scales[j] = scale;
+        mins[j] = min;
+        if scale > max_scale {
+            max_scale = scale;
+        }
+        if min > max_min {
+            max_min = min;
+        }
+    }
+    (scales, mins, max_scale, max_min)
+}
+
+/// Signed scale of each sub-block of 16 values of `x` from `search` (levels into `levels`), and
+/// the scale of largest magnitude (the first of a tie) with that magnitude.
+fn signed_subs(
+    x: &[f32],
+    levels: &mut [u8; QK_K],
+    search: impl Fn(&[f32], &mut [u8]) -> f32,
+) -> ([f32; QK_K / 16], f32, f32) {
+    let mut scales = [0.0f32; QK_K / 16];
+    let mut max_scale = 0.0f32;
+    let mut max_abs_scale = 0.0f32;
+    for (j, (xs, ls)) in x
+        .chunks_exact(16)
+        .zip(levels.chunks_exact_mut(16))
+        .enumerate()
+    {
+        let scale = search(xs, ls);
+        scales[j] = scale;
+        if scale.abs() > max_abs_scale {
+            max_abs_scale = scale.abs();
+            max_scale = scale;
+        }
+    }
+    (scales, max_scale, max_abs_scale)
+}
+
+/// Re-quantizes each sub-block of `N` values of `x` to `0..=nmax` against its scale and
+/// minimum as stored, `sub(j)`; a sub-block whose scale is 0 keeps its searched levels.
+fn requantize_min<const N: usize>(
+    x: &[f32],
+    levels: &mut [u8; QK_K],
+    nmax: i32,
+    sub: impl Fn(usize) -> (f32, f32),
+) {
+    for (j, (xs, ls)) in x
+        .chunks_exact(N)
+        .zip(levels.chunks_exact_mut(N))
+        .enumerate()
+    {
+        let (dl, dm) = sub(j);
+        if dl == 0.0 {
+            continue;
+        }
+        for (l, &v) in ls.iter_mut().zip(xs) {
+            *l = nearest_int((v + dm) / dl).clamp(0, nmax) as u8;
+        }
+    }
+}
+
+/// Re-quantizes each sub-block of 16 values of `x` to `-nmax..nmax` (stored plus `nmax`) against
+/// its signed scale as stored, `dl(j)`; a sub-block whose scale is 0 keeps its searched levels.
+fn requantize_signed(x: &[f32], levels: &mut [u8; QK_K], nmax: i32, dl: impl Fn(usize) -> f32) {
+    for (j, (xs, ls)) in x
+        .chunks_exact(16)
+        .zip(levels.chunks_exact_mut(16))
+        .enumerate()
+    {
+        let dl = dl(j);
+        if dl == 0.0 {
+            continue;
+        }
+        for (l, &v) in ls.iter_mut().zip(xs) {
+            *l = (nearest_int(v / dl).clamp(-nmax, nmax - 1) + nmax) as u8;
+        }
+    }
+}
+
+/// Search for the signed scale of one sub-block quantized to `-nmax..nmax` with weights `x^2`
+/// (llama.cpp's `make_qx_quants` with `rmse_type` 1 and no importance weights). Writes the
+/// levels plus `nmax` to `l_out` and returns the scale.
+fn signed_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
+    let n = x.len();
+    let Some(max) = signed_max(x) else {
         l_out[..n].fill(0);
         return 0.0;
-    }
+    };
     let level = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-nmax, nmax - 1);
     let mut iscale = -(nmax as f32) / max;
     let (mut sumlx, mut suml2) = (0.0f32, 0.0f32);
@@ -189,19 +292,10 @@ fn signed_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
 /// `nmax` to `l_out` and returns the least-squares scale of the final levels.
 fn q3_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
     let n = x.len();
-    let mut max = 0.0f32;
-    let mut amax = 0.0f32;
-    for &v in x {
-        let a = v.abs();
-        if a > amax {
-            amax = a;
-            max = v;
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let Some(max) = signed_max(x) else {
         l_out[..n].fill(0);
         return 0.0;
-    }
+    };
     let iscale = -(nmax as f32) / max;
     let mut levels = [0i32; 16];
     let levels = &mut levels[..n];
@@ -250,23 +344,23 @@ fn q3_scale_search(x: &[f32], nmax: i32, l_out: &mut [u8]) -> f32 {
 }
 
 /// The first half of Q4_K and Q5_K: each sub-block of 32 searched for its scale and minimum
-/// (weights `rms(sub-block) + |x|`), the eight of each packed as 6-bit values against the f16
-/// super-block scales `d` and `dmin`, and the values re-quantized to `0..=nmax` with the scales
-/// as stored. Returns `(d, dmin, packed scales)`; the levels are in `levels`.
+/// (levels `0..=nmax`, candidates from `rmin` in `nstep` steps of 0.1, weights
+/// `rms(sub-block) + |x|`), the eight of each packed as 6-bit values against the f16
+/// super-block scales `d` and `dmin`, and the values re-quantized with the scales as stored.
+/// Returns `(d, dmin, packed scales)`; the levels are in `levels`.
 fn k4_scales_and_levels(
     x: &[f32],
-    search: &Search,
+    (nmax, rmin, nstep): (i32, f32, i32),
     levels: &mut [u8; QK_K],
 ) -> (f16, f16, [u8; K_SCALE_SIZE]) {
-    let mut scales = [0.0f32; 8];
-    let mut mins = [0.0f32; 8];
-    let mut max_scale = 0.0f32;
-    let mut max_min = 0.0f32;
-    for (j, (xs, ls)) in x
-        .chunks_exact(32)
-        .zip(levels.chunks_exact_mut(32))
-        .enumerate()
-    {
+    let search = Search {
+        nmax,
+        rmin,
+        rdelta: 0.1,
+        nstep,
+        absolute_error: false,
+    };
+    let (scales, mins, max_scale, max_min) = min_subs::<32, 8>(x, levels, &search, |xs| {
         let mut sum_x2 = 0.0f32;
         for &v in xs {
             sum_x2 += v * v;
@@ -276,16 +370,8 @@ fn k4_scales_and_levels(
         for (w, &v) in weights.iter_mut().zip(xs) {
             *w = av_x + v.abs();
         }
-        let (scale, min) = scale_min_search(xs, &weights, search, ls);
-        scales[j] = scale;
-        mins[j] = min;
-        if scale > max_scale {
-            max_scale = scale;
-        }
-        if min > max_min {
-            max_min = min;
-        }
-    }
+        weights
+    });
     let inv_scale = if max_scale > 0.0 {
         63.0 / max_scale
     } else {
@@ -312,34 +398,16 @@ fn k4_scales_and_levels(
         f16_bits_to_f32(d.to_bits()),
         f16_bits_to_f32(dmin.to_bits()),
     );
-    for (j, (xs, ls)) in x
-        .chunks_exact(32)
-        .zip(levels.chunks_exact_mut(32))
-        .enumerate()
-    {
-        let dl = df * f32::from(sc[j]);
-        if dl == 0.0 {
-            continue;
-        }
-        let dm = dminf * f32::from(mn[j]);
-        for (l, &v) in ls.iter_mut().zip(xs) {
-            *l = nearest_int((v + dm) / dl).clamp(0, search.nmax) as u8;
-        }
-    }
+    requantize_min::<32>(x, levels, nmax, |j| {
+        (df * f32::from(sc[j]), dminf * f32::from(mn[j]))
+    });
     (d, dmin, packed)
 }
 
 impl QuantizeBlock for BlockQ4K {
     fn quantize(x: &[f32]) -> Self {
-        let search = Search {
-            nmax: 15,
-            rmin: -1.0,
-            rdelta: 0.1,
-            nstep: 20,
-            absolute_error: false,
-        };
         let mut levels = [0u8; QK_K];
-        let (d, dmin, scales) = k4_scales_and_levels(&x[..QK_K], &search, &mut levels);
+        let (d, dmin, scales) = k4_scales_and_levels(&x[..QK_K], (15, -1.0, 20), &mut levels);
         let mut qs = [0u8; QK_K / 2];
         for (q, l) in qs.chunks_exact_mut(32).zip(levels.chunks_exact(64)) {
             for (i, q) in q.iter_mut().enumerate() {
@@ -357,15 +425,8 @@ impl QuantizeBlock for BlockQ4K {
 
 impl QuantizeBlock for BlockQ5K {
     fn quantize(x: &[f32]) -> Self {
-        let search = Search {
-            nmax: 31,
-            rmin: -0.5,
-            rdelta: 0.1,
-            nstep: 15,
-            absolute_error: false,
-        };
         let mut levels = [0u8; QK_K];
-        let (d, dmin, scales) = k4_scales_and_levels(&x[..QK_K], &search, &mut levels);
+        let (d, dmin, scales) = k4_scales_and_levels(&x[..QK_K], (31, -0.5, 15), &mut levels);
         // Values 64c + i and 64c + 32 + i: low nibbles in qs[32c + i], fifth bits in bits 2c
         // and 2c + 1 of qh[i].
         let mut qs = [0u8; QK_K / 2];
@@ -402,29 +463,14 @@ impl QuantizeBlock for BlockQ2K {
             absolute_error: true,
         };
         let mut levels = [0u8; QK_K];
-        let mut scales = [0.0f32; 16];
-        let mut mins = [0.0f32; 16];
-        let mut max_scale = 0.0f32;
-        let mut max_min = 0.0f32;
-        for (j, (xs, ls)) in x
-            .chunks_exact(16)
-            .zip(levels.chunks_exact_mut(16))
-            .enumerate()
-        {
-            let mut weights = [0.0f32; 16];
-            for (w, &v) in weights.iter_mut().zip(xs) {
-                *w = v.abs();
-            }
-            let (scale, min) = scale_min_search(xs, &weights, &search, ls);
-            scales[j] = scale;
-            mins[j] = min;
-            if scale > max_scale {
-                max_scale = scale;
-            }
-            if min > max_min {
-                max_min = min;
-            }
-        }
+        let (scales, mins, max_scale, max_min) =
+            min_subs::<16, 16>(x, &mut levels, &search, |xs| {
+                let mut weights = [0.0f32; 16];
+                for (w, &v) in weights.iter_mut().zip(xs) {
+                    *w = v.abs();
+                }
+                weights
+            });
         // Scales in the low nibbles, minimums in the high ones, 4 bits each against f16
         // super-block values.
         let mut packed = [0u8; QK_K / 16];
@@ -448,20 +494,10 @@ impl QuantizeBlock for BlockQ2K {
             f16_bits_to_f32(d.to_bits()),
             f16_bits_to_f32(dmin.to_bits()),
         );
-        for ((xs, ls), &p) in x
-            .chunks_exact(16)
-            .zip(levels.chunks_exact_mut(16))
-            .zip(&packed)
-        {
-            let dl = df * f32::from(p & 0x0f);
-            if dl == 0.0 {
-                continue;
-            }
-            let dm = dminf * f32::from(p >> 4);
-            for (l, &v) in ls.iter_mut().zip(xs) {
-                *l = nearest_int((v + dm) / dl).clamp(0, 3) as u8;
-            }
-        }
+        requantize_min::<16>(x, &mut levels, 3, |j| {
+            let p = packed[j];
+            (df * f32::from(p & 0x0f), dminf * f32::from(p >> 4))
+        });
         BlockQ2K {
             scales: packed,
             qs: pack_2bit(&levels),
@@ -490,21 +526,8 @@ impl QuantizeBlock for BlockQ3K {
     fn quantize(x: &[f32]) -> Self {
         let x = &x[..QK_K];
         let mut levels = [0u8; QK_K];
-        let mut scales = [0.0f32; 16];
-        let mut max_scale = 0.0f32;
-        let mut max_abs_scale = 0.0f32;
-        for (j, (xs, ls)) in x
-            .chunks_exact(16)
-            .zip(levels.chunks_exact_mut(16))
-            .enumerate()
-        {
-            let scale = q3_scale_search(xs, 4, ls);
-            scales[j] = scale;
-            if scale.abs() > max_abs_scale {
-                max_abs_scale = scale.abs();
-                max_scale = scale;
-            }
-        }
+        let (scales, max_scale, _) =
+            signed_subs(x, &mut levels, |xs, ls| q3_scale_search(xs, 4, ls));
         // Signed 6-bit sub-block scales offset by 32: low nibbles in bytes 0..8 (sub-blocks
         // 0..8 low, 8..16 high), top two bits of sub-block j in bits 2(j / 4).. of byte
         // 8 + j % 4.
@@ -526,15 +549,7 @@ impl QuantizeBlock for BlockQ3K {
         }
         let sc = q3k_scales(&packed);
         let df = f16_bits_to_f32(d.to_bits());
-        for ((xs, ls), &s) in x.chunks_exact(16).zip(levels.chunks_exact_mut(16)).zip(&sc) {
-            let dl = df * f32::from(s as i8 - 32);
-            if dl == 0.0 {
-                continue;
-            }
-            for (l, &v) in ls.iter_mut().zip(xs) {
-                *l = (nearest_int(v / dl).clamp(-4, 3) + 4) as u8;
-            }
-        }
+        requantize_signed(x, &mut levels, 4, |j| df * f32::from(sc[j] as i8 - 32));
         // The third bit of level j goes to bit j / 32 of hmask[j % 32].
         let mut hmask = [0u8; QK_K / 8];
         for (j, &l) in levels.iter().enumerate() {
@@ -553,21 +568,8 @@ impl QuantizeBlock for BlockQ6K {
     fn quantize(x: &[f32]) -> Self {
         let x = &x[..QK_K];
         let mut levels = [0u8; QK_K];
-        let mut scales = [0.0f32; 16];
-        let mut max_scale = 0.0f32;
-        let mut max_abs_scale = 0.0f32;
-        for (j, (xs, ls)) in x
-            .chunks_exact(16)
-            .zip(levels.chunks_exact_mut(16))
-            .enumerate()
-        {
-            let scale = signed_scale_search(xs, 32, ls);
-            scales[j] = scale;
-            if scale.abs() > max_abs_scale {
-                max_abs_scale = scale.abs();
-                max_scale = scale;
-            }
-        }
+        let (scales, max_scale, max_abs_scale) =
+            signed_subs(x, &mut levels, |xs, ls| signed_scale_search(xs, 32, ls));
         let mut block = BlockQ6K {
             ql: [0; QK_K / 2],
             qh: [0; QK_K / 4],
@@ -583,19 +585,7 @@ impl QuantizeBlock for BlockQ6K {
             *s = nearest_int(iscale * scale).min(127) as i8;
         }
         let df = f16_bits_to_f32(block.d.to_bits());
-        for (j, (xs, ls)) in x
-            .chunks_exact(16)
-            .zip(levels.chunks_exact_mut(16))
-            .enumerate()
-        {
-            let dl = df * f32::from(block.scales[j]);
-            if dl == 0.0 {
-                continue;
-            }
-            for (l, &v) in ls.iter_mut().zip(xs) {
-                *l = (nearest_int(v / dl).clamp(-32, 31) + 32) as u8;
-            }
-        }
+        requantize_signed(x, &mut levels, 32, |j| df * f32::from(block.scales[j]));
         for ((ql, qh), l) in block
             .ql
             .chunks_exact_mut(64)
