@@ -38,19 +38,7 @@ struct Bigram {
     merged: Sym,
 }
 
-impl PartialEq for Bigram {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Bigram {}
-
-impl PartialOrd for Bigram {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
+comparisons_from_ord!(Bigram);
 
 impl Ord for Bigram {
     /// Max-heap order: lowest rank first, then the leftmost pair.

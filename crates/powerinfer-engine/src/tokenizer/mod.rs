@@ -20,6 +20,26 @@
 //! # Ok(()) }
 //! ```
 
+/// Implements `PartialEq`, `Eq` and `PartialOrd` of `$t` from its `Ord` (the merge candidates
+/// of the BPE and SPM tokenizers, which order themselves for a max-heap).
+macro_rules! comparisons_from_ord {
+    ($t:ty) => {
+        impl PartialEq for $t {
+            fn eq(&self, other: &Self) -> bool {
+                self.cmp(other) == std::cmp::Ordering::Equal
+            }
+        }
+
+        impl Eq for $t {}
+
+        impl PartialOrd for $t {
+            fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+    };
+}
+
 mod bpe;
 mod error;
 mod hash;

@@ -273,21 +273,10 @@ fn gpt2_split(chars: &[char], piece: Range<usize>, out: &mut Vec<Range<usize>>) 
         let c = chars[pos];
         let tok_start = pos;
         // 's|'t|'re|'ve|'m|'ll|'d
-        if c == '\'' && pos + 1 < end {
-            let n1 = chars[pos + 1];
-            if matches!(n1, 's' | 't' | 'm' | 'd') {
-                pos += 2;
-                out.push(tok_start..pos);
-                continue;
-            }
-            if pos + 2 < end {
-                let n2 = chars[pos + 2];
-                if matches!((n1, n2), ('r', 'e') | ('v', 'e') | ('l', 'l')) {
-                    pos += 3;
-                    out.push(tok_start..pos);
-                    continue;
-                }
-            }
+        if let Some(n) = contraction(&chars[pos..end], |c| c) {
+            pos += n;
+            out.push(tok_start..pos);
+            continue;
         }
         // The optional leading space: the class is decided by the char after it.
         let lead = usize::from(c == ' ');
@@ -316,14 +305,36 @@ fn gpt2_split(chars: &[char], piece: Range<usize>, out: &mut Vec<Range<usize>>) 
         while is(pos + n_ws, |f| f.whitespace) {
             n_ws += 1;
         }
-        if n_ws > 1 && pos + n_ws < end {
-            pos += n_ws - 1;
-        } else if n_ws > 0 {
-            pos += n_ws;
-        } else {
-            pos += 1;
-        }
+        pos = whitespace_end(pos, n_ws, end);
         out.push(tok_start..pos);
+    }
+}
+
+/// The length of the contraction `'s|'t|'re|'ve|'m|'ll|'d` at the start of `rest` (the piece
+/// from the current position on), its letters compared after `fold`; `None` if there is none.
+fn contraction(rest: &[char], fold: impl Fn(char) -> char) -> Option<usize> {
+    if rest.len() < 2 || rest[0] != '\'' {
+        return None;
+    }
+    let n1 = fold(rest[1]);
+    if matches!(n1, 's' | 't' | 'm' | 'd') {
+        return Some(2);
+    }
+    let n2 = fold(*rest.get(2)?);
+    matches!((n1, n2), ('r', 'e') | ('v', 'e') | ('l', 'l')).then_some(3)
+}
+
+/// Where `\s+(?!\S) | \s+` ends at `pos`, with `n_ws` whitespace chars there and the piece
+/// ending at `end` (the lookahead sees only the piece): before the last of several whitespace
+/// chars followed by more of the piece, else after the run; a position without whitespace
+/// advances by one char.
+fn whitespace_end(pos: usize, n_ws: usize, end: usize) -> usize {
+    if n_ws > 1 && pos + n_ws < end {
+        pos + n_ws - 1
+    } else if n_ws > 0 {
+        pos + n_ws
+    } else {
+        pos + 1
     }
 }
 
@@ -346,21 +357,10 @@ fn llama3_split(
         let f = Flags::of(c);
         let tok_start = pos;
         // (?i:'s|'t|'re|'ve|'m|'ll|'d)
-        if c == '\'' && pos + 1 < end {
-            let n1 = lower(chars[pos + 1]);
-            if matches!(n1, 's' | 't' | 'm' | 'd') {
-                pos += 2;
-                out.push(tok_start..pos);
-                continue;
-            }
-            if pos + 2 < end {
-                let n2 = lower(chars[pos + 2]);
-                if matches!((n1, n2), ('r', 'e') | ('v', 'e') | ('l', 'l')) {
-                    pos += 3;
-                    out.push(tok_start..pos);
-                    continue;
-                }
-            }
+        if let Some(n) = contraction(&chars[pos..end], lower) {
+            pos += n;
+            out.push(tok_start..pos);
+            continue;
         }
         // [^\r\n\p{L}\p{N}]?\p{L}+
         if !(c == '\r' || c == '\n' || f.number) && (f.letter || is(pos + 1, |g| g.letter)) {
@@ -411,15 +411,7 @@ fn llama3_split(
             }
             n_ws += 1;
         }
-        if let Some(e) = last_newline_end {
-            pos = e;
-        } else if n_ws > 1 && pos + n_ws < end {
-            pos += n_ws - 1;
-        } else if n_ws > 0 {
-            pos += n_ws;
-        } else {
-            pos += 1;
-        }
+        pos = last_newline_end.unwrap_or_else(|| whitespace_end(pos, n_ws, end));
         out.push(tok_start..pos);
     }
 }
