@@ -421,6 +421,9 @@ impl Model {
         for l in 0..hp.n_layer {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
             let b = |t: &str| format!("blk.{l}.{t}.bias");
+            // A bias of the attention, up or down projection: `opt` only.
+            let bias =
+                |t: &str, len: usize| (arch == Arch::Opt).then(|| vec(&b(t), len)).transpose();
             let gate = if gated {
                 Some(bind(&n("ffn_gate"), n_embd, n_ff)?)
             } else {
@@ -436,40 +439,34 @@ impl Model {
                     fc1,
                     fc2,
                 };
-                let down_b = (arch == Arch::Opt)
-                    .then(|| vec(&b("ffn_down_t"), n_embd))
-                    .transpose()?;
-                (ffn, down_b)
+                (ffn, bias("ffn_down_t", n_embd)?)
             } else {
                 let ffn = Ffn::Dense {
                     gate,
                     up: bind(&n("ffn_up"), n_embd, n_ff)?,
                     down: bind(&n("ffn_down"), n_ff, n_embd)?,
                 };
-                let down_b = (arch == Arch::Opt)
-                    .then(|| vec(&b("ffn_down"), n_embd))
-                    .transpose()?;
-                (ffn, down_b)
+                (ffn, bias("ffn_down", n_embd)?)
             };
             let base = |t: &str| format!("blk.{l}.{t}");
             let layer = match arch {
-                Arch::Llama | Arch::Bamboo => Layer {
+                Arch::Llama | Arch::Bamboo | Arch::Opt => Layer {
                     attn_norm: norm_of(&base("attn_norm"))?,
                     attn_norm_2: None,
                     qkv: Qkv::Separate {
                         wq: bind(&n("attn_q"), n_embd, n_embd)?,
                         wk: bind(&n("attn_k"), n_embd, n_kv)?,
                         wv: bind(&n("attn_v"), n_embd, n_kv)?,
-                        bq: None,
-                        bk: None,
-                        bv: None,
+                        bq: bias("attn_q", n_embd)?,
+                        bk: bias("attn_k", n_kv)?,
+                        bv: bias("attn_v", n_kv)?,
                     },
                     wo: bind(&n("attn_output"), n_embd, n_embd)?,
-                    bo: None,
+                    bo: bias("attn_output", n_embd)?,
                     ffn_norm: Some(norm_of(&base("ffn_norm"))?),
                     ffn,
-                    up_b: None,
-                    down_b: None,
+                    up_b: bias("ffn_up", n_ff)?,
+                    down_b,
                 },
                 Arch::Falcon => Layer {
                     attn_norm: norm_of(&base("attn_norm"))?,
@@ -484,24 +481,6 @@ impl Model {
                     ffn_norm: None,
                     ffn,
                     up_b: None,
-                    down_b: None,
-                },
-                Arch::Opt => Layer {
-                    attn_norm: norm_of(&base("attn_norm"))?,
-                    attn_norm_2: None,
-                    qkv: Qkv::Separate {
-                        wq: bind(&n("attn_q"), n_embd, n_embd)?,
-                        wk: bind(&n("attn_k"), n_embd, n_kv)?,
-                        wv: bind(&n("attn_v"), n_embd, n_kv)?,
-                        bq: Some(vec(&b("attn_q"), n_embd)?),
-                        bk: Some(vec(&b("attn_k"), n_kv)?),
-                        bv: Some(vec(&b("attn_v"), n_kv)?),
-                    },
-                    wo: bind(&n("attn_output"), n_embd, n_embd)?,
-                    bo: Some(vec(&b("attn_output"), n_embd)?),
-                    ffn_norm: Some(norm_of(&base("ffn_norm"))?),
-                    ffn,
-                    up_b: Some(vec(&b("ffn_up"), n_ff)?),
                     down_b,
                 },
             };
@@ -553,7 +532,7 @@ impl Model {
     }
 
     /// Every 2-D weight matrix the forward pass reads (the token embedding is read by rows).
-    fn matrices(&self) -> impl Iterator<Item = &TensorRef> + '_ {
+    pub(crate) fn matrices(&self) -> impl Iterator<Item = &TensorRef> + '_ {
         let per_layer = self.layers.iter().flat_map(|layer| {
             let qkv: Vec<&TensorRef> = match &layer.qkv {
                 Qkv::Separate { wq, wk, wv, .. } => vec![wq, wk, wv],

@@ -122,31 +122,17 @@ pub(crate) fn open(opts: &DeviceOptions, model: &Model, t_max: usize) -> Result<
     }
 }
 
-/// Bytes the simulated device needs to hold everything it could hold of `model`.
+/// Bytes the simulated device needs to hold everything it could hold of `model`: the work
+/// buffers, every weight matrix and the u32 bucket entry of each neuron of a sparse layer.
 fn everything(model: &Model, t_max: usize) -> u64 {
-    let mut total: u64 = work_shape(model, t_max).bytes_upper();
-    for layer in &model.layers {
-        let mut mats: Vec<&TensorRef> = vec![&layer.wo];
-        match &layer.qkv {
-            Qkv::Separate { wq, wk, wv, .. } => mats.extend([wq, wk, wv]),
-            Qkv::Fused(w) => mats.push(w),
-        }
-        match &layer.ffn {
-            Ffn::Dense { gate, up, down } => mats.extend(gate.iter().chain([up, down])),
-            Ffn::Sparse {
-                gate,
-                up,
-                down_t,
-                fc1,
-                fc2,
-            } => {
-                mats.extend(gate.iter().chain([up, down_t, fc1, fc2]));
-                total += 4 * up.rows as u64;
-            }
-        }
-        total += mats.iter().map(|t| t.info.n_bytes()).sum::<u64>();
-    }
-    total + model.output.info.n_bytes()
+    let buckets: u64 = (model.layers.iter())
+        .filter_map(|layer| match &layer.ffn {
+            Ffn::Sparse { up, .. } => Some(4 * up.rows as u64),
+            Ffn::Dense { .. } => None,
+        })
+        .sum();
+    let mats: u64 = model.matrices().map(|t| t.info.n_bytes()).sum();
+    work_shape(model, t_max).bytes_upper() + buckets + mats
 }
 
 /// Tokens the work buffers hold (longer batches run in chunks).
