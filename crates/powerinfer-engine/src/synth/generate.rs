@@ -466,13 +466,7 @@ impl Gen<'_> {
     fn relu_up_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
         let n = self.n;
         let nbc = self.nbc;
-        let rs = self.rank - 1;
-        out.fill(0.0);
-        let ui = &st.u[i * rs..(i + 1) * rs];
-        for (k, &c) in ui.iter().enumerate() {
-            let mk = &st.m[k * n..(k + 1) * n];
-            out.iter_mut().zip(mk).for_each(|(o, &x)| *o += c * x);
-        }
+        self.signal(st, i, self.rank - 1, out);
         if st.noise_std > 0.0 {
             let ekey = self.key(&format!("blk.{}.up.noise", st.layer));
             let mut e: Vec<f64> = (0..n)
@@ -492,39 +486,26 @@ impl Gen<'_> {
                 .for_each(|(x, &b)| *x -= d * f64::from(b));
             out.iter_mut().zip(&e).for_each(|(o, &x)| *o += x as f32);
         }
-        out[..nbc].fill(0.0);
-        let norm = out
-            .iter()
-            .map(|&x| f64::from(x).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        let alpha = (1.0 / norm.max(1e-30)) as f32;
-        st.alpha[i].store(alpha.to_bits(), Ordering::Relaxed);
-        for (o, &w) in out.iter_mut().zip(&st.w) {
-            *o = *o * alpha / w;
-        }
+        self.normalize(st, i, out);
         let c = st.bias[i] / (2.0 * BIAS_VALUE);
         out[BIAS_CHANNEL] = c / st.w[BIAS_CHANNEL];
         out[BIAS_CHANNEL_NEG] = -c / st.w[BIAS_CHANNEL_NEG];
     }
 
-    fn gate_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
+    /// `out = Σ_k u_ik m_k` over the first `rs` signal directions `m_k` of the layer.
+    fn signal(&self, st: &LayerState, i: usize, rs: usize, out: &mut [f32]) {
         let n = self.n;
-        let rs = self.signal_rows();
         out.fill(0.0);
         let ui = &st.u[i * rs..(i + 1) * rs];
         for (k, &c) in ui.iter().enumerate() {
             let mk = &st.m[k * n..(k + 1) * n];
             out.iter_mut().zip(mk).for_each(|(o, &x)| *o += c * x);
         }
-        if st.noise_std > 0.0 {
-            let ekey = self.key(&format!("blk.{}.gate.noise", st.layer));
-            for (j, o) in out.iter_mut().enumerate() {
-                if j >= self.nbc {
-                    *o += st.noise_std * unit(ekey, (i * n + j) as u64);
-                }
-            }
-        }
+    }
+
+    /// Zeroes the bias channels of neuron `i`'s row `out`, scales it to unit norm (the factor
+    /// `α_i` is kept in the layer state) and divides it by the norm weight.
+    fn normalize(&self, st: &LayerState, i: usize, out: &mut [f32]) {
         out[..self.nbc].fill(0.0);
         let norm = out
             .iter()
@@ -536,6 +517,20 @@ impl Gen<'_> {
         for (o, &w) in out.iter_mut().zip(&st.w) {
             *o = *o * alpha / w;
         }
+    }
+
+    fn gate_row(&self, st: &LayerState, i: usize, out: &mut [f32]) {
+        let n = self.n;
+        self.signal(st, i, self.signal_rows(), out);
+        if st.noise_std > 0.0 {
+            let ekey = self.key(&format!("blk.{}.gate.noise", st.layer));
+            for (j, o) in out.iter_mut().enumerate() {
+                if j >= self.nbc {
+                    *o += st.noise_std * unit(ekey, (i * n + j) as u64);
+                }
+            }
+        }
+        self.normalize(st, i, out);
         out[BIAS_CHANNEL] = st.bias[i] / (st.w[BIAS_CHANNEL] * BIAS_VALUE);
         if let Some(&d) = st.topic.get(i) {
             out[TOPIC_CHANNEL] = d / (st.w[TOPIC_CHANNEL] * BIAS_VALUE);
@@ -703,6 +698,8 @@ impl Rows {
     }
 }
 
+/// The tensors of a file of `cfg`'s family, in file order (see the module docs): the dense
+/// GGUF twin's with `dense`, else the PowerInfer file's.
 fn specs(
     cfg: &SynthConfig,
     n_vocab: usize,
@@ -710,101 +707,10 @@ fn specs(
     dense: bool,
     pred_ty: GgmlType,
 ) -> Vec<Spec> {
-    if cfg.family().layer_norm() {
-        return specs_ln(cfg, n_vocab, rank, dense, pred_ty);
-    }
     let s = &cfg.shape;
     let (n, f, kv) = (s.n_embd, s.n_ff, s.n_embd_kv());
     let ty = cfg.ty;
-    let mut v = Vec::new();
-    let mut push = |name: String, ne0: usize, ne1: Option<usize>, ty: GgmlType, rows: Rows| {
-        v.push(Spec {
-            name,
-            ne0,
-            ne1,
-            ty,
-            rows,
-        })
-    };
-    let inv_sqrt_n = 1.0 / (n as f32).sqrt();
-    push("token_embd.weight".into(), n, Some(n_vocab), ty, Rows::Embd);
-    push(
-        "output_norm.weight".into(),
-        n,
-        None,
-        GgmlType::F32,
-        Rows::Norm {
-            lo: 0.9,
-            hi: 1.1,
-            bias_one: false,
-        },
-    );
-    push("output.weight".into(), n, Some(n_vocab), ty, Rows::Output);
-    for l in 0..s.n_layer {
-        let b = |t: &str| format!("blk.{l}.{t}.weight");
-        push(
-            b("attn_norm"),
-            n,
-            None,
-            GgmlType::F32,
-            Rows::Norm {
-                lo: 0.8,
-                hi: 1.2,
-                bias_one: false,
-            },
-        );
-        let attn = Rows::Attn {
-            scale: inv_sqrt_n,
-            zero_bias_row: false,
-        };
-        push(b("attn_q"), n, Some(n), ty, attn);
-        push(b("attn_k"), n, Some(kv), ty, attn);
-        push(b("attn_v"), n, Some(kv), ty, attn);
-        push(
-            b("attn_output"),
-            n,
-            Some(n),
-            ty,
-            Rows::Attn {
-                scale: ATTN_STEP as f32 * inv_sqrt_n,
-                zero_bias_row: true,
-            },
-        );
-        push(
-            b("ffn_norm"),
-            n,
-            None,
-            GgmlType::F32,
-            Rows::Norm {
-                lo: 0.8,
-                hi: 1.2,
-                bias_one: true,
-            },
-        );
-        push(b("ffn_gate"), n, Some(f), ty, Rows::Gate(l));
-        push(b("ffn_up"), n, Some(f), ty, Rows::Up(l));
-        if dense {
-            push(b("ffn_down"), f, Some(n), ty, Rows::Down(l));
-        } else {
-            push(b("ffn_down_t"), n, Some(f), ty, Rows::DownT(l));
-            push(b("fc1"), n, Some(2 * rank), pred_ty, Rows::Fc1(l));
-            push(b("fc2"), 2 * rank, Some(f), pred_ty, Rows::Fc2(l));
-        }
-    }
-    v
-}
-
-/// The tensors of a `falcon` or `opt` file (see the module docs).
-fn specs_ln(
-    cfg: &SynthConfig,
-    n_vocab: usize,
-    rank: usize,
-    dense: bool,
-    pred_ty: GgmlType,
-) -> Vec<Spec> {
-    let s = &cfg.shape;
-    let (n, f, kv) = (s.n_embd, s.n_ff, s.n_embd_kv());
-    let ty = cfg.ty;
+    let ln = cfg.family().layer_norm();
     let opt = cfg.family() == Family::Opt;
     let mut v = Vec::new();
     let mut push = |name: String, ne0: usize, ne1: Option<usize>, ty: GgmlType, rows: Rows| {
@@ -837,7 +743,9 @@ fn specs_ln(
         f32t,
         norm(0.9, 1.1, false),
     );
-    push("output_norm.bias".into(), n, None, f32t, bias(0.1, false));
+    if ln {
+        push("output_norm.bias".into(), n, None, f32t, bias(0.1, false));
+    }
     if !opt {
         push("output.weight".into(), n, Some(n_vocab), ty, Rows::Output);
     }
@@ -852,7 +760,16 @@ fn specs_ln(
     for l in 0..s.n_layer {
         let w = |t: &str| format!("blk.{l}.{t}.weight");
         let b = |t: &str| format!("blk.{l}.{t}.bias");
-        if opt {
+        if !ln {
+            push(w("attn_norm"), n, None, f32t, norm(0.8, 1.2, false));
+            push(w("attn_q"), n, Some(n), ty, attn);
+            push(w("attn_k"), n, Some(kv), ty, attn);
+            push(w("attn_v"), n, Some(kv), ty, attn);
+            push(w("attn_output"), n, Some(n), ty, attn_out);
+            push(w("ffn_norm"), n, None, f32t, norm(0.8, 1.2, true));
+            push(w("ffn_gate"), n, Some(f), ty, Rows::Gate(l));
+            push(w("ffn_up"), n, Some(f), ty, Rows::Up(l));
+        } else if opt {
             push(w("attn_norm"), n, None, f32t, norm(0.8, 1.2, false));
             push(b("attn_norm"), n, None, f32t, bias(0.1, false));
             push(w("attn_q"), n, Some(n), ty, attn);
@@ -876,7 +793,9 @@ fn specs_ln(
             push(w("attn_qkv"), n, Some(n + 2 * kv), ty, attn);
             push(w("attn_output"), n, Some(n), ty, attn_out);
         }
-        push(w("ffn_up"), n, Some(f), ty, Rows::ReluUp(l));
+        if ln {
+            push(w("ffn_up"), n, Some(f), ty, Rows::ReluUp(l));
+        }
         if opt {
             push(
                 b("ffn_up"),
@@ -1193,17 +1112,16 @@ pub fn synthesize(
                         *o = scale * unit(key, (r * n + j) as u64);
                     }
                 }),
-                Rows::Gate(_) => {
+                Rows::Gate(_) | Rows::Up(_) | Rows::ReluUp(_) | Rows::Fc1(_) | Rows::Fc2(_) => {
                     let st = st.expect("layer state");
-                    Box::new(move |i, out: &mut [f32]| g.gate_row(st, i, out))
-                }
-                Rows::Up(_) => {
-                    let st = st.expect("layer state");
-                    Box::new(move |i, out: &mut [f32]| g.up_row(st, i, out))
-                }
-                Rows::ReluUp(_) => {
-                    let st = st.expect("layer state");
-                    Box::new(move |i, out: &mut [f32]| g.relu_up_row(st, i, out))
+                    let row = match rows {
+                        Rows::Gate(_) => Gen::gate_row,
+                        Rows::Up(_) => Gen::up_row,
+                        Rows::ReluUp(_) => Gen::relu_up_row,
+                        Rows::Fc1(_) => Gen::fc1_row,
+                        _ => Gen::fc2_row,
+                    };
+                    Box::new(move |i, out: &mut [f32]| row(g, st, i, out))
                 }
                 Rows::FfnNormBias(_) => {
                     let st = st.expect("layer state");
@@ -1254,14 +1172,6 @@ pub fn synthesize(
                             }
                         })
                     }
-                }
-                Rows::Fc1(_) => {
-                    let st = st.expect("layer state");
-                    Box::new(move |k, out: &mut [f32]| g.fc1_row(st, k, out))
-                }
-                Rows::Fc2(_) => {
-                    let st = st.expect("layer state");
-                    Box::new(move |i, out: &mut [f32]| g.fc2_row(st, i, out))
                 }
             };
             let mut report = |b: u64| progress(b, total);

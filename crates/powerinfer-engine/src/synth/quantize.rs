@@ -81,22 +81,9 @@ pub fn ftype_of(ty: GgmlType) -> Option<u32> {
     })
 }
 
-/// Target types `quantize` accepts (besides the mixes of [`KQuantMix`]).
-pub const QUANTIZE_TYPES: [GgmlType; 13] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
+/// Target types `quantize` accepts (besides the mixes of [`KQuantMix`]): the weight types the
+/// CPU kernels run.
+pub const QUANTIZE_TYPES: [GgmlType; 13] = powerinfer_kernels_cpu::matmul::SUPPORTED_TYPES;
 
 /// One of llama.cpp's K-quant mixes (its `llama_ftype`s of the same names): the base type for
 /// most 2-D weights, more bits for the tensors `llama_tensor_get_type` singles out.

@@ -82,6 +82,9 @@ pub fn supported_types() -> &'static [GgmlType] {
     &rowops::SUPPORTED
 }
 
+/// [`supported_types`] as a constant, in the same order.
+pub const SUPPORTED_TYPES: [GgmlType; 13] = rowops::SUPPORTED;
+
 #[allow(dead_code)]
 fn _assert_act_is_copy(a: Act<'_>) -> Act<'_> {
     a
