@@ -314,7 +314,14 @@ impl Engine {
         batch: &Batch<'_>,
         opts: EvalOptions<'_>,
     ) -> Result<Vec<EvalOutput>> {
-        self.exec.eval(&self.model, &self.pool, cache, batch, opts)
+        let out = self.exec.eval(&self.model, &self.pool, cache, batch, opts);
+        if out.is_err() {
+            // Nothing of a failed evaluation stays in the cache.
+            for sg in batch.segments() {
+                cache.rollback(sg.seq);
+            }
+        }
+        out
     }
 }
 

@@ -13,6 +13,15 @@
 
 use std::time::{Duration, Instant};
 
+/// `part / whole`, or 0 when `whole` is 0: the shares the reports print.
+pub(crate) fn ratio(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
 /// An operation of the forward pass, as [`OpProfile`] counts them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
@@ -134,12 +143,7 @@ impl LayerSplit {
 
     /// Share of the active neurons the device computed.
     pub fn device_share(&self) -> f64 {
-        let all = self.active_cpu + self.active_device;
-        if all == 0 {
-            0.0
-        } else {
-            self.active_device as f64 / all as f64
-        }
+        ratio(self.active_device, self.active_cpu + self.active_device)
     }
 
     fn add(&mut self, o: &LayerSplit) {

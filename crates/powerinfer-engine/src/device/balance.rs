@@ -23,8 +23,9 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{Device, HotId, HotSpec};
+use super::{Device, HotId, HotSpec, HotSwap};
 use crate::error::Result;
+use crate::profile::ratio;
 
 /// A neuron the slice does not hold.
 const NOT_HELD: u32 = u32::MAX;
@@ -144,21 +145,12 @@ pub struct LayerBalance {
 impl LayerBalance {
     /// Share of the active neurons the device held (the recall of the device's set).
     pub fn recall(&self) -> f64 {
-        if self.active == 0 {
-            0.0
-        } else {
-            self.held_active as f64 / self.active as f64
-        }
+        ratio(self.held_active, self.active)
     }
 
     /// Share of the active neurons computed on the device.
     pub fn device_share(&self) -> f64 {
-        let all = self.active_cpu + self.active_device;
-        if all == 0 {
-            0.0
-        } else {
-            self.active_device as f64 / all as f64
-        }
+        ratio(self.active_device, self.active_cpu + self.active_device)
     }
 }
 
@@ -648,7 +640,7 @@ impl LayerBalanceState {
                 "a replacement must swap held neurons for outside ones".into(),
             ));
         }
-        let took = device.replace_hot(self.hot, &slots, ins, spec)?;
+        let took = device.replace_hot(self.hot, &HotSwap::new(&slots, ins, spec)?)?;
         let per = took.as_secs_f64() / slots.len().max(1) as f64;
         self.copy_secs = Some(match self.copy_secs {
             Some(c) => 0.5 * (c + per),

@@ -5,16 +5,15 @@
 //! driver is asked. A hot job queues its copies and kernels on the device's stream and returns;
 //! [`Device::finish`] waits for the stream and copies the output back.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::RwLock;
 use std::time::Instant;
 
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::{CudaError, DeviceBuffer, DeviceTensor, Gpu, GpuSlice, NoGpu};
 
-use super::{Device, HotDone, HotId, HotJob, HotSpec, MatId, Ticket, WorkShape};
+use super::{Device, HotDone, HotId, HotJob, HotSpec, HotSwap, MatId, Queue, Ticket, WorkShape};
 use crate::error::{EngineError, Result};
 use crate::model::FfnAct;
 
@@ -45,7 +44,7 @@ pub(crate) struct CudaDevice {
     mats: RwLock<Vec<DeviceTensor>>,
     /// `None`: freed.
     hots: RwLock<Vec<Option<CudaHot>>>,
-    queued: Mutex<HashMap<u64, Queued>>,
+    queued: Queue<Queued>,
     next: AtomicU64,
     t_max: AtomicU64,
 }
@@ -75,7 +74,7 @@ impl CudaDevice {
             gpu,
             mats: RwLock::new(Vec::new()),
             hots: RwLock::new(Vec::new()),
-            queued: Mutex::new(HashMap::new()),
+            queued: Queue::new(),
             next: AtomicU64::new(0),
             t_max: AtomicU64::new(64),
         })
@@ -221,20 +220,8 @@ impl Device for CudaDevice {
         Ok(HotId(hots.len() - 1))
     }
 
-    fn replace_hot(
-        &self,
-        hot: HotId,
-        slots: &[u32],
-        neurons: &[u32],
-        spec: &HotSpec<'_>,
-    ) -> Result<std::time::Duration> {
-        if slots.len() != neurons.len() {
-            return Err(EngineError::Device(format!(
-                "{} slots for {} neurons",
-                slots.len(),
-                neurons.len()
-            )));
-        }
+    fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<std::time::Duration> {
+        let (slots, neurons, spec) = (swap.slots(), swap.neurons(), swap.spec);
         let start = Instant::now();
         let mut hots = self.hots.write().unwrap_or_else(|e| e.into_inner());
         let h = hots
@@ -375,28 +362,17 @@ impl Device for CudaDevice {
             outputs.push(y);
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.queued
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                id,
-                Queued {
-                    outputs,
-                    _inputs: keep,
-                    active,
-                    start,
-                },
-            );
-        Ok(Ticket(id))
+        let queued = Queued {
+            outputs,
+            _inputs: keep,
+            active,
+            start,
+        };
+        Ok(self.queued.push(id, queued))
     }
 
     fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone> {
-        let q = self
-            .queued
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&ticket.0)
-            .ok_or_else(|| EngineError::Device(format!("unknown device job {}", ticket.0)))?;
+        let q = self.queued.take(ticket, "device job")?;
         let s = self.gpu.stream();
         let mut at = 0;
         for y in &q.outputs {

@@ -29,6 +29,8 @@ pub use attention::AttentionBalance;
 pub use balance::{BalanceOptions, BalanceReport, LayerBalance};
 pub use calibrate::{Calibration, LinearCost};
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use half::f16;
@@ -38,6 +40,7 @@ use powerinfer_kernels_cpu::Weights;
 
 use crate::error::{EngineError, Result};
 use crate::model::FfnAct;
+use crate::profile::ratio;
 
 /// Which device runs the hot part of each layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -199,14 +202,6 @@ impl DeviceReport {
     }
 }
 
-fn ratio(a: u64, b: u64) -> f64 {
-    if b == 0 {
-        0.0
-    } else {
-        a as f64 / b as f64
-    }
-}
-
 /// What a device's work buffers must hold: up to `t_max` tokens of a model of these widths.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct WorkShape {
@@ -263,9 +258,90 @@ pub(crate) struct HotJob<'a> {
     pub(crate) threshold: f32,
 }
 
-/// A submitted [`HotJob`].
+/// Rows a [`Device::replace_hot`] call overwrites: device rows `slots` of a hot slice get the
+/// rows of `neurons`, taken from `spec`'s matrices (its bucket is ignored).
+pub(crate) struct HotSwap<'a> {
+    slots: &'a [u32],
+    neurons: &'a [u32],
+    /// Where the new rows come from.
+    pub(crate) spec: &'a HotSpec<'a>,
+}
+
+impl<'a> HotSwap<'a> {
+    /// The swap of `slots` for `neurons`, which must have the same length.
+    pub(crate) fn new(
+        slots: &'a [u32],
+        neurons: &'a [u32],
+        spec: &'a HotSpec<'a>,
+    ) -> Result<HotSwap<'a>> {
+        if slots.len() != neurons.len() {
+            return Err(EngineError::Device(format!(
+                "{} slots for {} neurons",
+                slots.len(),
+                neurons.len()
+            )));
+        }
+        Ok(HotSwap {
+            slots,
+            neurons,
+            spec,
+        })
+    }
+
+    /// The device rows to overwrite.
+    pub(crate) fn slots(&self) -> &'a [u32] {
+        self.slots
+    }
+
+    /// The neuron whose rows go to each slot.
+    pub(crate) fn neurons(&self) -> &'a [u32] {
+        self.neurons
+    }
+}
+
+/// One token's attention part over the first `n` mirrored positions of a layer.
+pub(crate) struct AttentionJob<'a> {
+    /// The layer.
+    pub(crate) layer: usize,
+    /// The token's query heads.
+    pub(crate) q: &'a [f32],
+    /// Mirrored positions to attend.
+    pub(crate) n: usize,
+    /// Heads and scale.
+    pub(crate) params: &'a AttentionParams,
+}
+
+/// A submitted [`HotJob`] or [`AttentionJob`].
 #[derive(Debug)]
 pub(crate) struct Ticket(pub(crate) u64);
+
+/// A device's submitted jobs by ticket number, until they are finished.
+pub(crate) struct Queue<T>(Mutex<HashMap<u64, T>>);
+
+impl<T> Queue<T> {
+    /// No jobs.
+    pub(crate) fn new() -> Queue<T> {
+        Queue(Mutex::new(HashMap::new()))
+    }
+
+    /// Files `job` under ticket number `id`.
+    pub(crate) fn push(&self, id: u64, job: T) -> Ticket {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, job);
+        Ticket(id)
+    }
+
+    /// Takes out the job of `ticket`; an unknown ticket is an error naming the `kind` of job.
+    pub(crate) fn take(&self, ticket: Ticket, kind: &str) -> Result<T> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&ticket.0)
+            .ok_or_else(|| EngineError::Device(format!("unknown {kind} {}", ticket.0)))
+    }
+}
 
 /// What a finished hot job did.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -304,16 +380,9 @@ pub(crate) trait Device: Send + Sync {
     fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()>;
     /// Predictor scores `fc2 · ReLU(fc1 · h)` of `t` tokens of held matrices, into `out`.
     fn scores(&self, fc1: MatId, fc2: MatId, h: &[f32], t: usize, out: &mut [f32]) -> Result<()>;
-    /// Overwrites device rows `slots` of a hot slice with the rows of `neurons` (same length),
-    /// taken from `spec`'s matrices (its bucket is ignored): a dynamic neuron cache moving
-    /// neurons in and out of the slice without allocating. Returns the time the copies took.
-    fn replace_hot(
-        &self,
-        hot: HotId,
-        slots: &[u32],
-        neurons: &[u32],
-        spec: &HotSpec<'_>,
-    ) -> Result<Duration>;
+    /// Overwrites rows of a hot slice as `swap` says: a dynamic neuron cache moving neurons in
+    /// and out of the slice without allocating. Returns the time the copies took.
+    fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<Duration>;
     /// Frees a hot slice: its memory goes back to the budget and its id becomes unknown.
     fn drop_hot(&self, hot: HotId) -> Result<()>;
     /// Copies a hot job's inputs to the device and queues it; returns at once.
@@ -341,15 +410,9 @@ pub(crate) trait Device: Send + Sync {
         )))
     }
 
-    /// Queues one token's attention part over the first `n` mirrored positions of `layer`.
-    fn submit_attention(
-        &self,
-        layer: usize,
-        q: &[f32],
-        n: usize,
-        params: &AttentionParams,
-    ) -> Result<Ticket> {
-        let _ = (layer, q, n, params);
+    /// Queues one token's attention part.
+    fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket> {
+        let _ = job;
         Err(EngineError::Device(format!(
             "{} does not run attention",
             self.name()

@@ -17,7 +17,6 @@
 //!
 //! The arithmetic is that of the CPU kernels (`powerinfer-kernels-cpu`) on the device's copies.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, RwLock};
@@ -32,7 +31,8 @@ use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::{
-    Device, HotDone, HotId, HotJob, HotSpec, MatId, SimOptions, SimSpeed, Ticket, WorkShape,
+    AttentionJob, Device, HotDone, HotId, HotJob, HotSpec, HotSwap, MatId, Queue, SimOptions,
+    SimSpeed, Ticket, WorkShape,
 };
 use crate::error::{EngineError, Result};
 use crate::exec::neurons::{token_ffn, NeuronRows, TokenBufs};
@@ -187,8 +187,8 @@ pub(crate) struct SimDevice {
     memory: Arc<RwLock<Memory>>,
     stream: Mutex<Sender<Cmd>>,
     worker: Option<JoinHandle<()>>,
-    pending: Mutex<HashMap<u64, HotReply>>,
-    pending_attention: Mutex<HashMap<u64, AttentionReply>>,
+    pending: Queue<HotReply>,
+    pending_attention: Queue<AttentionReply>,
     next: AtomicU64,
     overruns: Arc<AtomicU64>,
     threads: usize,
@@ -243,8 +243,8 @@ impl SimDevice {
             memory,
             stream: Mutex::new(tx),
             worker: Some(worker),
-            pending: Mutex::new(HashMap::new()),
-            pending_attention: Mutex::new(HashMap::new()),
+            pending: Queue::new(),
+            pending_attention: Queue::new(),
             next: AtomicU64::new(0),
             overruns,
             threads: opts.threads.max(1),
@@ -393,20 +393,8 @@ impl Device for SimDevice {
         Ok(HotId(mem.hots.len() - 1))
     }
 
-    fn replace_hot(
-        &self,
-        hot: HotId,
-        slots: &[u32],
-        neurons: &[u32],
-        spec: &HotSpec<'_>,
-    ) -> Result<Duration> {
-        if slots.len() != neurons.len() {
-            return Err(EngineError::Device(format!(
-                "{} slots for {} neurons",
-                slots.len(),
-                neurons.len()
-            )));
-        }
+    fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<Duration> {
+        let (slots, neurons, spec) = (swap.slots(), swap.neurons(), swap.spec);
         let gather = |w: &Weights<'_>| -> Result<Vec<u8>> {
             let rb = w.row_bytes();
             let mut out = Vec::with_capacity(neurons.len() * rb);
@@ -488,20 +476,11 @@ impl Device for SimDevice {
             reply,
         })?;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, answer);
-        Ok(Ticket(id))
+        Ok(self.pending.push(id, answer))
     }
 
     fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone> {
-        let answer = self
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&ticket.0)
-            .ok_or_else(|| EngineError::Device(format!("unknown device job {}", ticket.0)))?;
+        let answer = self.pending.take(ticket, "device job")?;
         let (y, done) = wait(&answer, REPLY_SPIN).map_err(stopped)??;
         if y.len() != out.len() {
             return Err(EngineError::Device(format!(
@@ -547,36 +526,21 @@ impl Device for SimDevice {
         wait(&answer, REPLY_SPIN).map_err(stopped)?
     }
 
-    fn submit_attention(
-        &self,
-        layer: usize,
-        q: &[f32],
-        n: usize,
-        params: &AttentionParams,
-    ) -> Result<Ticket> {
+    fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket> {
         let (reply, answer) = channel();
         self.send(Cmd::Attend {
-            layer,
-            q: q.to_vec(),
-            n,
-            params: *params,
+            layer: job.layer,
+            q: job.q.to_vec(),
+            n: job.n,
+            params: *job.params,
             reply,
         })?;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.pending_attention
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, answer);
-        Ok(Ticket(id))
+        Ok(self.pending_attention.push(id, answer))
     }
 
     fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)> {
-        let answer = self
-            .pending_attention
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&ticket.0)
-            .ok_or_else(|| EngineError::Device(format!("unknown attention job {}", ticket.0)))?;
+        let answer = self.pending_attention.take(ticket, "attention job")?;
         wait(&answer, REPLY_SPIN).map_err(stopped)?
     }
 

@@ -15,6 +15,7 @@ use powerinfer_kernels_cpu::ops::rope::rope_block;
 use super::step::{add_bias, norm, LayerRun, Step};
 use super::weights::{product, products_one_token, QkvMats};
 use crate::device::balance::Balance;
+use crate::device::AttentionJob;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::Qkv;
@@ -124,7 +125,13 @@ pub(crate) fn attention(
                 a.sync(d, cache, sg.seq, l, s)?;
                 let (kc, vc) = cache.layer(sg.seq, l)?;
                 kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
-                let ticket = d.submit_attention(l, q_s, s, &step.ap)?;
+                let job = AttentionJob {
+                    layer: l,
+                    q: q_s,
+                    n: s,
+                    params: &step.ap,
+                };
+                let ticket = d.submit_attention(&job)?;
                 let t0 = Instant::now();
                 let mut cpu_part = AttentionPart::default();
                 attention_part(q_s, &kc[s * nkv..], &vc[s * nkv..], &step.ap, &mut cpu_part)?;

@@ -245,27 +245,9 @@ impl Executor {
     /// quantized weights they are bit-identical.
     ///
     /// Errors: a sequence twice in the batch, an unknown sequence, or a segment that does not
-    /// fit its context; nothing is evaluated then. On any error the cache keeps none of the
-    /// batch's rows.
+    /// fit its context; nothing is evaluated then. After an error the cache may hold some of
+    /// the batch's rows: the caller ([`Engine::eval`](crate::Engine::eval)) rolls them back.
     pub(crate) fn eval(
-        &self,
-        model: &Model,
-        pool: &ThreadPool,
-        cache: &mut KvCache,
-        batch: &Batch<'_>,
-        opts: EvalOptions<'_>,
-    ) -> Result<Vec<EvalOutput>> {
-        let out = self.eval_inner(model, pool, cache, batch, opts);
-        if out.is_err() {
-            // Nothing of a failed evaluation stays in the cache.
-            for sg in batch.segments() {
-                cache.rollback(sg.seq);
-            }
-        }
-        out
-    }
-
-    fn eval_inner(
         &self,
         model: &Model,
         pool: &ThreadPool,
