@@ -3,6 +3,7 @@
 //! server-sent events or not.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -111,38 +112,35 @@ pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     }
 }
 
-/// An optional number field.
-fn num(body: &Value, key: &'static str) -> Result<Option<f64>, ApiError> {
+/// An optional field read by `get`; a value `get` refuses is a 400 saying that the field must
+/// be `what`.
+fn field<T>(
+    body: &Value,
+    key: &'static str,
+    what: &str,
+    get: impl Fn(&Value) -> Option<T>,
+) -> Result<Option<T>, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
+        Some(v) => get(v)
             .map(Some)
-            .ok_or_else(|| ApiError::bad(format!("'{key}' must be a number"), Some(key))),
+            .ok_or_else(|| ApiError::bad(format!("'{key}' must be {what}"), Some(key))),
     }
+}
+
+/// An optional number field.
+fn num(body: &Value, key: &'static str) -> Result<Option<f64>, ApiError> {
+    field(body, key, "a number", Value::as_f64)
 }
 
 /// An optional integer field.
 fn int(body: &Value, key: &'static str) -> Result<Option<i64>, ApiError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_i64()
-            .map(Some)
-            .ok_or_else(|| ApiError::bad(format!("'{key}' must be an integer"), Some(key))),
-    }
+    field(body, key, "an integer", Value::as_i64)
 }
 
-/// An optional boolean field.
+/// An optional boolean field (absent: false).
 fn boolean(body: &Value, key: &'static str) -> Result<bool, ApiError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(ApiError::bad(
-            format!("'{key}' must be a boolean"),
-            Some(key),
-        )),
-    }
+    Ok(field(body, key, "a boolean", Value::as_bool)?.unwrap_or(false))
 }
 
 /// A number field within `lo ..= hi`.
@@ -531,19 +529,143 @@ fn body_json(bytes: &Bytes) -> Result<Value, ApiError> {
     Ok(v)
 }
 
+/// What differs between `/v1/completions` and `/v1/chat/completions` (see [`complete`]).
+struct Endpoint {
+    /// Prefix of the response ids.
+    id_prefix: &'static str,
+    /// `object` of a whole response.
+    object: &'static str,
+    /// `object` of a streamed chunk.
+    chunk_object: &'static str,
+    /// The choice of a stream's opening chunk, if it has one.
+    opening: Option<fn() -> Value>,
+    /// The choice of a streamed chunk: its text and, on the last, how the sequence ended.
+    chunk_choice: fn(String, Option<&'static str>) -> Value,
+    /// Choice `i` of a whole response: its text and how it ended.
+    choice: fn(usize, String, &'static str) -> Value,
+}
+
+/// `/v1/completions`.
+const COMPLETIONS: Endpoint = Endpoint {
+    id_prefix: "cmpl",
+    object: "text_completion",
+    chunk_object: "text_completion",
+    opening: None,
+    chunk_choice: |text, reason| json!({"text": text, "index": 0, "logprobs": null, "finish_reason": reason}),
+    choice: |i, text, reason| json!({"text": text, "index": i, "logprobs": null, "finish_reason": reason}),
+};
+
+/// `/v1/chat/completions`.
+const CHAT: Endpoint = Endpoint {
+    id_prefix: "chatcmpl",
+    object: "chat.completion",
+    chunk_object: "chat.completion.chunk",
+    opening: Some(|| {
+        json!({"index": 0, "delta": {"role": "assistant", "content": ""},
+               "finish_reason": null})
+    }),
+    chunk_choice: |text, reason| {
+        let delta = if text.is_empty() {
+            json!({})
+        } else {
+            json!({"content": text})
+        };
+        json!({"index": 0, "delta": delta, "finish_reason": reason})
+    },
+    choice: |i, text, reason| {
+        json!({"index": i, "message": {"role": "assistant", "content": text},
+               "finish_reason": reason})
+    },
+};
+
+/// A POST endpoint's response: 401 without the API key, else `inner`'s response or its error.
+async fn respond(
+    state: &AppState,
+    headers: &HeaderMap,
+    inner: impl Future<Output = Result<Response, ApiError>>,
+) -> Response {
+    if !authorized(state, headers) {
+        return ApiError::unauthorized().respond(&state.metrics);
+    }
+    match inner.await {
+        Ok(r) => r,
+        Err(e) => e.respond(&state.metrics),
+    }
+}
+
+/// Generates for the prompt `tokens` of request `body` at endpoint `ep`: `n` whole completions,
+/// or one streamed as server-sent events (each chunk with one choice, the last with the usage,
+/// then `[DONE]`).
+async fn complete(
+    state: &AppState,
+    body: &Value,
+    tokens: Vec<u32>,
+    ep: &'static Endpoint,
+) -> Result<Response, ApiError> {
+    let ask = ask(state, body, tokens.len())?;
+    let id = request_id(ep.id_prefix);
+    let model = state.model_id.clone();
+    if ask.stream {
+        let rx = submit(state, tokens, ask.params.clone()).await?;
+        state.metrics.response(200);
+        let chunk = move |choice: Value| {
+            json!({
+                "id": id, "object": ep.chunk_object, "created": now(), "model": model,
+                "choices": [choice],
+            })
+        };
+        let opening = ep
+            .opening
+            .map(|c| Ok::<_, Infallible>(SseEvent::default().data(chunk(c()).to_string())));
+        let events = text_stream(rx, ask.params.stop.clone()).flat_map(move |(text, end)| {
+            let mut out = vec![];
+            let mut chunk = chunk((ep.chunk_choice)(
+                text,
+                end.as_ref().map(|e| finish_reason(&e.0)),
+            ));
+            if let Some((_, p, g)) = &end {
+                chunk["usage"] = usage(*p, *g);
+            }
+            out.push(Ok::<_, Infallible>(
+                SseEvent::default().data(chunk.to_string()),
+            ));
+            if end.is_some() {
+                out.push(Ok(SseEvent::default().data("[DONE]")));
+            }
+            stream::iter(out)
+        });
+        return Ok(Sse::new(stream::iter(opening).chain(events))
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut generated) = (0, 0);
+    let mut pending = Vec::new();
+    for i in 0..ask.n {
+        let params = ask.params.clone().with(|p| p.seed += i as u64);
+        pending.push(submit(state, tokens.clone(), params).await?);
+    }
+    for (i, rx) in pending.into_iter().enumerate() {
+        let (text, reason, p, g) = collect(rx).await?;
+        prompt_tokens = p;
+        generated += g;
+        choices.push((ep.choice)(i, text, finish_reason(&reason)));
+    }
+    state.metrics.response(200);
+    Ok(Json(json!({
+        "id": id, "object": ep.object, "created": now(), "model": model,
+        "choices": choices, "usage": usage(prompt_tokens, generated),
+    }))
+    .into_response())
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<AppState>,
     headers: HeaderMap,
     bytes: Bytes,
 ) -> Response {
-    if !authorized(&state, &headers) {
-        return ApiError::unauthorized().respond(&state.metrics);
-    }
-    match completions_inner(&state, &bytes).await {
-        Ok(r) => r,
-        Err(e) => e.respond(&state.metrics),
-    }
+    respond(&state, &headers, completions_inner(&state, &bytes)).await
 }
 
 async fn completions_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiError> {
@@ -568,54 +690,7 @@ async fn completions_inner(state: &AppState, bytes: &Bytes) -> Result<Response, 
         None => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
         _ => return Err(bad_prompt()),
     };
-    let ask = ask(state, &body, tokens.len())?;
-    let id = request_id("cmpl");
-    let model = state.model_id.clone();
-    if ask.stream {
-        let rx = submit(state, tokens, ask.params.clone()).await?;
-        state.metrics.response(200);
-        let events = text_stream(rx, ask.params.stop.clone()).flat_map(move |(text, end)| {
-            let mut out = vec![];
-            let mut chunk = json!({
-                "id": id, "object": "text_completion", "created": now(), "model": model,
-                "choices": [{"text": text, "index": 0, "logprobs": null,
-                             "finish_reason": end.as_ref().map(|e| finish_reason(&e.0))}],
-            });
-            if let Some((_, p, g)) = &end {
-                chunk["usage"] = usage(*p, *g);
-            }
-            out.push(Ok::<_, Infallible>(
-                SseEvent::default().data(chunk.to_string()),
-            ));
-            if end.is_some() {
-                out.push(Ok(SseEvent::default().data("[DONE]")));
-            }
-            stream::iter(out)
-        });
-        return Ok(Sse::new(events)
-            .keep_alive(KeepAlive::default())
-            .into_response());
-    }
-    let mut choices = Vec::new();
-    let (mut prompt_tokens, mut generated) = (0, 0);
-    let mut pending = Vec::new();
-    for i in 0..ask.n {
-        let params = ask.params.clone().with(|p| p.seed += i as u64);
-        pending.push(submit(state, tokens.clone(), params).await?);
-    }
-    for (i, rx) in pending.into_iter().enumerate() {
-        let (text, reason, p, g) = collect(rx).await?;
-        prompt_tokens = p;
-        generated += g;
-        choices.push(json!({"text": text, "index": i, "logprobs": null,
-                            "finish_reason": finish_reason(&reason)}));
-    }
-    state.metrics.response(200);
-    Ok(Json(json!({
-        "id": id, "object": "text_completion", "created": now(), "model": model,
-        "choices": choices, "usage": usage(prompt_tokens, generated),
-    }))
-    .into_response())
+    complete(state, &body, tokens, &COMPLETIONS).await
 }
 
 /// The messages of a chat request.
@@ -658,13 +733,7 @@ pub async fn chat_completions(
     headers: HeaderMap,
     bytes: Bytes,
 ) -> Response {
-    if !authorized(&state, &headers) {
-        return ApiError::unauthorized().respond(&state.metrics);
-    }
-    match chat_inner(&state, &bytes).await {
-        Ok(r) => r,
-        Err(e) => e.respond(&state.metrics),
-    }
+    respond(&state, &headers, chat_inner(&state, &bytes)).await
 }
 
 async fn chat_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiError> {
@@ -677,69 +746,7 @@ async fn chat_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiErro
     let bos = state.template.bos_token();
     let add_bos = bos.is_empty() || !prompt.starts_with(bos);
     let tokens = state.engine.tokenizer().encode(&prompt, add_bos, true);
-    let ask = ask(state, &body, tokens.len())?;
-    let id = request_id("chatcmpl");
-    let model = state.model_id.clone();
-    if ask.stream {
-        let rx = submit(state, tokens, ask.params.clone()).await?;
-        state.metrics.response(200);
-        let first = json!({
-            "id": id, "object": "chat.completion.chunk", "created": now(), "model": model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "finish_reason": null}],
-        });
-        let head = stream::iter(vec![Ok::<_, Infallible>(
-            SseEvent::default().data(first.to_string()),
-        )]);
-        let body = text_stream(rx, ask.params.stop.clone()).flat_map(move |(text, end)| {
-            let mut out = vec![];
-            let delta = if text.is_empty() {
-                json!({})
-            } else {
-                json!({"content": text})
-            };
-            let mut chunk = json!({
-                "id": id, "object": "chat.completion.chunk", "created": now(), "model": model,
-                "choices": [{"index": 0, "delta": delta,
-                             "finish_reason": end.as_ref().map(|e| finish_reason(&e.0))}],
-            });
-            if let Some((_, p, g)) = &end {
-                chunk["usage"] = usage(*p, *g);
-            }
-            out.push(Ok::<_, Infallible>(
-                SseEvent::default().data(chunk.to_string()),
-            ));
-            if end.is_some() {
-                out.push(Ok(SseEvent::default().data("[DONE]")));
-            }
-            stream::iter(out)
-        });
-        return Ok(Sse::new(head.chain(body))
-            .keep_alive(KeepAlive::default())
-            .into_response());
-    }
-    let mut choices = Vec::new();
-    let (mut prompt_tokens, mut generated) = (0, 0);
-    let mut pending = Vec::new();
-    for i in 0..ask.n {
-        let params = ask.params.clone().with(|p| p.seed += i as u64);
-        pending.push(submit(state, tokens.clone(), params).await?);
-    }
-    for (i, rx) in pending.into_iter().enumerate() {
-        let (text, reason, p, g) = collect(rx).await?;
-        prompt_tokens = p;
-        generated += g;
-        choices.push(
-            json!({"index": i, "message": {"role": "assistant", "content": text},
-                            "finish_reason": finish_reason(&reason)}),
-        );
-    }
-    state.metrics.response(200);
-    Ok(Json(json!({
-        "id": id, "object": "chat.completion", "created": now(), "model": model,
-        "choices": choices, "usage": usage(prompt_tokens, generated),
-    }))
-    .into_response())
+    complete(state, &body, tokens, &CHAT).await
 }
 
 /// `GET /v1/models`.
