@@ -8,7 +8,7 @@
 //! The text is tokenized once (with BOS) and evaluated in chunks of `--ctx` tokens, each chunk
 //! as a fresh sequence.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use powerinfer_engine::Engine;
@@ -18,15 +18,52 @@ use powerinfer_predictor::quality::{Confusion, PredictorQuality};
 use powerinfer_predictor::stats::SAFETENSORS_FILE_NAME;
 use serde_json::{json, Value};
 
-/// Arguments of `powerinfer profile`.
+/// The model and the text of `profile` and `train-predictor` (each command words their help
+/// for itself).
 #[derive(clap::Args)]
-pub struct Args {
-    /// Model file (PowerInfer or dense GGUF; `--eval-predictor` needs a PowerInfer file).
+pub struct Input {
+    /// Model file.
     #[arg(short = 'm', long = "model")]
     pub model: PathBuf,
-    /// Text file to profile on.
+    /// Text file.
     #[arg(short = 'f', long = "file")]
     pub file: PathBuf,
+}
+
+/// Sets a command's help of the [`Input`] arguments (through `mut_args`, which keeps the
+/// arguments' order).
+pub fn input_help(model: &'static str, file: &'static str) -> impl FnMut(clap::Arg) -> clap::Arg {
+    move |a| match a.get_id().as_str() {
+        "model" => a.help(model),
+        "file" => a.help(file),
+        _ => a,
+    }
+}
+
+/// How `profile` and `train-predictor` run the text through the model.
+#[derive(clap::Args)]
+pub struct Chunks {
+    /// Threads (0 = all cores).
+    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    pub threads: usize,
+    /// Tokens per chunk (each chunk is a fresh sequence).
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Use at most this many tokens of the text (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub max_tokens: usize,
+}
+
+/// Arguments of `powerinfer profile`.
+#[derive(clap::Args)]
+#[command(mut_args(input_help(
+    "Model file (PowerInfer or dense GGUF; `--eval-predictor` needs a PowerInfer file)",
+    "Text file to profile on",
+)))]
+pub struct Args {
+    /// The model and the text.
+    #[command(flatten)]
+    pub input: Input,
     /// Output folder: writes `DIR/activation/activation_N.pt` and
     /// `DIR/activation/activation.safetensors`.
     #[arg(long)]
@@ -37,15 +74,9 @@ pub struct Args {
     /// Predictor threshold θ for `--eval-predictor` (default: env, then the file's, then 0).
     #[arg(long = "sparse-threshold")]
     pub sparse_threshold: Option<f32>,
-    /// Threads (0 = all cores).
-    #[arg(short = 't', long = "threads", default_value_t = 0)]
-    pub threads: usize,
-    /// Tokens per chunk (each chunk is a fresh sequence).
-    #[arg(long, default_value_t = 512)]
-    pub ctx: usize,
-    /// Use at most this many tokens of the text (0 = all).
-    #[arg(long, default_value_t = 0)]
-    pub max_tokens: usize,
+    /// Threads and chunks.
+    #[command(flatten)]
+    pub chunks: Chunks,
     /// Print a JSON report on stdout.
     #[arg(long)]
     pub json: bool,
@@ -53,13 +84,16 @@ pub struct Args {
 
 /// Loads the model for observation and tokenizes the text (BOS first, at most `max_tokens`).
 pub fn load(
-    model: &Path,
-    file: &Path,
-    threads: usize,
-    ctx: usize,
-    max_tokens: usize,
+    input: &Input,
+    chunks: &Chunks,
     sparse_threshold: Option<f32>,
 ) -> Result<(Engine, Vec<u32>), String> {
+    let (model, file) = (&input.model, &input.file);
+    let Chunks {
+        threads,
+        ctx,
+        max_tokens,
+    } = *chunks;
     if ctx == 0 {
         return Err("--ctx must be positive".into());
     }
@@ -142,21 +176,14 @@ pub fn run(args: Args) -> Result<(), String> {
     if args.out.is_none() && !args.eval_predictor {
         return Err("nothing to do: pass --out DIR and/or --eval-predictor".into());
     }
-    let (engine, tokens) = load(
-        &args.model,
-        &args.file,
-        args.threads,
-        args.ctx,
-        args.max_tokens,
-        args.sparse_threshold,
-    )?;
+    let (engine, tokens) = load(&args.input, &args.chunks, args.sparse_threshold)?;
     let hp = &engine.model().hparams();
     let (n_layer, n_ff) = (hp.n_layer, hp.n_ff);
     let theta = engine.threshold();
     if args.eval_predictor && !engine.is_sparse() {
         return Err(format!(
             "{}: --eval-predictor needs a PowerInfer file (this one has no predictor)",
-            args.model.display()
+            args.input.model.display()
         ));
     }
     let mut obs = ProfileObserver {
@@ -168,7 +195,7 @@ pub fn run(args: Args) -> Result<(), String> {
         count_time: Duration::ZERO,
         error: None,
     };
-    let elapsed = observe_text(&engine, &tokens, args.ctx, &mut obs)?;
+    let elapsed = observe_text(&engine, &tokens, args.chunks.ctx, &mut obs)?;
     if let Some(e) = obs.error {
         return Err(e);
     }
@@ -203,7 +230,7 @@ pub fn run(args: Args) -> Result<(), String> {
             })
             .collect();
         let mut v = json!({
-            "model": args.model.display().to_string(),
+            "model": args.input.model.display().to_string(),
             "tokens": n_tok,
             "n_layer": n_layer,
             "n_ff": n_ff,

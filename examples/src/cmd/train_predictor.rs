@@ -23,17 +23,18 @@ use powerinfer_predictor::train::{
 };
 use serde_json::json;
 
-use super::profile::{confusion_json, load, observe_text};
+use super::profile::{confusion_json, input_help, load, observe_text, Chunks, Input};
 
 /// Arguments of `powerinfer train-predictor`.
 #[derive(clap::Args)]
+#[command(mut_args(input_help(
+    "Model file (PowerInfer or dense GGUF of a ReLU-family model)",
+    "Text file to train on",
+)))]
 pub struct Args {
-    /// Model file (PowerInfer or dense GGUF of a ReLU-family model).
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
-    /// Text file to train on.
-    #[arg(short = 'f', long = "file")]
-    pub file: PathBuf,
+    /// The model and the text.
+    #[command(flatten)]
+    pub input: Input,
     /// Hidden width of each predictor.
     #[arg(long)]
     pub rank: usize,
@@ -66,15 +67,9 @@ pub struct Args {
     /// against the F32 form is written as F32, with a warning).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
-    /// Threads (0 = all cores).
-    #[arg(short = 't', long = "threads", default_value_t = 0)]
-    pub threads: usize,
-    /// Tokens per chunk (each chunk is a fresh sequence).
-    #[arg(long, default_value_t = 512)]
-    pub ctx: usize,
-    /// Use at most this many tokens of the text (0 = all).
-    #[arg(long, default_value_t = 0)]
-    pub max_tokens: usize,
+    /// Threads and chunks.
+    #[command(flatten)]
+    pub chunks: Chunks,
     /// Refuse a model whose measured FFN density (share of neurons active per token, over
     /// all layers) is above this: a predictor for it would select nearly every neuron (a ReLU
     /// checkpoint run with SiLU reads as dense).
@@ -118,14 +113,7 @@ pub fn run(args: Args) -> Result<(), String> {
     if !(0.0..1.0).contains(&args.holdout) {
         return Err("--holdout must be in [0, 1)".into());
     }
-    let (engine, tokens) = load(
-        &args.model,
-        &args.file,
-        args.threads,
-        args.ctx,
-        args.max_tokens,
-        None,
-    )?;
+    let (engine, tokens) = load(&args.input, &args.chunks, None)?;
     let hp = &engine.model().hparams();
     let (n_layer, n_embd, n_ff) = (hp.n_layer, hp.n_embd, hp.n_ff);
     let mut c = Collector {
@@ -134,7 +122,7 @@ pub fn run(args: Args) -> Result<(), String> {
             .collect(),
         error: None,
     };
-    let collect_time = observe_text(&engine, &tokens, args.ctx, &mut c)?;
+    let collect_time = observe_text(&engine, &tokens, args.chunks.ctx, &mut c)?;
     if let Some(e) = c.error {
         return Err(e);
     }
@@ -156,7 +144,7 @@ pub fn run(args: Args) -> Result<(), String> {
              {}: the FFN is not sparse, so a predictor would select nearly every neuron. Is it a \
              ReLU model run with its activation (a ReLU checkpoint converted as SiLU reads as \
              dense)?",
-            args.model.display(),
+            args.input.model.display(),
             c.layers[worst].density(),
             args.max_density
         ));
@@ -273,7 +261,7 @@ pub fn run(args: Args) -> Result<(), String> {
     }
     if args.json {
         let mut v = json!({
-            "model": args.model.display().to_string(),
+            "model": args.input.model.display().to_string(),
             "tokens": tokens.len(),
             "rank": args.rank,
             "threshold": args.threshold,
