@@ -50,30 +50,23 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block; every thread gets the result. `red` is __shared__ float[32]. Ends with the
-// block synchronised so `red` can be reused.
-__device__ __forceinline__ float block_sum(float v, float* red) {
+// Sum (MAX false) or maximum (MAX true) over the block; every thread gets the result. `red` is
+// __shared__ float[32]. Ends with the block synchronised so `red` can be reused.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     if (lane == 0) red[warp] = v;
     __syncthreads();
-    float r = lane < nw ? red[lane] : 0.0f;
-    r = warp_sum(r);
+    float r = lane < nw ? red[lane] : (MAX ? -3.402823466e38f : 0.0f);
+    r = MAX ? warp_max(r) : warp_sum(r);
     __syncthreads();
     return r;
 }
 
-// Maximum over the block; as block_sum.
-__device__ __forceinline__ float block_max(float v, float* red) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = lane < nw ? red[lane] : -3.402823466e38f;
-    r = warp_max(r);
-    __syncthreads();
-    return r;
-}
+__device__ __forceinline__ float block_sum(float v, float* red) { return block_reduce<false>(v, red); }
+
+__device__ __forceinline__ float block_max(float v, float* red) { return block_reduce<true>(v, red); }
 
 // 4 bytes at a 2-byte aligned address.
 __device__ __forceinline__ u32 load_u32_a2(const u8* p) {
