@@ -123,7 +123,7 @@ pub fn gelu_tanh(x: f64) -> f64 {
 /// Attention of one token over every row of the caches: for query head `h`, kv head
 /// `h / (n_head / n_kv_head)`, `s_p = scale · q_h · K[p]`, `w = softmax(s)`, `out_h = Σ w_p V[p]`.
 /// `k` and `v` are `[n_pos][n_kv_head][head_dim]` (see [`crate::ops::attention`]); the result
-/// has `n_head · head_dim` values.
+/// has `n_head · head_dim` values. The same as [`attention_block`] of one token.
 pub fn attention(
     q: &[f32],
     k: &[f16],
@@ -133,39 +133,12 @@ pub fn attention(
     head_dim: usize,
     scale: f64,
 ) -> Vec<f64> {
-    let kv_row = n_kv_head * head_dim;
-    let n_pos = k.len() / kv_row;
-    let group = n_head / n_kv_head;
-    let mut out = vec![0f64; n_head * head_dim];
-    for h in 0..n_head {
-        let off = (h / group) * head_dim;
-        let qh = &q[h * head_dim..(h + 1) * head_dim];
-        let s: Vec<f64> = (0..n_pos)
-            .map(|p| {
-                let kh = &k[p * kv_row + off..][..head_dim];
-                scale
-                    * qh.iter()
-                        .zip(kh)
-                        .map(|(&a, &b)| f64::from(a) * f64::from(b.to_f32()))
-                        .sum::<f64>()
-            })
-            .collect();
-        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let w: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
-        let sum: f64 = w.iter().sum();
-        let oh = &mut out[h * head_dim..(h + 1) * head_dim];
-        for (p, &wp) in w.iter().enumerate() {
-            let vh = &v[p * kv_row + off..][..head_dim];
-            for (o, &x) in oh.iter_mut().zip(vh) {
-                *o += wp / sum * f64::from(x.to_f32());
-            }
-        }
-    }
-    out
+    attention_block(q, k, v, 1, n_head, n_kv_head, head_dim, scale)
 }
 
 /// Causal attention of the last `n_tokens` rows of the caches: token `t` (queries
-/// `q[t·n_head·head_dim ..]`) attends to rows `0..=n_pos − n_tokens + t`, by [`attention`].
+/// `q[t·n_head·head_dim ..]`) attends to rows `0..=n_pos − n_tokens + t` as [`attention`]
+/// describes.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_block(
     q: &[f32],
@@ -181,18 +154,38 @@ pub fn attention_block(
     let n_pos = k.len() / kv_row;
     let p0 = n_pos - n_tokens;
     let q_len = n_head * head_dim;
-    let mut out = Vec::with_capacity(n_tokens * q_len);
-    for t in 0..n_tokens {
-        let end = (p0 + t + 1) * kv_row;
-        out.extend(attention(
-            &q[t * q_len..(t + 1) * q_len],
-            &k[..end],
-            &v[..end],
-            n_head,
-            n_kv_head,
-            head_dim,
-            scale,
-        ));
+    let group = n_head / n_kv_head;
+    let mut out = vec![0f64; n_tokens * q_len];
+    for (t, (q, out)) in q
+        .chunks_exact(q_len)
+        .zip(out.chunks_exact_mut(q_len))
+        .enumerate()
+    {
+        let n_pos = p0 + t + 1;
+        for h in 0..n_head {
+            let off = (h / group) * head_dim;
+            let qh = &q[h * head_dim..(h + 1) * head_dim];
+            let s: Vec<f64> = (0..n_pos)
+                .map(|p| {
+                    let kh = &k[p * kv_row + off..][..head_dim];
+                    scale
+                        * qh.iter()
+                            .zip(kh)
+                            .map(|(&a, &b)| f64::from(a) * f64::from(b.to_f32()))
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            let oh = &mut out[h * head_dim..(h + 1) * head_dim];
+            for (p, &wp) in w.iter().enumerate() {
+                let vh = &v[p * kv_row + off..][..head_dim];
+                for (o, &x) in oh.iter_mut().zip(vh) {
+                    *o += wp / sum * f64::from(x.to_f32());
+                }
+            }
+        }
     }
     out
 }
