@@ -26,6 +26,37 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// The horizontal sums ([`hsum`]) of `N` accumulators: the end of the Q6_K dot kernels.
+///
+/// # Safety
+/// AVX2 available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn hsums<const N: usize>(acc: [__m256; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for k in 0..N {
+        // SAFETY: AVX2 available (caller).
+        out[k] = unsafe { hsum(acc[k]) };
+    }
+    out
+}
+
+/// The horizontal sums ([`hsum`]) of `N` accumulators, each less `corr[k]`: the end of the
+/// Q4_K/Q5_K dot kernels (`corr`: the minimum terms).
+///
+/// # Safety
+/// AVX2 available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn hsums_less<const N: usize>(acc: [__m256; N], corr: [f32; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for k in 0..N {
+        // SAFETY: AVX2 available (caller).
+        out[k] = unsafe { hsum(acc[k]) } - corr[k];
+    }
+    out
+}
+
 /// f16 (little-endian bytes at `p`) to f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -14,7 +14,9 @@ macro_rules! int_kernels {
         pub(crate) mod $m {
         use crate::matmul::act::Act;
         use crate::matmul::scalar::scale_min_k4;
-        use crate::matmul::x86::common::{f16_scalar, hsum, q4_0_pair_act, q4_0_pair_weights};
+        use crate::matmul::x86::common::{
+            f16_scalar, hsum, hsums, hsums_less, q4_0_pair_act, q4_0_pair_weights,
+        };
         use std::arch::x86_64::*;
 
         $($helpers)*
@@ -436,12 +438,8 @@ macro_rules! int_kernels {
                     }
                 }
             }
-            let mut out = [0f32; N];
-            for k in 0..N {
-                // SAFETY: this function's CPU features are available (its contract).
-                out[k] = unsafe { hsum(acc[k]) - corr[k] };
-            }
-            out
+            // SAFETY: this function's CPU features are available (its contract).
+            unsafe { hsums_less(acc, corr) }
         }
 
         /// Q6_K row · `N` Q8_K activations: unsigned 6-bit values (0..63) with `maddubs`, `madd` with the
@@ -509,12 +507,8 @@ macro_rules! int_kernels {
                     }
                 }
             }
-            let mut out = [0f32; N];
-            for k in 0..N {
-                // SAFETY: this function's CPU features are available (its contract).
-                out[k] = unsafe { hsum(acc[k]) };
-            }
-            out
+            // SAFETY: this function's CPU features are available (its contract).
+            unsafe { hsums(acc) }
         }
 
         pub(crate) fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {

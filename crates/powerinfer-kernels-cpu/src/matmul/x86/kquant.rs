@@ -33,7 +33,7 @@
 #![allow(clippy::needless_range_loop)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::common::{f16_scalar, hsum, range_blocks};
+use super::common::{f16_scalar, hsums, hsums_less, range_blocks};
 use crate::matmul::act::Act;
 use std::arch::x86_64::*;
 
@@ -75,6 +75,19 @@ fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
     _mm_cvtsi128_si32(s)
+}
+
+/// `Σ_g w[g] · bs[g]` over the 16 group sums of activation `a`'s super-block `b` and the 16 i16
+/// lanes of `w` (exact: the products and their sum fit in i32).
+///
+/// # Safety
+/// `a` has the group sums of super-block `b`; AVX2 available.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn group_sums_dot(a: &Act<'_>, b: usize, w: __m256i) -> i32 {
+    // SAFETY: 16 i16 group sums at `b * 16` (caller).
+    let bs = unsafe { _mm256_loadu_si256(a.bs.as_ptr().add(b * 16) as *const __m256i) };
+    hsum_i32(_mm256_madd_epi16(bs, w))
 }
 
 /// The low and high 256-bit halves of `v` added lane by lane.
@@ -198,8 +211,7 @@ unsafe fn dot_q45k<const N: usize, const FIVE: bool, const STREAM: bool>(
             }
             for k in 0..N {
                 let a = acts[k];
-                let bs = _mm256_loadu_si256(a.bs.as_ptr().add(b * 16) as *const __m256i);
-                let sum_m = hsum_i32(_mm256_madd_epi16(bs, mins16));
+                let sum_m = group_sums_dot(a, b, mins16);
                 let dx = *a.d.get_unchecked(b);
                 acc[k] = _mm256_fmadd_ps(
                     _mm256_cvtepi32_ps(fold_i32(sumi[k])),
@@ -210,12 +222,8 @@ unsafe fn dot_q45k<const N: usize, const FIVE: bool, const STREAM: bool>(
             }
         }
     }
-    let mut out = [0f32; N];
-    for k in 0..N {
-        // SAFETY: this function's CPU features are available (its contract).
-        out[k] = unsafe { hsum(acc[k]) - corr[k] };
-    }
-    out
+    // SAFETY: this function's CPU features are available (its contract).
+    unsafe { hsums_less(acc, corr) }
 }
 
 /// Q6_K row · `N` Q8_K activations: unsigned 6-bit values (0..63) times the signed 16-value
@@ -279,8 +287,7 @@ unsafe fn dot_q6k_n<const N: usize, const STREAM: bool>(
             }
             for k in 0..N {
                 let a = acts[k];
-                let bs = _mm256_loadu_si256(a.bs.as_ptr().add(b * 16) as *const __m256i);
-                let off = hsum_i32(_mm256_madd_epi16(bs, sc16));
+                let off = group_sums_dot(a, b, sc16);
                 let total = _mm256_sub_epi32(
                     fold_i32(sumi[k]),
                     _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0),
@@ -290,12 +297,8 @@ unsafe fn dot_q6k_n<const N: usize, const STREAM: bool>(
             }
         }
     }
-    let mut out = [0f32; N];
-    for k in 0..N {
-        // SAFETY: this function's CPU features are available (its contract).
-        out[k] = unsafe { hsum(acc[k]) };
-    }
-    out
+    // SAFETY: this function's CPU features are available (its contract).
+    unsafe { hsums(acc) }
 }
 
 pub(super) fn dot_q4_k(row: &[u8], a: &Act<'_>) -> f32 {
