@@ -39,7 +39,8 @@ impl MatMul<'_> {
             select.skip,
             None,
         );
-        self.gemv_indexed_unchecked(w, x, &active, y)
+        self.gemv_listed(self.ops(w)?, w, x, &active, y);
+        Ok(())
     }
 
     /// Row-sparse product for one token over an explicit list of active rows: `y[i] = row_i · x`
@@ -55,20 +56,16 @@ impl MatMul<'_> {
         check_len("x", w.cols, x.len())?;
         check_len("y", w.rows, y.len())?;
         check_active(active, w.rows)?;
-        self.gemv_indexed_unchecked(w, x, active, y)
+        self.gemv_listed(self.ops(w)?, w, x, active, y);
+        Ok(())
     }
 
-    fn gemv_indexed_unchecked(
-        &self,
-        w: &Weights<'_>,
-        x: &[f32],
-        active: &[u32],
-        y: &mut [f32],
-    ) -> Result<(), KernelError> {
-        let ops = self.ops(w)?;
+    /// The row-sparse GEMV of [`sparse_gemv_indexed`](Self::sparse_gemv_indexed) with its
+    /// checks made and `w`'s row kernels `ops` found.
+    fn gemv_listed(&self, ops: RowOps, w: &Weights<'_>, x: &[f32], active: &[u32], y: &mut [f32]) {
         y.fill(0.0);
         if active.is_empty() {
-            return Ok(());
+            return;
         }
         let acts = ActBuf::new(ops.act, x, w.cols);
         let act = acts.get(0);
@@ -85,7 +82,7 @@ impl MatMul<'_> {
                     unsafe { out.write(i as usize, v) };
                 }
             });
-            return Ok(());
+            return;
         }
         // With four rows per pass, rows `k + 1..k + 4` are computed together with row `k`: the
         // look-ahead counts from the end of the current group, plus one more group
@@ -125,7 +122,6 @@ impl MatMul<'_> {
                 unsafe { out.write(i, (ops.dot)(w.row(i), &act)) };
             }
         });
-        Ok(())
     }
 
     /// Row-sparse product for `n_tokens` tokens with a per-token predicate: `y[t][i] =
