@@ -382,6 +382,16 @@ impl MatMul<'_> {
         if x86::gemm::dense_gemm(self.pool, self.backend, w, x, n_tokens, y) {
             return Ok(());
         }
+        // Quantized weights, fewer tokens than the frame's micro-kernel takes at once (2 rows ×
+        // 4 tokens): the frame would run its one-row remainder loop on every row, slower than
+        // one streaming GEMV per token (`docs/tuning.md`). Their integer sums make both the same
+        // bits; float weights keep the frame, whose summation order multi-token products share.
+        if n_tokens < 4 && w.ty.is_quantized() {
+            for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
+                self.gemv(w, xt, yt)?;
+            }
+            return Ok(());
+        }
         let acts = ActBuf::new(ops.act, x, w.cols);
         let rows: Vec<u32> = Vec::new();
         self.gemm_core(
