@@ -29,6 +29,15 @@ learn that the derivative of x squared is two x, and that the area under a curve
 by integration. On Tuesday, the weather will be cloudy with a chance of rain in the afternoon; \
 temperatures will stay between 12 and 17 degrees.\n";
 
+/// The layer of a predictor tensor `blk.N.fc1.weight` / `blk.N.fc2.weight`; `None` for any
+/// other tensor.
+pub(crate) fn predictor_layer(name: &str) -> Option<usize> {
+    let (n, tail) = name.strip_prefix("blk.")?.split_once('.')?;
+    matches!(tail, "fc1.weight" | "fc2.weight")
+        .then(|| n.parse().ok())
+        .flatten()
+}
+
 struct Collector {
     layers: Vec<Vec<f32>>,
 }

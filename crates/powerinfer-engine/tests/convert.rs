@@ -14,8 +14,11 @@ use powerinfer_engine::convert::{convert, ConvertError, ConvertOptions, OutType}
 use powerinfer_gguf::quants::dequantize_to_vec;
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
 use powerinfer_predictor::pt::{self, PtTensor};
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+
+#[path = "support/safetensors_src.rs"]
+mod safetensors_src;
+use safetensors_src::{exact, no_output_left, np_transpose, write_safetensors, SrcTensor};
 
 #[path = "support/hf_checkpoint.rs"]
 mod hf_checkpoint;
@@ -91,41 +94,6 @@ fn values(seed: usize, n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// A source tensor: name, torch shape, dtype, the exact f32 values it holds.
-struct SrcTensor {
-    name: String,
-    shape: Vec<usize>,
-    dtype: Dtype,
-    values: Vec<f32>,
-}
-
-fn encode(dtype: Dtype, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Dtype::F16 => v
-            .iter()
-            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-            .collect(),
-        Dtype::BF16 => v
-            .iter()
-            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-            .collect(),
-        Dtype::I32 => v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
-        _ => unreachable!(),
-    }
-}
-
-fn exact(dtype: Dtype, v: Vec<f32>) -> Vec<f32> {
-    match dtype {
-        Dtype::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
-        Dtype::BF16 => v
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_f32())
-            .collect(),
-        _ => v,
-    }
-}
-
 fn model_tensors() -> Vec<SrcTensor> {
     let dims = LlamaDims {
         n_vocab: n_vocab(),
@@ -150,24 +118,6 @@ fn model_tensors() -> Vec<SrcTensor> {
             }
         })
         .collect()
-}
-
-fn write_safetensors(path: &Path, tensors: &[&SrcTensor]) {
-    let data: Vec<(String, Vec<u8>)> = tensors
-        .iter()
-        .map(|t| (t.name.clone(), encode(t.dtype, &t.values)))
-        .collect();
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .zip(&data)
-        .map(|(t, (n, b))| {
-            (
-                n.clone(),
-                TensorView::new(t.dtype, t.shape.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
 fn config_json(n_embd: usize) -> String {
@@ -313,16 +263,6 @@ fn np_permute(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
                 let src_row = (h * 2 + j) * half + i;
                 out.extend_from_slice(&w[src_row * cols..(src_row + 1) * cols]);
             }
-        }
-    }
-    out
-}
-
-fn np_transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(w.len());
-    for c in 0..cols {
-        for r in 0..rows {
-            out.push(w[r * cols + c]);
         }
     }
     out
@@ -577,14 +517,6 @@ fn check_file(c: &Checkpoint, path: &Path, outtype: OutType, dense: bool) {
         want_keys.retain(|k| *k != "powerinfer.sparse_threshold");
     }
     assert_eq!(keys, want_keys);
-}
-
-fn no_output_left(dir: &Path) {
-    let left: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    assert!(left.is_empty(), "left behind: {left:?}");
 }
 
 #[test]

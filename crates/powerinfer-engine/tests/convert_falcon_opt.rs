@@ -18,8 +18,11 @@ use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::{Arch, Engine};
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
 use powerinfer_predictor::pt::{self, PtTensor};
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+
+#[path = "support/safetensors_src.rs"]
+mod safetensors_src;
+use safetensors_src::{exact, no_output_left, np_transpose, write_safetensors, SrcTensor};
 
 mod common;
 use common::{opts as engine_opts, rel_diff};
@@ -268,56 +271,6 @@ fn values_for(seed: usize, name: &str, shape: &[usize]) -> Vec<f32> {
     }
 }
 
-/// A source tensor: name, torch shape, dtype, the exact f32 values it holds.
-#[derive(Clone)]
-struct SrcTensor {
-    name: String,
-    shape: Vec<usize>,
-    dtype: Dtype,
-    values: Vec<f32>,
-}
-
-fn encode(dtype: Dtype, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Dtype::F16 => v
-            .iter()
-            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-            .collect(),
-        Dtype::BF16 => v
-            .iter()
-            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-            .collect(),
-        _ => unreachable!(),
-    }
-}
-
-fn exact(dtype: Dtype, v: Vec<f32>) -> Vec<f32> {
-    match dtype {
-        Dtype::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
-        Dtype::BF16 => v
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_f32())
-            .collect(),
-        _ => v,
-    }
-}
-
-fn write_safetensors(path: &Path, tensors: &[&SrcTensor]) {
-    let data: Vec<Vec<u8>> = tensors.iter().map(|t| encode(t.dtype, &t.values)).collect();
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .zip(&data)
-        .map(|(t, b)| {
-            (
-                t.name.clone(),
-                TensorView::new(t.dtype, t.shape.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
-}
-
 /// Predictor entries of one layer: (key, torch shape, values), fc1 first.
 type PredEntries = Vec<(String, Vec<usize>, Vec<f32>)>;
 
@@ -494,16 +447,6 @@ fn jploski(w: &[f32], n_head: usize, n_kv: usize, hd: usize, cols: usize) -> Vec
     q.extend(k);
     q.extend(v);
     q
-}
-
-fn np_transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(w.len());
-    for c in 0..cols {
-        for r in 0..rows {
-            out.push(w[r * cols + c]);
-        }
-    }
-    out
 }
 
 /// The ggml name of an HF tensor (gguf-py's map for the architecture).
@@ -954,14 +897,6 @@ impl HfRef<'_> {
 // Tests
 
 const PROMPT: [u32; 6] = [EOT, 116, 257, 258, 100, 263];
-
-fn no_output_left(dir: &Path) {
-    let left: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    assert!(left.is_empty(), "left behind: {left:?}");
-}
 
 /// Loads `path` in the engine: ReLU FFN, the architecture, the BPE tokenizer with the merges,
 /// and a few greedy tokens.

@@ -90,6 +90,8 @@ use powerinfer_predictor::pt::{self, PtDtype};
 use rayon::prelude::*;
 use serde_json::Value as Json;
 
+use crate::predictor_storage::predictor_layer;
+
 pub use bpe::BpeVocab;
 pub use config::{HfArch, HfConfig};
 pub use spm::SpmModel;
@@ -913,14 +915,6 @@ fn check_activation(dir: &Path, cfg: &HfConfig, dense: bool) -> Result<()> {
             )
         },
     ))
-}
-
-/// The layer of a predictor tensor `blk.N.fc1.weight` / `blk.N.fc2.weight`.
-fn predictor_layer(name: &str) -> Option<usize> {
-    let (n, tail) = name.strip_prefix("blk.")?.split_once('.')?;
-    matches!(tail, "fc1.weight" | "fc2.weight")
-        .then(|| n.parse().ok())
-        .flatten()
 }
 
 /// The predictor files `model_0`, `model_1`, … (`.pt` or `.safetensors`) of a predictor folder,

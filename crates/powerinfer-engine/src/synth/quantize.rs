@@ -27,6 +27,7 @@ use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter, Value};
 
 use super::generate::RowReader;
 use super::SynthError;
+use crate::predictor_storage::predictor_layer;
 
 /// How predictor tensors (`fc1`, `fc2`) are stored when the target type is quantized.
 ///
@@ -274,15 +275,6 @@ pub struct QuantizeReport {
 
 fn is_predictor(name: &str) -> bool {
     name.ends_with(".fc1.weight") || name.ends_with(".fc2.weight")
-}
-
-/// The layer of a predictor tensor `blk.N.fc1.weight` / `blk.N.fc2.weight`.
-fn predictor_layer(name: &str) -> Option<usize> {
-    let rest = name.strip_prefix("blk.")?;
-    let (n, tail) = rest.split_once('.')?;
-    matches!(tail, "fc1.weight" | "fc2.weight")
-        .then(|| n.parse().ok())
-        .flatten()
 }
 
 fn fits(ty: GgmlType, ne0: u64) -> bool {
