@@ -64,9 +64,10 @@ pub(crate) const MIN_TOKENS: usize = 2;
 /// Q8_0 GEMMs of fewer tokens go through the general GEMM frame (`MatMul::gemm_core`): the
 /// weight repacking costs about as much as 4 tokens' dot products.
 const MIN_TOKENS_Q8_0: usize = 6;
-/// Q4_0 GEMMs of fewer tokens go through the general GEMM frame: repacking reads every weight
-/// from memory with 16 rows as 16 streams, slower than the frame's reading.
-const MIN_TOKENS_Q4_0: usize = 4;
+/// Q4_0 GEMMs of fewer tokens go through the few-token kernel over the file layout
+/// ([`few`](super::few)): repacking reads every weight from memory with 16 rows as 16 streams,
+/// which costs more than a few tokens' dot products.
+const MIN_TOKENS_Q4_0: usize = 8;
 
 /// Weight bytes (as the micro-kernel reads them) per row block: the block's weights stay in L2
 /// (at least 1 MiB per core on the AVX-512 cores this targets) while every token group passes
@@ -117,6 +118,7 @@ pub(crate) fn dense_gemm(
         GgmlType::Q4_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q4_0 => {
             q4_0_gemm(pool, w, x, n_tokens, y)
         }
+        GgmlType::Q4_0 if super::few::fits(w.cols) => super::few::gemm(pool, w, x, n_tokens, y),
         _ => return false,
     }
     true
@@ -133,6 +135,7 @@ pub(crate) fn dense_gemm(
 /// ([`FloatLoad16::load8x2`]) and the activations of a pair come interleaved from `xp[p]`
 /// (16 values per 8-element step: the pair's first token's 8, then its second's). On a core
 /// with two 512-bit FMA units this doubles the FMA throughput of 256-bit accumulators.
+/// `next`: where the rows of the tile after this one start, requested ahead (a hint).
 ///
 /// # Safety
 /// The weight pointers are valid for `n` elements, `xp[p]` for `16·(n / 8)` values, `x[k]` for
@@ -147,6 +150,7 @@ unsafe fn float_tile<L: FloatLoad16, const R: usize, const P: usize>(
     x: &[*const f32; FN],
     nt: usize,
     n: usize,
+    next: Option<*const u8>,
     out: OutPtr,
     stride: usize,
     i0: usize,
@@ -155,9 +159,21 @@ unsafe fn float_tile<L: FloatLoad16, const R: usize, const P: usize>(
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     let steps = n / 8;
     // SAFETY: every load is at an element index below `n` (weights, `x`) or below
-    // `16·(n / 8)` (`xp`) (caller); the writes are in bounds and this thread's own (caller).
+    // `16·(n / 8)` (`xp`) (caller); the writes are in bounds and this thread's own (caller);
+    // prefetches never fault.
     unsafe {
         for st in 0..steps {
+            if let Some(next) = next {
+                // The next tile's share of this step (`R` rows of `n` elements read in `n / 8`
+                // steps: `R·8` elements per step) into L2 (into L1 it evicted the tile being
+                // read once rows reach 4 KiB).
+                let at = next.wrapping_add(st * R * 8 * L::SIZE);
+                let mut o = 0;
+                while o < R * 8 * L::SIZE {
+                    _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(o) as *const i8);
+                    o += 64;
+                }
+            }
             let mut wv = [_mm512_setzero_ps(); R];
             for r in 0..R {
                 wv[r] = L::load8x2(w[r].add(st * 8 * L::SIZE));
@@ -282,6 +298,10 @@ fn float_gemm<L: FloatLoad16>(
                 let pairs = ptrs::<f32, FP>(pp, pair_len, t0 / 2, np);
                 for (i, nr) in steps(b0..b0 + bn, FR) {
                     let ws = ptrs::<u8, FR>(wp, rb_bytes, i, nr);
+                    // One token group (a decode step's few tokens): the tile's rows are read
+                    // once, as interleaved streams the hardware prefetchers left waiting on
+                    // memory, so the next tile (the rows after these) is requested ahead.
+                    let next = (n_tokens <= FN).then(|| wp.wrapping_add((i + nr) * rb_bytes));
                     // SAFETY: rows `i..i + nr` < rows and tokens `t0..t0 + nt` < n_tokens, so
                     // every weight and token pointer is valid for `cols` elements and every
                     // pair pointer (pairs `t0 / 2..t0 / 2 + np`, `t0` even) for `pair_len`
@@ -296,6 +316,7 @@ fn float_gemm<L: FloatLoad16>(
                                 &xs,
                                 nt,
                                 cols,
+                                next,
                                 out,
                                 rows,
                                 i,
@@ -937,6 +958,9 @@ mod tests {
                 (17, 32, 2),
                 (16, 64, 5),
                 (600, 4096 + 64, 5),
+                (18, 128, 2),
+                (19, 2048, 3),
+                (22, 2048, 4),
             ] {
                 let cols = if ty.block_size() == 32 {
                     cols / 32 * 32

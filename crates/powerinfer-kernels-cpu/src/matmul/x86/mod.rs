@@ -10,6 +10,7 @@
 //! | `kquant` | Q4_K/Q5_K/Q6_K dots on 512-bit vectors (AVX-512) |
 //! | `sparse` | list kernels of the sparse products and dense range kernels (AVX-512) |
 //! | `gemm` | cache-blocked dense GEMMs (AVX-512) |
+//! | `few` | the Q4_0 product of a few tokens from the file layout (AVX-512) |
 //! | `packed` | the one-token product over repacked Q4_0 (AVX-512) |
 //!
 //! The AVX-512 files are built only by compilers that have the AVX-512 intrinsics (Rust ≥ 1.89,
@@ -24,6 +25,8 @@
 //! kernels have one (exact integer) order for both.
 
 pub(crate) mod common;
+#[cfg(powerinfer_avx512)]
+pub(crate) mod few;
 pub(crate) mod float;
 #[cfg(powerinfer_avx512)]
 pub(crate) mod gemm;

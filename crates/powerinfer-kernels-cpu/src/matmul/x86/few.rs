@@ -1,0 +1,176 @@
+//! The Q4_0 product of a few tokens (a decode step of a small batch) straight from the file
+//! layout (x86-64, AVX-512 F/VL/BW/VNNI): no repacked copy, so no per-call packing pass.
+//!
+//! Two rows share a 512-bit vector, row `r` in the low 256 bits and row `r + 1` in the high
+//! ones; each half does, lane for lane, what the one-token kernel (`int::vnni`'s pair step over
+//! [`ActFormat::Q8_0Pairs`](crate::matmul::act::ActFormat::Q8_0Pairs) activations, then
+//! `hsum`) does for its row, so every (row, token) result equals
+//! [`MatMul::gemv`](crate::MatMul::gemv)'s on that token bit for bit. A tile is [`TR`] rows ×
+//! up to [`TN`] tokens: the nibbles and scales of its rows are decoded once per pair of blocks
+//! and serve every token, which is what makes a batch cheaper than one GEMV per token (the
+//! one-token product on these cores is bound by that decoding, not by memory).
+
+// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace MSRV: this module is
+// compiled only with such compilers (`cfg(powerinfer_avx512)`, set by the crate's build.rs).
+#![allow(clippy::incompatible_msrv)]
+#![deny(unsafe_op_in_unsafe_fn)]
+// Row and token indices address several arrays at once; indexed loops read closest.
+#![allow(clippy::needless_range_loop)]
+
+use super::common::hsum;
+use crate::matmul::act::{Act, ActBuf, ActFormat};
+use crate::matmul::frame::OutPtr;
+use crate::matmul::weights::Weights;
+use crate::pool::ThreadPool;
+use std::arch::x86_64::*;
+
+/// Rows per tile: two 512-bit vectors of two rows each.
+const TR: usize = 4;
+/// Tokens per tile (2 × 4 accumulators, with the decoded weights and one token's activation
+/// vectors, fit the 32 registers).
+const TN: usize = 4;
+/// Weight bytes per grain of the thread split (as the one-token GEMV's grains).
+const GRAIN_BYTES: usize = 128 << 10;
+/// Bytes of the next tile's rows requested per pair of blocks: a tile's [`TR`] rows are
+/// `TR · 18 · nb` contiguous bytes, read in `nb / 2` steps, so requesting this much of the next
+/// tile per step covers all of it by the time it starts (the hardware prefetchers left the
+/// tile's four interleaved streams waiting on memory).
+const PREFETCH_STEP: usize = TR * 36;
+
+/// Whether [`gemm`] serves a Q4_0 matrix of `cols` columns: whole pairs of blocks.
+pub(crate) fn fits(cols: usize) -> bool {
+    cols > 0 && cols % 64 == 0
+}
+
+/// `y_t = W x_t` for the `n_tokens` tokens of `x` (Q4_0 `w` with [`fits`] columns; the lengths
+/// checked by the caller), threads splitting the rows.
+///
+/// Panics if `w` is not Q4_0 or its columns do not [`fit`](fits) (a frame bug).
+pub(crate) fn gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
+    assert!(w.ty == powerinfer_gguf::GgmlType::Q4_0 && fits(w.cols));
+    let acts = ActBuf::new(ActFormat::Q8_0Pairs, x, w.cols);
+    let acts: Vec<Act<'_>> = (0..n_tokens).map(|t| acts.get(t)).collect();
+    let nb = w.cols / 32;
+    let out = OutPtr::new(y);
+    let tiles = w.rows.div_ceil(TR);
+    let grain = (GRAIN_BYTES / (TR * w.row_bytes)).max(1);
+    pool.for_grains(tiles, grain, |_, r| {
+        for tile in r {
+            let i0 = tile * TR;
+            let nr = (w.rows - i0).min(TR);
+            // Missing rows of the last tile repeat its first row (computed, not written).
+            let p: [*const u8; TR] =
+                std::array::from_fn(|k| w.row(i0 + if k < nr { k } else { 0 }).as_ptr());
+            for (c, chunk) in acts.chunks(TN).enumerate() {
+                let t0 = c * TN;
+                // SAFETY: each row holds nb (even) 18-byte blocks and each token nb blocks of
+                // values and scales and nb / 2 pair offsets (ActBuf in Q8_0Pairs order for
+                // `w.cols`); the outputs `(t0 + k)·rows + i0 + j` (j < nr) are in bounds and
+                // belong to this thread's tiles only; `dense_gemm` checked for Backend::Avx512
+                // (AVX-512 F/VL/BW/VNNI, AVX2, FMA, F16C).
+                unsafe {
+                    match chunk.len() {
+                        4 => tile_rows::<4>(p, nb, chunk, out, w.rows, i0, nr, t0),
+                        3 => tile_rows::<3>(p, nb, chunk, out, w.rows, i0, nr, t0),
+                        2 => tile_rows::<2>(p, nb, chunk, out, w.rows, i0, nr, t0),
+                        _ => tile_rows::<1>(p, nb, chunk, out, w.rows, i0, nr, t0),
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// [`TR`] rows (`p`, `nb` blocks each, `nb` even) · `N` tokens (`acts`), the first `nr` rows'
+/// results written to `out[(t0 + k)·stride + i0 + j]`.
+///
+/// # Safety
+/// Every `p[j]` is valid for `nb` 18-byte blocks; every act has values, scales and pair
+/// offsets for `nb` blocks; the outputs are in bounds and written by this thread only;
+/// AVX-512 F/VL/BW/VNNI, AVX2, FMA and F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_rows<const N: usize>(
+    p: [*const u8; TR],
+    nb: usize,
+    acts: &[Act<'_>],
+    out: OutPtr,
+    stride: usize,
+    i0: usize,
+    nr: usize,
+    t0: usize,
+) {
+    const V: usize = TR / 2;
+    let mask = _mm512_set1_epi8(0x0F);
+    // Lanes 0..4: the first scale, 4..8 the second, 8..12 the third, 12..16 the fourth.
+    let spread4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    // Lanes 0..4 and 8..12: the first of two scales, 4..8 and 12..16 the second.
+    let spread2 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    let mut acc = [[_mm512_setzero_ps(); N]; V];
+    // SAFETY: blocks b, b + 1 < nb of every row and of every act exist (caller); prefetches
+    // never fault.
+    unsafe {
+        let mut b = 0;
+        while b + 2 <= nb {
+            let off = b * 18;
+            // The next tile (contiguous rows after this one's) into L1, a step's share at a
+            // time (a hint; past the matrix it touches other memory or nothing: prefetches
+            // never fault).
+            let ahead = p[0].wrapping_add(TR * 18 * nb + b / 2 * PREFETCH_STEP);
+            for l in 0..PREFETCH_STEP.div_ceil(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
+            }
+            let mut lo = [_mm512_setzero_si512(); V];
+            let mut hi = [_mm512_setzero_si512(); V];
+            let mut dw = [_mm512_setzero_ps(); V];
+            for v in 0..V {
+                let (r0, r1) = (p[2 * v].add(off), p[2 * v + 1].add(off));
+                // Row r0's nibbles of blocks b, b + 1 in the low 256 bits, row r1's in the
+                // high ones (as the one-token kernel's `loadu2` per row).
+                let ld = |q: *const u8| _mm_loadu_si128(q as *const __m128i);
+                let raw = _mm512_castsi128_si512(ld(r0.add(2)));
+                let raw = _mm512_inserti32x4::<1>(raw, ld(r0.add(20)));
+                let raw = _mm512_inserti32x4::<2>(raw, ld(r1.add(2)));
+                let raw = _mm512_inserti32x4::<3>(raw, ld(r1.add(20)));
+                lo[v] = _mm512_and_si512(raw, mask);
+                hi[v] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                let h = |q: *const u8| std::ptr::read_unaligned(q as *const u16) as i16;
+                let s = _mm_setr_epi16(h(r0), h(r0.add(18)), h(r1), h(r1.add(18)), 0, 0, 0, 0);
+                dw[v] = _mm512_permutexvar_ps(spread4, _mm512_castps128_ps512(_mm_cvtph_ps(s)));
+            }
+            for k in 0..N {
+                let a = &acts[k];
+                let dx = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(b) as *const f64));
+                let dx = _mm512_permutexvar_ps(spread2, _mm512_castps128_ps512(dx));
+                let xq = a.q.as_ptr().add(b * 32);
+                let x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(xq as *const __m256i));
+                let x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(xq.add(32) as *const __m256i));
+                let init = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    a.po.as_ptr().add(b / 2 * 8) as *const __m256i
+                ));
+                for v in 0..V {
+                    // The one-token kernel's operations per lane: d_w·d_x, exact integer sums,
+                    // one FMA per pair.
+                    let sc = _mm512_mul_ps(dw[v], dx);
+                    let si = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[v], x0), hi[v], x1);
+                    acc[v][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), sc, acc[v][k]);
+                }
+            }
+            b += 2;
+        }
+        for v in 0..V {
+            for k in 0..N {
+                let low = hsum(_mm512_castps512_ps256(acc[v][k]));
+                let high = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                    _mm512_castps_pd(acc[v][k]),
+                )));
+                for (j, s) in [(2 * v, low), (2 * v + 1, high)] {
+                    if j < nr {
+                        out.write((t0 + k) * stride + i0 + j, s);
+                    }
+                }
+            }
+        }
+    }
+}
