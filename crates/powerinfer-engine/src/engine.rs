@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use powerinfer_gguf::GgufFile;
 use powerinfer_kernels_cpu::ops::rope::rope_shift;
-use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
+use powerinfer_kernels_cpu::{AxpyCoefficients, Backend, MatMul, ThreadPool};
 
 use crate::chat::ChatTemplate;
 use crate::device::placement::{self, Opened};
@@ -48,6 +48,10 @@ pub struct EngineOptions {
     pub fuse: bool,
     /// The CPU kernels' instruction set; `None` = the best this CPU has.
     pub backend: Option<Backend>,
+    /// How the sparse FFN's down axpy multiplies the hidden values: f32 (the default,
+    /// PowerInfer's arithmetic) or int8 per block with integer dot instructions (faster where
+    /// the arithmetic, not memory, bounds it; see [`AxpyCoefficients::Int8`]).
+    pub axpy: AxpyCoefficients,
     /// A device beside the CPU (a GPU, or the simulated one) and what it holds.
     pub device: DeviceOptions,
 }
@@ -64,6 +68,7 @@ impl Default for EngineOptions {
             repack: false,
             fuse: true,
             backend: None,
+            axpy: AxpyCoefficients::Float,
             device: DeviceOptions::default(),
         }
     }
@@ -142,6 +147,7 @@ impl Engine {
             threshold,
             dense: options.dense,
             fuse: options.fuse,
+            axpy: options.axpy,
         };
         let batch = options.batch.max(1);
         let (hybrid, device_note) = match placement::open(&options.device, &model, batch)? {

@@ -67,6 +67,7 @@ pub use exec::{Batch, EvalOptions, EvalOutput, Logits, Segment};
 pub use kv_cache::{KvCache, SeqId};
 pub use model::{Arch, Hparams, Model};
 pub use observer::FfnObserver;
+pub use powerinfer_kernels_cpu::AxpyCoefficients;
 pub use profile::{LayerSplit, Op, OpProfile};
 pub use sampling::{Sampler, SamplingParams};
 pub use scheduler::{Event, Finish, Scheduler, SchedulerOptions, SeqHandle};

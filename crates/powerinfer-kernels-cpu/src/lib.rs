@@ -23,5 +23,7 @@ pub mod reference;
 
 pub use backend::{Backend, CpuVendor};
 pub use error::KernelError;
-pub use matmul::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, RowSelect, Weights};
+pub use matmul::{
+    AxpyCoefficients, GemvJob, MatMul, PackedGemvJob, PackedQ4_0, RowSelect, Weights,
+};
 pub use pool::{PoolKind, ThreadPool};

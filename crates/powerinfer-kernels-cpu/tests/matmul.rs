@@ -11,7 +11,8 @@ use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
 use powerinfer_kernels_cpu::reference::matmul as r;
 use powerinfer_kernels_cpu::{
-    probe, Backend, GemvJob, KernelError, MatMul, PackedGemvJob, RowSelect, ThreadPool, Weights,
+    probe, AxpyCoefficients, Backend, GemvJob, KernelError, MatMul, PackedGemvJob, RowSelect,
+    ThreadPool, Weights,
 };
 use proptest::prelude::*;
 
@@ -142,6 +143,23 @@ fn check_sparse(
             // Sparse == dense with the unselected rows zeroed, exactly.
             let mut dense = vec![0f32; rows * n_tokens];
             mm.gemm(&wv, &x, n_tokens, &mut dense).unwrap();
+            // Over the union of the tokens' rows, every token: the dense product's bits there
+            // (for quantized types the one-token products'), 0 elsewhere.
+            let union: Vec<u32> = (0..rows as u32)
+                .filter(|&i| {
+                    (0..n_tokens).any(|t| r::is_selected(&scores, rows, 0.0, skip, t, i as usize))
+                })
+                .collect();
+            let mut yu = vec![f32::NAN; rows * n_tokens];
+            mm.sparse_gemm_indexed(&wv, &x, n_tokens, &union, &mut yu)
+                .unwrap();
+            let mut want_u = vec![0f32; rows * n_tokens];
+            for t in 0..n_tokens {
+                for &i in &union {
+                    want_u[t * rows + i as usize] = dense[t * rows + i as usize];
+                }
+            }
+            assert_eq!(bits(&yu), bits(&want_u), "{what}: sparse_gemm_indexed");
             for t in 0..n_tokens {
                 for i in 0..rows {
                     if !r::is_selected(&scores, rows, 0.0, skip, t, i) {
@@ -1214,6 +1232,89 @@ fn gemm_with_many_row_blocks_is_thread_count_independent() {
                         mm.gemv(&w, &x[t * cols..(t + 1) * cols], &mut yt).unwrap();
                         assert_eq!(bits(&yt), bits(&y[t * rows..(t + 1) * rows]), "{what} t{t}");
                     }
+                }
+            }
+        }
+    }
+}
+
+/// The sparse axpy with int8 coefficients ([`AxpyCoefficients::Int8`]) against the exact sum:
+/// within its stated bound, `max|c| / 254 · Σ_k |q_k − 8|` per element and block (`c_k = a_k·d_k`,
+/// the largest over every listed row, which bounds each pass's), plus f32 roundings; on
+/// both of the frame's paths (column split and, from 2048-byte rows with several threads,
+/// row split) and with rows that fill no whole pass. Backends without the int8 kernel run the
+/// float one, which meets the bound too.
+#[test]
+fn int8_axpy_within_its_bound() {
+    let mut rng = Rng(0x1A7);
+    for case in 0..60 {
+        let rows = 1 + rng.below(40);
+        let blocks = if case % 3 == 0 {
+            64 + rng.below(80)
+        } else {
+            1 + rng.below(12)
+        };
+        let cols = 32 * blocks;
+        let data = random_weights(GgmlType::Q4_0, rows, cols, &mut rng);
+        let w = r::dequantize(GgmlType::Q4_0, &data).unwrap();
+        let a: Vec<f32> = random_vec(rows, &mut rng)
+            .into_iter()
+            .map(|v| if rng.below(4) == 0 { 0.0 } else { v * 4.0 })
+            .collect();
+        let active: Vec<u32> = (0..rows as u32).filter(|_| rng.below(3) != 0).collect();
+        let y0 = random_vec(cols, &mut rng);
+        let wv = Weights::new(GgmlType::Q4_0, rows, cols, &data).unwrap();
+        // Scales and nibbles straight from the bytes.
+        let d = |i: usize, b: usize| {
+            let o = (i * blocks + b) * 18;
+            half::f16::from_le_bytes([data[o], data[o + 1]]).to_f64()
+        };
+        let q = |i: usize, j: usize| {
+            let (b, e) = (j / 32, j % 32);
+            let byte = data[(i * blocks + b) * 18 + 2 + e % 16];
+            (if e < 16 { byte & 15 } else { byte >> 4 }) as f64 - 8.0
+        };
+        let mut want = vec![0f64; cols];
+        let mut bound = vec![0f64; cols];
+        for (j, (wj, bj)) in want.iter_mut().zip(&mut bound).enumerate() {
+            let b = j / 32;
+            let cmax = active
+                .iter()
+                .map(|&i| (a[i as usize] as f64 * d(i as usize, b)).abs())
+                .fold(0.0, f64::max);
+            let (mut sum, mut abs_sum, mut qs) = (y0[j] as f64, y0[j].abs() as f64, 0.0);
+            for &i in &active {
+                let i = i as usize;
+                let t = a[i] as f64 * w[i * cols + j];
+                sum += t;
+                abs_sum += t.abs();
+                qs += q(i, j).abs();
+            }
+            *wj = sum;
+            // Coefficient rounding, then f32 roundings (one per pass and per partial sum,
+            // at most `rows + 4` of them, each ≤ 2^-24 of the running magnitudes).
+            *bj = cmax / 254.0 * qs * (1.0 + 1e-6)
+                + abs_sum * (rows + 4) as f64 * 2f64.powi(-23)
+                + cmax * qs * 2f64.powi(-22);
+        }
+        for backend in Backend::available() {
+            for pool in pools() {
+                let mm = MatMul::with_backend(&pool, backend)
+                    .unwrap()
+                    .with_axpy(AxpyCoefficients::Int8);
+                assert_eq!(mm.axpy_mode(), AxpyCoefficients::Int8);
+                let mut y = y0.clone();
+                mm.sparse_axpy_indexed(&wv, &a, &active, &mut y).unwrap();
+                for j in 0..cols {
+                    let err = (y[j] as f64 - want[j]).abs();
+                    assert!(
+                        err <= bound[j],
+                        "case {case} {backend} {}t {rows}x{cols} col {j}: {} vs {} (err {err:e} > {:e})",
+                        pool.n_threads(),
+                        y[j],
+                        want[j],
+                        bound[j]
+                    );
                 }
             }
         }

@@ -13,7 +13,9 @@
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
 use powerinfer_kernels_cpu::probe::{self, random_weights, SplitMix64};
-use powerinfer_kernels_cpu::{Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights};
+use powerinfer_kernels_cpu::{
+    AxpyCoefficients, Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights,
+};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -61,8 +63,9 @@ struct KernelArgs {
     #[arg(long, value_delimiter = ',')]
     types: Option<Vec<String>>,
     /// Only these kernels (comma-separated: dense_gemv, dense_gemv_packed (Q4_0 repacked by
-    /// `MatMul::pack_q4_0`), dense_gemm, sparse_gemv, sparse_axpy, sparse_read: the sparse
-    /// kernels' rows read without arithmetic, their memory ceiling).
+    /// `MatMul::pack_q4_0`), dense_gemm, sparse_gemv, sparse_axpy, sparse_axpy_int8 (int8
+    /// coefficients, `AxpyCoefficients::Int8`, where the backend has it), sparse_read: the
+    /// sparse kernels' rows read without arithmetic, their memory ceiling).
     #[arg(long, value_delimiter = ',')]
     kernels: Option<Vec<String>>,
     /// Tokens of the GEMM (prompt) measurement.
@@ -497,7 +500,10 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                     GgmlType::Q8_0,
                     GgmlType::Q4_0,
                 ];
-                if (want("sparse_gemv") || want("sparse_axpy") || want("sparse_read"))
+                if (want("sparse_gemv")
+                    || want("sparse_axpy")
+                    || want("sparse_axpy_int8")
+                    || want("sparse_read"))
                     && (sparse_types.contains(&ty) || a.types.is_some())
                     && (rows == 11008 || a.shapes.is_some())
                 {
@@ -566,6 +572,30 @@ fn kernels(a: KernelArgs) -> Result<(), String> {
                                 }
                             });
                             emit("sparse_axpy", ty, rows, cols, density, 1, s, active_bytes);
+                        }
+                        // The same axpy with int8 coefficients, where the backend has that
+                        // kernel for this type (else it would time the float one again).
+                        let int8 = mm.with_axpy(AxpyCoefficients::Int8);
+                        if want("sparse_axpy_int8") && int8.has_int8_axpy(ty) {
+                            let mut out = vec![0f32; cols];
+                            let s = time_calls(budget, 5, |i| {
+                                if let Err(e) = w(i).and_then(|w| {
+                                    int8.sparse_axpy(&w, &sets[i % n_sets].1, &sel(i), &mut out)
+                                        .map_err(|e| e.to_string())
+                                }) {
+                                    err = Some(e);
+                                }
+                            });
+                            emit(
+                                "sparse_axpy_int8",
+                                ty,
+                                rows,
+                                cols,
+                                density,
+                                1,
+                                s,
+                                active_bytes,
+                            );
                         }
                         if want("sparse_read") {
                             // The same rows read without arithmetic: the memory ceiling of

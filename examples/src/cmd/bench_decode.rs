@@ -53,7 +53,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use powerinfer_engine::tokenizer::Tokenizer;
-use powerinfer_engine::{Batch, Engine, EvalOptions};
+use powerinfer_engine::{AxpyCoefficients, Batch, Engine, EvalOptions};
 use powerinfer_gguf::{FileKind, GgufFile};
 use powerinfer_kernels_cpu::ThreadPool;
 use serde_json::json;
@@ -88,6 +88,12 @@ pub struct DecodeArgs {
     /// that the decode timing sees only steady steps.
     #[arg(long)]
     repack: bool,
+    /// Sparse FFN: multiply the hidden values into the down rows as int8 per block with
+    /// integer dot instructions instead of f32 FMAs (`EngineOptions::axpy`; Q4_0 rows on
+    /// AVX-512 with VBMI; results differ from the default by at most max|c|/254 per weight
+    /// and block; the default keeps PowerInfer's arithmetic).
+    #[arg(long)]
+    int8_axpy: bool,
     /// Only the sparse mode of PowerInfer files (skip their dense mode).
     #[arg(long)]
     sparse_only: bool,
@@ -352,6 +358,9 @@ fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
     opts.batch = 64;
     opts.mmap = !a.no_mmap;
     opts.repack = a.repack;
+    if a.int8_axpy {
+        opts.axpy = AxpyCoefficients::Int8;
+    }
     let t0 = Instant::now();
     let engine = Engine::load(path, opts).map_err(|e| format!("{}: {e}", path.display()))?;
     engine

@@ -14,7 +14,7 @@ use powerinfer_engine::reorder::reorder_neurons;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::OpProfile;
-use powerinfer_engine::{Engine, EngineOptions, Stats};
+use powerinfer_engine::{AxpyCoefficients, Engine, EngineOptions, Stats};
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ThreadPool;
 use powerinfer_predictor::stats::ActivationStats;
@@ -157,6 +157,12 @@ pub struct Args {
     /// memory; see `EngineOptions::repack`).
     #[arg(long)]
     pub repack: bool,
+    /// Sparse FFN: multiply the hidden values into the down rows as int8 per block with
+    /// integer dot instructions instead of f32 FMAs (`EngineOptions::axpy`; Q4_0 rows on
+    /// AVX-512 with VBMI; results differ from the default by at most max|c|/254 per weight
+    /// and block; the default keeps PowerInfer's arithmetic).
+    #[arg(long)]
+    pub int8_axpy: bool,
     /// Record where decode time goes: per operation (norms, Q/K/V, attention, predictor, FFN
     /// up/gate, FFN down, output head) its time, bytes read per token and read bandwidth,
     /// against this machine's measured read bandwidth (a table on stderr; with `--json`, a
@@ -321,6 +327,9 @@ impl Args {
         o.batch = self.batch_size as usize;
         o.mmap = !self.no_mmap;
         o.repack = self.repack;
+        if self.int8_axpy {
+            o.axpy = AxpyCoefficients::Int8;
+        }
         Ok(o)
     }
 }

@@ -18,7 +18,7 @@ pub(crate) mod step;
 pub(crate) mod weights;
 
 use powerinfer_kernels_cpu::ops::activation::add;
-use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
+use powerinfer_kernels_cpu::{AxpyCoefficients, Backend, MatMul, ThreadPool};
 
 use crate::device::placement::Hybrid;
 use crate::device::{BalanceReport, DeviceReport};
@@ -169,6 +169,8 @@ pub(crate) struct ExecOptions {
     pub(crate) dense: bool,
     /// Put a token's several row-parallel products in one thread-pool dispatch.
     pub(crate) fuse: bool,
+    /// How the sparse axpy multiplies the FFN's hidden values into the down rows.
+    pub(crate) axpy: AxpyCoefficients,
 }
 
 /// Execution state of a model: options, repacked copies, learned splits, and the device
@@ -226,7 +228,7 @@ impl Executor {
 
     /// Makes every repacked copy now.
     pub(crate) fn repack_now(&self, model: &Model, pool: &ThreadPool) -> Result<()> {
-        let mm = MatMul::with_backend(pool, self.backend)?;
+        let mm = MatMul::with_backend(pool, self.backend)?.with_axpy(self.opts.axpy);
         let mats = ModelMats::new(model, &self.repacked, self.hybrid.as_ref())?;
         self.repacked.make_all(&mats, &mm);
         Ok(())
@@ -282,7 +284,7 @@ impl Executor {
             return Ok(segments.iter().map(|_| empty()).collect());
         }
         let ne = hp.n_embd;
-        let mm = MatMul::with_backend(pool, self.backend)?;
+        let mm = MatMul::with_backend(pool, self.backend)?.with_axpy(self.opts.axpy);
         let mats = ModelMats::new(model, &self.repacked, self.hybrid.as_ref())?;
         let EvalOptions {
             logits: which,

@@ -63,7 +63,7 @@ pub(crate) mod weights;
 pub(crate) mod x86;
 
 pub use dense::{GemvJob, PackedGemvJob, GEMV_GRAIN_BYTES};
-pub use handle::MatMul;
+pub use handle::{AxpyCoefficients, MatMul};
 pub use select::RowSelect;
 pub use weights::{PackedQ4_0, Weights};
 

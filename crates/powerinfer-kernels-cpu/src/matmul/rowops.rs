@@ -97,6 +97,10 @@ pub(crate) struct RowOps {
     pub dot_range: Option<DotRangeFn>,
     /// A whole thread's sparse axpy, where the backend has such a kernel.
     pub axpy_list: Option<AxpyListFn>,
+    /// `axpy_list` with each pass's coefficients quantized to int8 per block and integer dot
+    /// instructions ([`AxpyCoefficients::Int8`](crate::AxpyCoefficients::Int8)), where the
+    /// backend has it.
+    pub axpy_list_int8: Option<AxpyListFn>,
     pub act: ActFormat,
 }
 

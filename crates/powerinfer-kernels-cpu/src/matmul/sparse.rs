@@ -8,7 +8,13 @@ use super::handle::MatMul;
 use super::rowops::{ListedRows, RowOps};
 use super::select::{check_active, select_rows, RowSelect};
 use super::weights::Weights;
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+use super::x86;
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+use crate::backend::Backend;
 use crate::error::KernelError;
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+use powerinfer_gguf::GgmlType;
 
 /// Float rows up to this many bytes go through the backend's sparse list kernels (AVX-512:
 /// four rows per pass behind the prefetch stream), longer ones through the four-row kernels
@@ -122,6 +128,61 @@ impl MatMul<'_> {
                 unsafe { out.write(i, (ops.dot)(w.row(i), &act)) };
             }
         });
+    }
+
+    /// Row-sparse product for `n_tokens` tokens over one list of rows shared by every token
+    /// (a batch's union of active rows, read once for all of them): `y[t][i] = row_i · x_t` for
+    /// `i` in `rows`, 0 elsewhere. `rows` must be strictly increasing and below `w.rows`. Each
+    /// result has the bits of the dense [`gemm`](Self::gemm) there; for quantized weights
+    /// those are the one-token products' ([`sparse_gemv_indexed`](Self::sparse_gemv_indexed)
+    /// of that token), so a token's results do not depend on the others in the batch.
+    pub fn sparse_gemm_indexed(
+        &self,
+        w: &Weights<'_>,
+        x: &[f32],
+        n_tokens: usize,
+        rows: &[u32],
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("x", mul(w.cols, n_tokens)?, x.len())?;
+        check_len("y", mul(w.rows, n_tokens)?, y.len())?;
+        check_active(rows, w.rows)?;
+        let ops = self.ops(w)?;
+        if n_tokens == 1 {
+            self.gemv_listed(ops, w, x, rows, y);
+            return Ok(());
+        }
+        y.fill(0.0);
+        if rows.is_empty() {
+            return Ok(());
+        }
+        // Q4_0 on AVX-512: the few-token kernel over the listed rows (any token count: its
+        // tiles take four tokens at a time).
+        #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+        if self.few_q4_0(w) {
+            x86::few::gemm(self.pool, w, x, n_tokens, Some(rows), y);
+            return Ok(());
+        }
+        // Quantized weights below the frame's four-token micro-kernel: one listed GEMV per token
+        // (the frame would run its one-row remainder loop; the same integer sums either way).
+        if n_tokens < 4 && w.ty.is_quantized() {
+            for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
+                self.gemv_listed(ops, w, xt, rows, yt);
+            }
+            return Ok(());
+        }
+        let acts = ActBuf::new(ops.act, x, w.cols);
+        self.gemm_core(w, ops, &acts, n_tokens, RowList::Listed, rows, None, y);
+        Ok(())
+    }
+
+    /// Whether the few-token Q4_0 kernel (`x86::few`) serves `w` on this backend.
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    fn few_q4_0(&self, w: &Weights<'_>) -> bool {
+        self.backend == Backend::Avx512
+            && self.backend.is_available()
+            && w.ty == GgmlType::Q4_0
+            && x86::few::fits(w.cols)
     }
 
     /// Row-sparse product for `n_tokens` tokens with a per-token predicate: `y[t][i] =

@@ -21,6 +21,7 @@ fn scalar_ops(ty: GgmlType) -> Option<RowOps> {
         dot_list: None,
         dot_range: None,
         axpy_list: None,
+        axpy_list_int8: None,
         act,
     };
     Some(match ty {

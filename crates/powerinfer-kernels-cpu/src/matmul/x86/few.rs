@@ -3,7 +3,7 @@
 //!
 //! Two rows share a 512-bit vector, row `r` in the low 256 bits and row `r + 1` in the high
 //! ones; each half does, lane for lane, what the one-token kernel (`int::vnni`'s pair step over
-//! [`ActFormat::Q8_0Pairs`](crate::matmul::act::ActFormat::Q8_0Pairs) activations, then
+//! [`ActFormat::Q8_0Pairs`] activations, then
 //! `hsum`) does for its row, so every (row, token) result equals
 //! [`MatMul::gemv`](crate::MatMul::gemv)'s on that token bit for bit. A tile is [`TR`] rows ×
 //! up to [`TN`] tokens: the nibbles and scales of its rows are decoded once per pair of blocks
@@ -31,49 +31,67 @@ const TR: usize = 4;
 const TN: usize = 4;
 /// Weight bytes per grain of the thread split (as the one-token GEMV's grains).
 const GRAIN_BYTES: usize = 128 << 10;
-/// Bytes of the next tile's rows requested per pair of blocks: a tile's [`TR`] rows are
-/// `TR · 18 · nb` contiguous bytes, read in `nb / 2` steps, so requesting this much of the next
-/// tile per step covers all of it by the time it starts (the hardware prefetchers left the
-/// tile's four interleaved streams waiting on memory).
-const PREFETCH_STEP: usize = TR * 36;
-
 /// Whether [`gemm`] serves a Q4_0 matrix of `cols` columns: whole pairs of blocks.
 pub(crate) fn fits(cols: usize) -> bool {
     cols > 0 && cols % 64 == 0
 }
 
-/// `y_t = W x_t` for the `n_tokens` tokens of `x` (Q4_0 `w` with [`fits`] columns; the lengths
-/// checked by the caller), threads splitting the rows.
+/// `y_t = W x_t` for the `n_tokens` tokens of `x`, over every row of `w` (`rows: None`) or over
+/// the listed ones (strictly increasing, below `w.rows`; other outputs untouched), threads
+/// splitting the rows (Q4_0 `w` with [`fits`] columns; the lengths checked by the caller).
 ///
 /// Panics if `w` is not Q4_0 or its columns do not [`fit`](fits) (a frame bug).
-pub(crate) fn gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
+pub(crate) fn gemm(
+    pool: &ThreadPool,
+    w: &Weights<'_>,
+    x: &[f32],
+    n_tokens: usize,
+    rows: Option<&[u32]>,
+    y: &mut [f32],
+) {
     assert!(w.ty == powerinfer_gguf::GgmlType::Q4_0 && fits(w.cols));
+    let n = rows.map_or(w.rows, <[u32]>::len);
+    debug_assert!(rows.is_none_or(|r| r.iter().all(|&i| (i as usize) < w.rows)));
+    let index = |k: usize| rows.map_or(k, |r| r[k] as usize);
     let acts = ActBuf::new(ActFormat::Q8_0Pairs, x, w.cols);
     let acts: Vec<Act<'_>> = (0..n_tokens).map(|t| acts.get(t)).collect();
     let nb = w.cols / 32;
     let out = OutPtr::new(y);
-    let tiles = w.rows.div_ceil(TR);
+    let tiles = n.div_ceil(TR);
     let grain = (GRAIN_BYTES / (TR * w.row_bytes)).max(1);
     pool.for_grains(tiles, grain, |_, r| {
         for tile in r {
-            let i0 = tile * TR;
-            let nr = (w.rows - i0).min(TR);
+            let k0 = tile * TR;
+            let nr = (n - k0).min(TR);
             // Missing rows of the last tile repeat its first row (computed, not written).
-            let p: [*const u8; TR] =
-                std::array::from_fn(|k| w.row(i0 + if k < nr { k } else { 0 }).as_ptr());
+            let idx: [usize; TR] = std::array::from_fn(|k| index(k0 + if k < nr { k } else { 0 }));
+            let p = idx.map(|i| w.row(i).as_ptr());
+            // The next tile's rows, requested while this one is computed (the last tile's
+            // own rows again: a harmless hint).
+            let next: [*const u8; TR] =
+                std::array::from_fn(|k| w.row(index((k0 + TR + k).min(n - 1))).as_ptr());
             for (c, chunk) in acts.chunks(TN).enumerate() {
                 let t0 = c * TN;
+                let at = Tile {
+                    next,
+                    out,
+                    stride: w.rows,
+                    idx,
+                    nr,
+                    t0,
+                };
                 // SAFETY: each row holds nb (even) 18-byte blocks and each token nb blocks of
                 // values and scales and nb / 2 pair offsets (ActBuf in Q8_0Pairs order for
-                // `w.cols`); the outputs `(t0 + k)·rows + i0 + j` (j < nr) are in bounds and
-                // belong to this thread's tiles only; `dense_gemm` checked for Backend::Avx512
-                // (AVX-512 F/VL/BW/VNNI, AVX2, FMA, F16C).
+                // `w.cols`); the outputs `(t0 + k)·rows + idx[j]` (j < nr) are in bounds and
+                // belong to this thread's tiles only (distinct rows: a strictly increasing
+                // list, or all rows); the callers checked for Backend::Avx512 (AVX-512
+                // F/VL/BW/VNNI, AVX2, FMA, F16C).
                 unsafe {
                     match chunk.len() {
-                        4 => tile_rows::<4>(p, nb, chunk, out, w.rows, i0, nr, t0),
-                        3 => tile_rows::<3>(p, nb, chunk, out, w.rows, i0, nr, t0),
-                        2 => tile_rows::<2>(p, nb, chunk, out, w.rows, i0, nr, t0),
-                        _ => tile_rows::<1>(p, nb, chunk, out, w.rows, i0, nr, t0),
+                        4 => tile_rows::<4>(p, nb, chunk, &at),
+                        3 => tile_rows::<3>(p, nb, chunk, &at),
+                        2 => tile_rows::<2>(p, nb, chunk, &at),
+                        _ => tile_rows::<1>(p, nb, chunk, &at),
                     }
                 }
             }
@@ -81,8 +99,23 @@ pub(crate) fn gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usiz
     });
 }
 
-/// [`TR`] rows (`p`, `nb` blocks each, `nb` even) · `N` tokens (`acts`), the first `nr` rows'
-/// results written to `out[(t0 + k)·stride + i0 + j]`.
+/// Where a tile's results go, and the rows of the tile after it.
+struct Tile {
+    /// The next tile's rows (requested ahead, a hint).
+    next: [*const u8; TR],
+    out: OutPtr,
+    /// Outputs per token.
+    stride: usize,
+    /// The output index of each row.
+    idx: [usize; TR],
+    /// Rows written (the first `nr`).
+    nr: usize,
+    /// The first token.
+    t0: usize,
+}
+
+/// [`TR`] rows (`p`, `nb` blocks each, `nb` even) · `N` tokens (`acts`), the first `at.nr`
+/// rows' results written to `at.out[(at.t0 + k)·at.stride + at.idx[j]]`.
 ///
 /// # Safety
 /// Every `p[j]` is valid for `nb` 18-byte blocks; every act has values, scales and pair
@@ -90,17 +123,7 @@ pub(crate) fn gemm(pool: &ThreadPool, w: &Weights<'_>, x: &[f32], n_tokens: usiz
 /// AVX-512 F/VL/BW/VNNI, AVX2, FMA and F16C available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_rows<const N: usize>(
-    p: [*const u8; TR],
-    nb: usize,
-    acts: &[Act<'_>],
-    out: OutPtr,
-    stride: usize,
-    i0: usize,
-    nr: usize,
-    t0: usize,
-) {
+unsafe fn tile_rows<const N: usize>(p: [*const u8; TR], nb: usize, acts: &[Act<'_>], at: &Tile) {
     const V: usize = TR / 2;
     let mask = _mm512_set1_epi8(0x0F);
     // Lanes 0..4: the first scale, 4..8 the second, 8..12 the third, 12..16 the fourth.
@@ -114,12 +137,10 @@ unsafe fn tile_rows<const N: usize>(
         let mut b = 0;
         while b + 2 <= nb {
             let off = b * 18;
-            // The next tile (contiguous rows after this one's) into L1, a step's share at a
-            // time (a hint; past the matrix it touches other memory or nothing: prefetches
-            // never fault).
-            let ahead = p[0].wrapping_add(TR * 18 * nb + b / 2 * PREFETCH_STEP);
-            for l in 0..PREFETCH_STEP.div_ceil(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
+            // The next tile's lines at this step's offset into L1 (a tile ahead: the hardware
+            // prefetchers left the tile's interleaved row streams waiting on memory).
+            for q in at.next {
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(off) as *const i8);
             }
             let mut lo = [_mm512_setzero_si512(); V];
             let mut hi = [_mm512_setzero_si512(); V];
@@ -166,8 +187,8 @@ unsafe fn tile_rows<const N: usize>(
                     _mm512_castps_pd(acc[v][k]),
                 )));
                 for (j, s) in [(2 * v, low), (2 * v + 1, high)] {
-                    if j < nr {
-                        out.write((t0 + k) * stride + i0 + j, s);
+                    if j < at.nr {
+                        at.out.write((at.t0 + k) * at.stride + at.idx[j], s);
                     }
                 }
             }

@@ -118,7 +118,9 @@ pub(crate) fn dense_gemm(
         GgmlType::Q4_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q4_0 => {
             q4_0_gemm(pool, w, x, n_tokens, y)
         }
-        GgmlType::Q4_0 if super::few::fits(w.cols) => super::few::gemm(pool, w, x, n_tokens, y),
+        GgmlType::Q4_0 if super::few::fits(w.cols) => {
+            super::few::gemm(pool, w, x, n_tokens, None, y)
+        }
         _ => return false,
     }
     true

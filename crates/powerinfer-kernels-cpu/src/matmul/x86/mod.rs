@@ -175,6 +175,7 @@ fn register_sparse(ty: GgmlType, ops: &mut RowOps) {
             ops.axpy_list = Some(s::axpy_list_q4_0);
             if std::arch::is_x86_feature_detected!("avx512vbmi") {
                 ops.dot_range = Some(s::dot_range_q4_0);
+                ops.axpy_list_int8 = Some(s::axpy_list_q4_0_int8);
             }
         }
         GgmlType::Q8_0 => {

@@ -842,6 +842,137 @@ unsafe fn axpy_rows<B: Block32, const N: usize>(
     }
 }
 
+/// `out += Σ_k a[k] · rows[k]` for `N ≤ 8` Q4_0 rows (block 0 at `p[k]`) with integer dot
+/// instructions: per block, the coefficients `c_k = a[k]·d_k` (as [`scales8`] computes them)
+/// are quantized to int8 against their largest magnitude (`s = max|c| / 127`,
+/// `ci_k = round(c_k / s)`), the four rows of each half of the pass are transposed so that one
+/// dword holds one element of four rows (`vpermb`), and `vpdpbusd` sums `ci_k · q_k` over the
+/// rows in exact integers (the −8 of the nibbles folded into the start value `−8·Σ ci`);
+/// then `out += s · sum`, one rounding per element and pass.
+///
+/// Error against the exact sum: per block and pass at most `s/2 · Σ_k |q_k − 8|` per element
+/// (the coefficients' rounding; `s/2 = max|c| / 254`), plus the f32 roundings of `c_k`, of
+/// `s · sum` and of the addition.
+///
+/// # Safety
+/// `nb` whole blocks at every `p[k]`; `out` has `32·nb` values; AVX-512 F/VL/BW/VNNI/VBMI, AVX2,
+/// FMA and F16C available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi")]
+unsafe fn axpy_rows_int8<const N: usize>(
+    p: [*const u8; N],
+    a: [f32; N],
+    nb: usize,
+    out: &mut [f32],
+    st: &mut Stream<'_>,
+) {
+    const { assert!(N >= 1 && N <= 8) };
+    debug_assert!(out.len() == 32 * nb);
+    let o = out.as_mut_ptr();
+    let av = _mm256_setr_ps(
+        a[0],
+        if N > 1 { a[1 % N] } else { 0.0 },
+        if N > 2 { a[2 % N] } else { 0.0 },
+        if N > 3 { a[3 % N] } else { 0.0 },
+        if N > 4 { a[4 % N] } else { 0.0 },
+        if N > 5 { a[5 % N] } else { 0.0 },
+        if N > 6 { a[6 % N] } else { 0.0 },
+        if N > 7 { a[7 % N] } else { 0.0 },
+    );
+    // Rows past N: row 0 again (read, with coefficient 0).
+    let q: [*const u8; 8] = std::array::from_fn(|k| p[if k < N { k } else { 0 }]);
+    // Output byte 4j + k of a pass half takes byte j of row k's 16 (row k at bytes 16k..).
+    let perm = _mm512_set_epi8(
+        63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42, 26,
+        10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20,
+        4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0,
+    );
+    let mask = _mm512_set1_epi8(0x0F);
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    // SAFETY: block `b` < nb exists in every row, outputs `32b..32b + 32` in `out` (caller).
+    unsafe {
+        for b in 0..nb {
+            st.consume(N * 18);
+            let c = scales8::<BQ4_0, N>(&p, b, av);
+            // max |c| in every lane.
+            let m = _mm256_and_ps(c, abs);
+            let m = _mm256_max_ps(m, _mm256_permute2f128_ps::<1>(m, m));
+            let m = _mm256_max_ps(m, _mm256_shuffle_ps::<0b0100_1110>(m, m));
+            let m = _mm256_max_ps(m, _mm256_shuffle_ps::<0b1011_0001>(m, m));
+            let amax = _mm256_cvtss_f32(m);
+            if amax == 0.0 {
+                // Every coefficient is 0 (or rounds to it): the pass adds nothing.
+                continue;
+            }
+            let ci = _mm256_cvtps_epi32(_mm256_mul_ps(c, _mm256_set1_ps(127.0 / amax)));
+            let ci8 = _mm256_cvtepi32_epi8(ci);
+            let w0 = _mm512_set1_epi32(_mm_cvtsi128_si32(ci8));
+            let w1 = _mm512_set1_epi32(_mm_extract_epi32::<1>(ci8));
+            // −8·Σ ci, the nibbles' offset.
+            let sum = _mm_dpbusd_epi32(_mm_setzero_si128(), _mm_set1_epi8(1), ci8);
+            let sum = _mm_cvtsi128_si32(sum) + _mm_extract_epi32::<1>(sum);
+            let init = _mm512_set1_epi32(-8 * sum);
+            let half = |k: usize| {
+                let ld = |r: usize| _mm_loadu_si128(q[r].add(b * 18 + 2) as *const __m128i);
+                let v = _mm512_castsi128_si512(ld(k));
+                let v = _mm512_inserti32x4::<1>(v, ld(k + 1));
+                let v = _mm512_inserti32x4::<2>(v, ld(k + 2));
+                let v = _mm512_inserti32x4::<3>(v, ld(k + 3));
+                _mm512_permutexvar_epi8(perm, v)
+            };
+            let (g0, g1) = (half(0), half(4));
+            let lo = _mm512_dpbusd_epi32(
+                _mm512_dpbusd_epi32(init, _mm512_and_si512(g0, mask), w0),
+                _mm512_and_si512(g1, mask),
+                w1,
+            );
+            let hi = _mm512_dpbusd_epi32(
+                _mm512_dpbusd_epi32(init, _mm512_and_si512(_mm512_srli_epi16::<4>(g0), mask), w0),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(g1), mask),
+                w1,
+            );
+            let sv = _mm512_set1_ps(amax / 127.0);
+            let ob = o.add(b * 32);
+            _mm512_storeu_ps(
+                ob,
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sv, _mm512_loadu_ps(ob)),
+            );
+            let oh = ob.add(16);
+            _mm512_storeu_ps(
+                oh,
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sv, _mm512_loadu_ps(oh)),
+            );
+        }
+    }
+}
+
+/// Q4_0 rows with int8 coefficients ([`axpy_rows_int8`]).
+struct Int8Q4_0;
+impl AxpyRows for Int8Q4_0 {
+    #[inline(always)]
+    unsafe fn rows<const N: usize>(
+        p: [*const u8; N],
+        a: [f32; N],
+        out: &mut [f32],
+        st: &mut Stream<'_>,
+    ) {
+        // SAFETY: forwarded contract (the table installs this kernel only where VBMI and VNNI
+        // were detected).
+        unsafe { axpy_rows_int8::<N>(p, a, out.len() / 32, out, st) }
+    }
+}
+
+/// The Q4_0 axpy with each pass's coefficients quantized to int8 per block
+/// ([`axpy_rows_int8`]): an approximation of [`axpy_list_q4_0`], with its error bound.
+pub(super) fn axpy_list_q4_0_int8(rows: &ListedRows<'_>, a: &[f32], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    check_rows(rows, 18, nb);
+    assert!(out.len() == nb * 32 && rows.list.iter().all(|&i| (i as usize) < a.len()));
+    // SAFETY: installed only for Backend::Avx512 with VBMI (features detected); slices checked
+    // above.
+    unsafe { axpy_list::<Int8Q4_0, AXPY_ROWS>(rows, a, out) }
+}
+
 /// One of the axpy row kernels, with the row count as a parameter: `out += Σ_k a[k] · rows[k]`.
 trait AxpyRows {
     /// # Safety
