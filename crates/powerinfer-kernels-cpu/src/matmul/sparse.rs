@@ -13,8 +13,6 @@ use super::x86;
 #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
 use crate::backend::Backend;
 use crate::error::KernelError;
-#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-use powerinfer_gguf::GgmlType;
 
 /// Float rows up to this many bytes go through the backend's sparse list kernels (AVX-512:
 /// four rows per pass behind the prefetch stream), longer ones through the four-row kernels
@@ -156,10 +154,10 @@ impl MatMul<'_> {
         if rows.is_empty() {
             return Ok(());
         }
-        // Q4_0 on AVX-512: the few-token kernel over the listed rows (any token count: its
-        // tiles take four tokens at a time).
+        // Q4_0 and Q8_0 on AVX-512: the few-token kernel over the listed rows (any token
+        // count: its tiles take four tokens at a time).
         #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-        if self.few_q4_0(w) {
+        if self.few_kernel(w) {
             x86::few::gemm(self.pool, w, x, n_tokens, Some(rows), y);
             return Ok(());
         }
@@ -176,13 +174,12 @@ impl MatMul<'_> {
         Ok(())
     }
 
-    /// Whether the few-token Q4_0 kernel (`x86::few`) serves `w` on this backend.
+    /// Whether the few-token kernel (`x86::few`, Q4_0 and Q8_0) serves `w` on this backend.
     #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    fn few_q4_0(&self, w: &Weights<'_>) -> bool {
+    fn few_kernel(&self, w: &Weights<'_>) -> bool {
         self.backend == Backend::Avx512
             && self.backend.is_available()
-            && w.ty == GgmlType::Q4_0
-            && x86::few::fits(w.cols)
+            && x86::few::fits(w.ty, w.cols)
     }
 
     /// Row-sparse product for `n_tokens` tokens with a per-token predicate: `y[t][i] =

@@ -61,9 +61,10 @@ use std::arch::x86_64::*;
 
 /// Float GEMMs of fewer tokens (one) go through the GEMV.
 pub(crate) const MIN_TOKENS: usize = 2;
-/// Q8_0 GEMMs of fewer tokens go through the general GEMM frame (`MatMul::gemm_core`): the
-/// weight repacking costs about as much as 4 tokens' dot products.
-const MIN_TOKENS_Q8_0: usize = 6;
+/// Q8_0 GEMMs of fewer tokens go through the few-token kernel over the file layout
+/// ([`few`](super::few)): the weight repacking costs about as much as 4 tokens' dot products,
+/// and the few-token kernel stays ahead up to 12 tokens.
+const MIN_TOKENS_Q8_0: usize = 16;
 /// Q4_0 GEMMs of fewer tokens go through the few-token kernel over the file layout
 /// ([`few`](super::few)): repacking reads every weight from memory with 16 rows as 16 streams,
 /// which costs more than a few tokens' dot products.
@@ -115,10 +116,13 @@ pub(crate) fn dense_gemm(
         GgmlType::Q8_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q8_0 => {
             q8_0_gemm(pool, w, x, n_tokens, y)
         }
+        GgmlType::Q8_0 if super::few::fits(w.ty, w.cols) => {
+            super::few::gemm(pool, w, x, n_tokens, None, y)
+        }
         GgmlType::Q4_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q4_0 => {
             q4_0_gemm(pool, w, x, n_tokens, y)
         }
-        GgmlType::Q4_0 if super::few::fits(w.cols) => {
+        GgmlType::Q4_0 if super::few::fits(w.ty, w.cols) => {
             super::few::gemm(pool, w, x, n_tokens, None, y)
         }
         _ => return false,
@@ -963,6 +967,7 @@ mod tests {
                 (18, 128, 2),
                 (19, 2048, 3),
                 (22, 2048, 4),
+                (40, 512, 17),
             ] {
                 let cols = if ty.block_size() == 32 {
                     cols / 32 * 32
