@@ -68,7 +68,7 @@ pub use kv_cache::{KvCache, SeqId};
 pub use model::{Arch, Hparams, Model};
 pub use observer::FfnObserver;
 pub use powerinfer_kernels_cpu::AxpyCoefficients;
-pub use profile::{LayerSplit, Op, OpProfile};
+pub use profile::{BatchDensity, LayerSplit, Op, OpProfile};
 pub use sampling::{Sampler, SamplingParams};
 pub use scheduler::{Event, Finish, Scheduler, SchedulerOptions, SeqHandle};
 pub use session::{Generate, Session, Stats, Token};

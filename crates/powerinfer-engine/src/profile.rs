@@ -158,6 +158,48 @@ impl LayerSplit {
     }
 }
 
+/// What blocks of several tokens asked of one layer's sparse FFN on the CPU, summed over the
+/// blocks recorded (see [`OpProfile::batch_density`]): each token's own active neurons
+/// against the union of the block's, the rows a block would read once for all its tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchDensity {
+    /// Blocks (evaluations of more than one token).
+    pub blocks: u64,
+    /// Tokens in them.
+    pub tokens: u64,
+    /// Active neurons, summed over the tokens.
+    pub active: u64,
+    /// Neurons active for some token of a block, summed over the blocks.
+    pub union: u64,
+    /// The layer's neurons (FFN width).
+    pub neurons: u64,
+}
+
+impl BatchDensity {
+    /// Mean share of the neurons one token activates.
+    pub fn token_density(&self) -> f64 {
+        ratio(self.active, self.tokens * self.neurons)
+    }
+
+    /// Mean share of the neurons some token of a block activates.
+    pub fn union_density(&self) -> f64 {
+        ratio(self.union, self.blocks * self.neurons)
+    }
+
+    /// Mean tokens per block.
+    pub fn tokens_per_block(&self) -> f64 {
+        ratio(self.tokens, self.blocks)
+    }
+
+    fn add(&mut self, o: &BatchDensity) {
+        self.blocks += o.blocks;
+        self.tokens += o.tokens;
+        self.active += o.active;
+        self.union += o.union;
+        self.neurons = self.neurons.max(o.neurons);
+    }
+}
+
 /// Per-operation totals over the evaluations recorded into it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpProfile {
@@ -167,6 +209,7 @@ pub struct OpProfile {
     pub tokens: u64,
     ops: [OpTime; Op::ALL.len()],
     layers: Vec<LayerSplit>,
+    batch: Vec<BatchDensity>,
 }
 
 impl OpProfile {
@@ -201,6 +244,12 @@ impl OpProfile {
         &self.layers
     }
 
+    /// Per layer, the sparse FFN's per-token and union densities over blocks of several
+    /// tokens (empty when no such block ran the sparse FFN on the CPU).
+    pub fn batch_density(&self) -> &[BatchDensity] {
+        &self.batch
+    }
+
     /// Adds `other`'s counts to these.
     pub fn merge(&mut self, other: &OpProfile) {
         self.evals += other.evals;
@@ -213,6 +262,16 @@ impl OpProfile {
         for (l, s) in other.layers.iter().enumerate() {
             self.split_mut(l).add(s);
         }
+        for (l, b) in other.batch.iter().enumerate() {
+            self.batch_mut(l).add(b);
+        }
+    }
+
+    fn batch_mut(&mut self, layer: usize) -> &mut BatchDensity {
+        if self.batch.len() <= layer {
+            self.batch.resize(layer + 1, BatchDensity::default());
+        }
+        &mut self.batch[layer]
     }
 
     fn split_mut(&mut self, layer: usize) -> &mut LayerSplit {
@@ -258,6 +317,18 @@ impl<'p> Laps<'p> {
     pub(crate) fn split(&mut self, layer: usize, s: LayerSplit) {
         if let Some(p) = self.prof.as_deref_mut() {
             p.split_mut(layer).add(&s);
+        }
+    }
+
+    /// Whether a profile is being recorded (so callers can skip counting for it).
+    pub(crate) fn on(&self) -> bool {
+        self.prof.is_some()
+    }
+
+    /// Adds a block's densities of layer `layer`.
+    pub(crate) fn batch(&mut self, layer: usize, b: BatchDensity) {
+        if let Some(p) = self.prof.as_deref_mut() {
+            p.batch_mut(layer).add(&b);
         }
     }
 

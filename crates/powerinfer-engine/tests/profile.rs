@@ -144,3 +144,69 @@ fn profile_counts_match_the_model() {
         assert!(att > 0 && att % (n_layer * 2 * 2) == 0, "{att}");
     }
 }
+
+/// Blocks of several sequences record, per layer, each token's active neurons and the union of
+/// the block's: the union is at least the largest token's list and at most all of them
+/// together, the token density matches the profile's one-token figures' order of size, and a
+/// block of one token (or a dense run) records none.
+#[test]
+fn batch_density_counts_the_union_of_a_block() {
+    use powerinfer_engine::{Batch, EvalOptions, OpProfile};
+    let f = make(GgmlType::Q4_0, Arch::Llama, 12);
+    let shape = Shape::preset("tiny").unwrap();
+    for (path, dense_mode) in [(&f.sparse, false), (&f.sparse, true), (&f.dense, false)] {
+        let engine = Engine::load(path, opts(dense_mode)).unwrap();
+        let mut cache = engine.new_cache();
+        let tok = engine.tokenizer();
+        let prompts = ["once upon a time", "the cat sat", "a b c d e", "hello"];
+        let seqs: Vec<_> = prompts.iter().map(|_| cache.add_sequence()).collect();
+        for (s, p) in seqs.iter().zip(prompts) {
+            let ids = tok.encode(p, true, false);
+            engine
+                .eval(&mut cache, &Batch::one(*s, &ids), EvalOptions::new())
+                .unwrap();
+        }
+        let mut prof = OpProfile::new();
+        let steps = 3;
+        for k in 0..steps {
+            let step: Vec<_> = seqs.iter().map(|&s| (s, 5 + k as u32)).collect();
+            engine
+                .eval(
+                    &mut cache,
+                    &Batch::decode(&step),
+                    EvalOptions::new().profile(&mut prof),
+                )
+                .unwrap();
+        }
+        // One token: nothing recorded.
+        let mut one = OpProfile::new();
+        engine
+            .eval(
+                &mut cache,
+                &Batch::one(seqs[0], &[9]),
+                EvalOptions::new().profile(&mut one),
+            )
+            .unwrap();
+        assert!(one.batch_density().is_empty());
+        let layers = prof.batch_density();
+        if path != &f.sparse || dense_mode {
+            assert!(layers.is_empty(), "{} dense={dense_mode}", path.display());
+            continue;
+        }
+        assert_eq!(layers.len(), shape.n_layer);
+        for (l, b) in layers.iter().enumerate() {
+            assert_eq!((b.blocks, b.tokens), (steps, steps * 4), "layer {l}");
+            assert_eq!(b.neurons, shape.n_ff as u64, "layer {l}");
+            // Per block: max_t |A_t| ≤ |∪ A_t| ≤ Σ_t |A_t|; summed over blocks, the
+            // lower bound is at least the mean list.
+            assert!(b.union <= b.active, "layer {l}: {b:?}");
+            assert!(b.union * 4 >= b.active, "layer {l}: {b:?}");
+            let (t, u) = (b.token_density(), b.union_density());
+            assert!(
+                t > 0.0 && t < 0.5 && u >= t && u <= 4.0 * t,
+                "layer {l}: {t} {u}"
+            );
+            assert_eq!(b.tokens_per_block(), 4.0);
+        }
+    }
+}

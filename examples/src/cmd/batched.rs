@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use powerinfer_engine::{Batch, Engine, EvalOptions, KvCache, Sampler, SamplingParams, SeqId};
+use powerinfer_engine::{
+    Batch, Engine, EvalOptions, KvCache, OpProfile, Sampler, SamplingParams, SeqId,
+};
 use serde_json::json;
 
 /// Arguments of `powerinfer batched`.
@@ -43,6 +45,12 @@ pub struct Args {
     /// Print one JSON object instead of the texts and speeds.
     #[arg(long)]
     json: bool,
+    /// Per layer of a PowerInfer file's sparse FFN, over the batched steps: the share of
+    /// neurons one token activates and the share some sequence of the step activates (the
+    /// union, the rows a step would read once for every sequence; a table on stderr, or
+    /// `batch_density` in the JSON).
+    #[arg(long)]
+    profile: bool,
     /// The device beside the CPU.
     #[command(flatten)]
     device: super::device::DeviceArgs,
@@ -52,6 +60,8 @@ pub struct Args {
 struct Decoded {
     tokens: Vec<Vec<u32>>,
     time: Duration,
+    /// With `--profile`: the batched steps' profile.
+    profile: Option<OpProfile>,
 }
 
 fn samplers(a: &Args) -> Vec<Sampler> {
@@ -93,6 +103,7 @@ fn decode(
         .collect();
     let done =
         |i: usize, t: &[Vec<u32>], next: &[u32]| tok.is_eog(next[i]) || t[i].len() >= a.n_predict;
+    let mut profile = (a.profile && together).then(OpProfile::new);
     let start = Instant::now();
     if together {
         loop {
@@ -101,8 +112,12 @@ fn decode(
                 break;
             }
             let step: Vec<(SeqId, u32)> = live.iter().map(|&i| (seqs[i], next[i])).collect();
+            let opts = match profile.as_mut() {
+                Some(p) => EvalOptions::new().profile(p),
+                None => EvalOptions::new(),
+            };
             let outs = engine
-                .eval(cache, &Batch::decode(&step), EvalOptions::new())
+                .eval(cache, &Batch::decode(&step), opts)
                 .map_err(|e| e.to_string())?;
             for (&i, mut o) in live.iter().zip(outs) {
                 tokens[i].push(next[i]);
@@ -126,7 +141,11 @@ fn decode(
     for s in seqs {
         let _ = cache.remove_sequence(s);
     }
-    Ok(Decoded { tokens, time })
+    Ok(Decoded {
+        tokens,
+        time,
+        profile,
+    })
 }
 
 /// Runs `powerinfer batched`.
@@ -197,6 +216,7 @@ pub fn run(a: Args) -> Result<(), String> {
                 "texts": texts(&batched),
                 "sequential_texts": sequential.as_ref().map(texts),
                 "device": super::device::json(&engine.device_report()),
+                "batch_density": batched.profile.as_ref().map(density_json),
             })
         );
         return Ok(());
@@ -229,5 +249,43 @@ pub fn run(a: Args) -> Result<(), String> {
             b_tps / s
         );
     }
+    if let Some(p) = &batched.profile {
+        print_density(p);
+    }
     Ok(())
+}
+
+/// The per-layer densities of `--profile` on stderr.
+fn print_density(p: &OpProfile) {
+    let layers = p.batch_density();
+    if layers.is_empty() {
+        eprintln!("profile: no step ran a sparse FFN over several sequences on the CPU");
+        return;
+    }
+    eprintln!("sparse FFN over the batched steps, per layer (CPU neurons):");
+    eprintln!("layer  seqs/step  token density  union density  union / token");
+    for (l, b) in layers.iter().enumerate() {
+        let (t, u) = (b.token_density(), b.union_density());
+        eprintln!(
+            "{l:>5}  {:>9.2}  {t:>13.4}  {u:>13.4}  {:>13.2}",
+            b.tokens_per_block(),
+            if t > 0.0 { u / t } else { 0.0 }
+        );
+    }
+}
+
+/// The per-layer densities of `--profile` as JSON.
+fn density_json(p: &OpProfile) -> serde_json::Value {
+    p.batch_density()
+        .iter()
+        .enumerate()
+        .map(|(l, b)| {
+            json!({
+                "layer": l,
+                "sequences_per_step": b.tokens_per_block(),
+                "token_density": b.token_density(),
+                "union_density": b.union_density(),
+            })
+        })
+        .collect()
 }

@@ -24,7 +24,7 @@ use crate::device::balance::{Balance, Measured, DECODE_MAX_TOKENS};
 use crate::device::{HotJob, HotSpec, MatId};
 use crate::error::Result;
 use crate::model::{FfnAct, Layer};
-use crate::profile::{LayerSplit, Op};
+use crate::profile::{BatchDensity, LayerSplit, Op};
 
 /// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
 /// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
@@ -260,7 +260,13 @@ fn sparse(
             s.fired.push(Mutex::new(Vec::new()));
         }
         // Token by token: the active list once, then the indexed kernels (the axpy's four-row
-        // fast path); the predictor above ran once for all tokens.
+        // fast path); the predictor above ran once for all tokens. A profile also counts the
+        // union of the tokens' lists (`BatchDensity`).
+        let count_union = laps.on();
+        if count_union {
+            s.mark.clear();
+            s.mark.resize(nff, false);
+        }
         for i in 0..t {
             let scores = &s.scores[i * nff..][..nff];
             s.active.clear();
@@ -271,6 +277,11 @@ fn sparse(
                 None => s
                     .active
                     .extend((0..nff as u32).filter(|&j| scores[j as usize] >= theta)),
+            }
+            if count_union {
+                for &j in &s.active {
+                    s.mark[j as usize] = true;
+                }
             }
             let g = &mut s.gate[i * nff..][..nff];
             let u: &mut [f32] = if w.rows.gate.is_some() {
@@ -289,6 +300,18 @@ fn sparse(
             step.density[i] += n_active as f32 / nff as f32;
             laps.lap(Op::FfnUpGate, || n_active * gate_row + n_up * up_row);
             laps.lap(Op::FfnDown, || nonzero(g, &s.active) * down_row);
+        }
+        if count_union {
+            laps.batch(
+                index,
+                BatchDensity {
+                    blocks: 1,
+                    tokens: t as u64,
+                    active: cpu_active,
+                    union: s.mark.iter().filter(|&&m| m).count() as u64,
+                    neurons: nff as u64,
+                },
+            );
         }
     }
     if fuse {

@@ -57,6 +57,8 @@ pub(crate) struct FfnScratch {
     /// The active neurons whose gate fired (see `ffn::gate_fired`): per thread in the one-token
     /// path, the first entry in the per-token path.
     pub(crate) fired: Vec<Mutex<Vec<u32>>>,
+    /// Which neurons some token of a block activates (profiles only).
+    pub(crate) mark: Vec<bool>,
 }
 
 /// One evaluation's shared state: the kernels, the options, the batch's layout, per-token
