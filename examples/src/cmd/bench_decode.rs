@@ -602,10 +602,20 @@ fn powerinfer_main(
     text: &str,
 ) -> Result<LlamaRun, String> {
     let mut best = LlamaRun { tg: 0.0, pp: None };
+    // `main` writes its `main.log` into its working directory: run it in the temporary
+    // directory, with the model's path made absolute.
+    let path = std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // A binary named by a path (not looked up in PATH) made absolute too.
+    let bin = if bin.components().count() > 1 {
+        std::path::absolute(bin).map_err(|e| format!("{}: {e}", bin.display()))?
+    } else {
+        bin.to_path_buf()
+    };
     for _ in 0..a.repeats.max(1) {
-        let out = Command::new(bin)
+        let out = Command::new(&bin)
+            .current_dir(std::env::temp_dir())
             .arg("-m")
-            .arg(path)
+            .arg(&path)
             .args(["-p", text])
             .args(["-n", &a.tokens.to_string()])
             .args(["-t", &threads.to_string()])
