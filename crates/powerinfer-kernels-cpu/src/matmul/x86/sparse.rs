@@ -737,6 +737,17 @@ unsafe fn scales8<B: Block32, const N: usize>(p: &[*const u8; N], b: usize, av: 
     unsafe { _mm256_mul_ps(av, _mm256_cvtph_ps(_mm_set_epi64x(hi as i64, lo as i64))) }
 }
 
+/// The `N ≤ 8` coefficients of an axpy pass in eight f32 lanes, lanes `N..8` zero.
+///
+/// # Safety
+/// AVX2 available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lanes8<const N: usize>(a: [f32; N]) -> __m256 {
+    let at = |k: usize| if k < N { a[k % N] } else { 0.0 };
+    _mm256_setr_ps(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7))
+}
+
 /// `*p` in all 16 lanes, as a broadcast load (`vbroadcastss zmm, m32`: no shuffle µop, unlike
 /// the register broadcasts the compiler makes of a value it has just stored).
 ///
@@ -780,16 +791,8 @@ unsafe fn axpy_rows<B: Block32, const N: usize>(
     const { assert!(N >= 1 && N <= 8) };
     debug_assert!(out.len() == 32 * nb);
     let o = out.as_mut_ptr();
-    let av = _mm256_setr_ps(
-        a[0],
-        if N > 1 { a[1 % N] } else { 0.0 },
-        if N > 2 { a[2 % N] } else { 0.0 },
-        if N > 3 { a[3 % N] } else { 0.0 },
-        if N > 4 { a[4 % N] } else { 0.0 },
-        if N > 5 { a[5 % N] } else { 0.0 },
-        if N > 6 { a[6 % N] } else { 0.0 },
-        if N > 7 { a[7 % N] } else { 0.0 },
-    );
+    // SAFETY: AVX2 available (caller).
+    let av = unsafe { lanes8(a) };
     let table = _mm512_setr_ps(
         -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
     );
@@ -869,16 +872,8 @@ unsafe fn axpy_rows_int8<const N: usize>(
     const { assert!(N >= 1 && N <= 8) };
     debug_assert!(out.len() == 32 * nb);
     let o = out.as_mut_ptr();
-    let av = _mm256_setr_ps(
-        a[0],
-        if N > 1 { a[1 % N] } else { 0.0 },
-        if N > 2 { a[2 % N] } else { 0.0 },
-        if N > 3 { a[3 % N] } else { 0.0 },
-        if N > 4 { a[4 % N] } else { 0.0 },
-        if N > 5 { a[5 % N] } else { 0.0 },
-        if N > 6 { a[6 % N] } else { 0.0 },
-        if N > 7 { a[7 % N] } else { 0.0 },
-    );
+    // SAFETY: AVX2 available (caller).
+    let av = unsafe { lanes8(a) };
     // Rows past N: row 0 again (read, with coefficient 0).
     let q: [*const u8; 8] = std::array::from_fn(|k| p[if k < N { k } else { 0 }]);
     // Output byte 4j + k of a pass half takes byte j of row k's 16 (row k at bytes 16k..).
