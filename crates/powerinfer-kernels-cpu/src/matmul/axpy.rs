@@ -23,7 +23,10 @@ impl MatMul<'_> {
     /// output length): `y += Σ a[i] · row_i` over rows `i` selected by `select` (`scores` has
     /// `rows` values) with `a[i] != 0`. `a` has `rows` values, `y` has `cols`; `y` is added to,
     /// not overwritten. For F16 rows every `a[i]` is first rounded to f16 (a value that rounds
-    /// to 0 is skipped), in all three axpy forms (see the [module docs](super)).
+    /// to 0 is skipped), in all three axpy forms (see the [module docs](super)). With
+    /// [`AxpyCoefficients::Int8`](crate::AxpyCoefficients::Int8) (also for
+    /// [`sparse_axpy_indexed`](Self::sparse_axpy_indexed)) Q4_0 rows may take int8
+    /// coefficients, within that mode's stated error.
     pub fn sparse_axpy(
         &self,
         w_t: &Weights<'_>,

@@ -17,9 +17,10 @@ pub enum AxpyCoefficients {
     Float,
     /// Per block of a pass of rows, the coefficients quantized to int8 against their largest
     /// magnitude and the rows summed by integer dot instructions: less arithmetic per weight,
-    /// with a per-element error of at most `max|c| / 254 · Σ |q − 8|` per pass and block (see
-    /// [`MatMul::sparse_axpy_indexed`]). Q4_0 rows on AVX-512 with VBMI and VNNI; elsewhere
-    /// `Float`.
+    /// with a per-element error of at most `max|c| / 254 · Σ |q − 8|` per pass (up to eight
+    /// rows) and block, `c` the pass's `a_i · d_i` and `q` the nibbles, plus f32 roundings. Used
+    /// by the one-token [`MatMul::sparse_axpy`] and [`MatMul::sparse_axpy_indexed`] on Q4_0
+    /// rows on AVX-512 with VBMI and VNNI; elsewhere (and by `sparse_axpy_batch`) `Float`.
     Int8,
 }
 

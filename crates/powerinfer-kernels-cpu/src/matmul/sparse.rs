@@ -154,8 +154,9 @@ impl MatMul<'_> {
         if rows.is_empty() {
             return Ok(());
         }
-        // Q4_0 and Q8_0 on AVX-512: the few-token kernel over the listed rows (any token
-        // count: its tiles take four tokens at a time).
+        // Q4_0 and Q8_0 on AVX-512: the few-token kernel over the listed rows (its tiles take
+        // four tokens at a time; it is made for decode batches, the blocked GEMMs that serve
+        // prompts take no row list).
         #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
         if self.few_kernel(w) {
             x86::few::gemm(self.pool, w, x, n_tokens, Some(rows), y);

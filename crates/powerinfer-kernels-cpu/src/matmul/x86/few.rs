@@ -1,5 +1,6 @@
-//! The Q4_0 product of a few tokens (a decode step of a small batch) straight from the file
-//! layout (x86-64, AVX-512 F/VL/BW/VNNI): no repacked copy, so no per-call packing pass.
+//! The Q4_0 and Q8_0 products of a few tokens (a decode step of a small batch) straight from
+//! the file layout (x86-64, AVX-512 F/VL/BW/VNNI): no repacked copy, so no per-call packing
+//! pass. Described here for Q4_0; Q8_0 in [`tile_rows_q8_0`].
 //!
 //! Two rows share a 512-bit vector, row `r` in the low 256 bits and row `r + 1` in the high
 //! ones; each half does, lane for lane, what the one-token kernel (`int::vnni`'s pair step over
@@ -21,6 +22,7 @@ use super::common::hsum;
 use crate::matmul::act::{Act, ActBuf, ActFormat};
 use crate::matmul::frame::OutPtr;
 use crate::matmul::weights::Weights;
+use crate::matmul::GEMV_GRAIN_BYTES;
 use crate::pool::ThreadPool;
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
@@ -30,8 +32,7 @@ const TR: usize = 4;
 /// Tokens per tile (2 × 4 accumulators, with the decoded weights and one token's activation
 /// vectors, fit the 32 registers).
 const TN: usize = 4;
-/// Weight bytes per grain of the thread split (as the one-token GEMV's grains).
-const GRAIN_BYTES: usize = 128 << 10;
+
 /// Whether [`gemm`] serves a matrix of type `ty` and `cols` columns: Q4_0 in whole pairs of
 /// blocks, Q8_0 in whole blocks.
 pub(crate) fn fits(ty: GgmlType, cols: usize) -> bool {
@@ -81,7 +82,8 @@ pub(crate) fn gemm(
     };
     let out = OutPtr::new(y);
     let tiles = n.div_ceil(TR);
-    let grain = (GRAIN_BYTES / (TR * w.row_bytes)).max(1);
+    // Grains of weight bytes as the one-token GEMV's.
+    let grain = (GEMV_GRAIN_BYTES / (TR * w.row_bytes)).max(1);
     pool.for_grains(tiles, grain, |_, r| {
         for tile in r {
             let k0 = tile * TR;
