@@ -166,3 +166,53 @@ fn batched_equals_sequential() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--parallel 0"));
 }
+
+/// `batched --profile` on a PowerInfer file: the batched steps' per-operation profile, with
+/// the sparse FFN's two halves timed apart (each with its time and bytes), beside the
+/// per-layer union densities.
+#[test]
+fn batched_profile_times_each_operation() {
+    let dir = tempfile::tempdir().unwrap();
+    dense_twin(dir.path(), "q4_0");
+    let sparse = dir.path().join("tiny-q4_0.powerinfer.gguf");
+    let out = powerinfer(&[
+        "batched",
+        "-m",
+        sparse.to_str().unwrap(),
+        "--parallel",
+        "3",
+        "-n",
+        "6",
+        "-t",
+        "2",
+        "--gpu",
+        "none",
+        "--no-sequential",
+        "--profile",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["profile"].as_array().unwrap();
+    let op = |name: &str| rows.iter().find(|r| r["op"] == name).unwrap().clone();
+    for name in ["ffn_up_gate", "ffn_down", "predictor", "qkv"] {
+        let r = op(name);
+        assert!(r["ms_per_token"].as_f64().unwrap() > 0.0, "{name}: {r}");
+        assert!(r["mb_per_token"].as_f64().unwrap() > 0.0, "{name}: {r}");
+    }
+    let total = op("total")["ms_per_token"].as_f64().unwrap();
+    let sum: f64 = rows
+        .iter()
+        .filter(|r| r["op"] != "total")
+        .map(|r| r["ms_per_token"].as_f64().unwrap())
+        .sum();
+    assert!(
+        (sum - total).abs() <= 1e-6 * total.max(1.0),
+        "{sum} vs {total}"
+    );
+    assert!(!v["batch_density"].as_array().unwrap().is_empty(), "{v}");
+}

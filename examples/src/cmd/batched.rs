@@ -45,10 +45,11 @@ pub struct Args {
     /// Print one JSON object instead of the texts and speeds.
     #[arg(long)]
     json: bool,
-    /// Per layer of a PowerInfer file's sparse FFN, over the batched steps: the share of
+    /// Over the batched steps: each operation's time and bytes per token (as `run --profile`;
+    /// `profile` in the JSON) and, per layer of a PowerInfer file's sparse FFN, the share of
     /// neurons one token activates and the share some sequence of the step activates (the
-    /// union, the rows a step would read once for every sequence; a table on stderr, or
-    /// `batch_density` in the JSON).
+    /// union, the rows a step would read once for every sequence; `batch_density` in the
+    /// JSON). Tables on stderr.
     #[arg(long)]
     profile: bool,
     /// The device beside the CPU.
@@ -217,6 +218,10 @@ pub fn run(a: Args) -> Result<(), String> {
                 "sequential_texts": sequential.as_ref().map(texts),
                 "device": super::device::json(&engine.device_report()),
                 "batch_density": batched.profile.as_ref().map(density_json),
+                "profile": batched
+                    .profile
+                    .as_ref()
+                    .map(|p| super::run::profile_json(p, super::run::bandwidth(&engine))),
             })
         );
         return Ok(());
@@ -250,6 +255,7 @@ pub fn run(a: Args) -> Result<(), String> {
         );
     }
     if let Some(p) = &batched.profile {
+        super::run::print_profile(p, super::run::bandwidth(&engine));
         print_density(p);
     }
     Ok(())

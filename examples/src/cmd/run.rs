@@ -439,9 +439,9 @@ fn profile_rows(p: &OpProfile) -> Vec<(&'static str, f64, f64, f64)> {
 
 /// The decode profile as a table on stderr, with each operation's read bandwidth against the
 /// machine's (`bandwidth`, bytes/s).
-fn print_profile(p: &OpProfile, bandwidth: f64) {
+pub(crate) fn print_profile(p: &OpProfile, bandwidth: f64) {
     eprintln!(
-        "decode profile: {} steps, memory read bandwidth {:.1} GB/s",
+        "decode profile: {} tokens, memory read bandwidth {:.1} GB/s",
         p.tokens,
         bandwidth / 1e9
     );
@@ -468,7 +468,7 @@ fn print_profile(p: &OpProfile, bandwidth: f64) {
 }
 
 /// The decode profile as JSON: one object per operation and the total.
-fn profile_json(p: &OpProfile, bandwidth: f64) -> serde_json::Value {
+pub(crate) fn profile_json(p: &OpProfile, bandwidth: f64) -> serde_json::Value {
     let rows: Vec<serde_json::Value> = profile_rows(p)
         .into_iter()
         .map(|(name, ms, mb, gbps)| {
@@ -482,7 +482,7 @@ fn profile_json(p: &OpProfile, bandwidth: f64) -> serde_json::Value {
 }
 
 /// This machine's read bandwidth with the engine's thread count (bytes/s), for `--profile`.
-fn bandwidth(engine: &Engine) -> f64 {
+pub(crate) fn bandwidth(engine: &Engine) -> f64 {
     let pool = ThreadPool::new(engine.threads());
     super::bench::read_bandwidth(&pool, 1 << 30, 3)
 }

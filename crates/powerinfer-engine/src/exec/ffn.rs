@@ -17,7 +17,7 @@ use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::fused::{run_threads, FusedSplit};
-use super::neurons::{activate, hidden, nonzero, token_ffn, NeuronRows, TokenBufs};
+use super::neurons::{activate, hidden, nonzero, NeuronRows, TokenBufs};
 use super::step::{add_bias, FfnScratch, LayerRun, Step};
 use super::weights::{product, products_one_token, FfnMats};
 use crate::device::balance::{Balance, Measured, DECODE_MAX_TOKENS};
@@ -260,8 +260,8 @@ fn sparse(
             s.fired.push(Mutex::new(Vec::new()));
         }
         // Token by token: the active list once, then the indexed kernels (the axpy's four-row
-        // fast path); the predictor above ran once for all tokens. A profile also counts the
-        // union of the tokens' lists (`BatchDensity`).
+        // fast path), each timed as its own operation; the predictor above ran once for all
+        // tokens. A profile also counts the union of the tokens' lists (`BatchDensity`).
         let count_union = laps.on();
         if count_union {
             s.mark.clear();
@@ -293,12 +293,13 @@ fn sparse(
             let x = &cur[i * ne..][..ne];
             let y = &mut out[i * ne..][..ne];
             let mut bufs = TokenBufs { g, u, fired };
-            let n_up = token_ffn(mm, &w.rows, x, &s.active, &mut bufs, y)? as u64;
-            let g = &*bufs.g;
+            let n_up = hidden(mm, &w.rows, x, &s.active, &mut bufs)? as u64;
             let n_active = s.active.len() as u64;
+            laps.lap(Op::FfnUpGate, || n_active * gate_row + n_up * up_row);
+            let g = &*bufs.g;
+            mm.sparse_axpy_indexed(w.rows.down, g, &s.active, y)?;
             cpu_active += n_active;
             step.density[i] += n_active as f32 / nff as f32;
-            laps.lap(Op::FfnUpGate, || n_active * gate_row + n_up * up_row);
             laps.lap(Op::FfnDown, || nonzero(g, &s.active) * down_row);
         }
         if count_union {
