@@ -416,7 +416,7 @@ fn run_profile_reports_every_operation() {
     let err = String::from_utf8(powerinfer(&args).stderr).unwrap();
     // Five tokens: the first from the prompt's logits, four decode steps (none is spent on
     // the last token, which stays with the session).
-    assert!(err.contains("decode profile: 4 steps"), "{err}");
+    assert!(err.contains("decode profile: 4 tokens"), "{err}");
     assert!(
         err.contains("ffn_up_gate") && err.contains("output_head"),
         "{err}"
