@@ -42,8 +42,8 @@ pub struct EngineOptions {
     /// by [`Engine::repack_now`]; costs their size in anonymous memory. Only on CPUs with the
     /// packed kernel (AVX-512).
     pub repack: bool,
-    /// Run a token's row-parallel products (Q/K/V, gate/up, the sparse FFN's predictor and
-    /// gate/up) in one thread-pool dispatch each (`true`, the default; same results as
+    /// Run the products that share an input (Q/K/V, gate/up, a token's sparse FFN's predictor
+    /// and gate/up) in one thread-pool dispatch each (`true`, the default; same results as
     /// `false`, which exists for comparisons).
     pub fuse: bool,
     /// The CPU kernels' instruction set; `None` = the best this CPU has.

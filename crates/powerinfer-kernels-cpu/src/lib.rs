@@ -24,6 +24,6 @@ pub mod reference;
 pub use backend::{Backend, CpuVendor};
 pub use error::KernelError;
 pub use matmul::{
-    AxpyCoefficients, GemvJob, MatMul, PackedGemvJob, PackedQ4_0, RowSelect, Weights,
+    AxpyCoefficients, GemmJob, GemvJob, MatMul, PackedGemvJob, PackedQ4_0, RowSelect, Weights,
 };
 pub use pool::{PoolKind, ThreadPool};

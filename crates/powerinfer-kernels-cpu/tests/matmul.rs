@@ -11,8 +11,8 @@ use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::matmul::supported_types;
 use powerinfer_kernels_cpu::reference::matmul as r;
 use powerinfer_kernels_cpu::{
-    probe, AxpyCoefficients, Backend, GemvJob, KernelError, MatMul, PackedGemvJob, RowSelect,
-    ThreadPool, Weights,
+    probe, AxpyCoefficients, Backend, GemmJob, GemvJob, KernelError, MatMul, PackedGemvJob,
+    RowSelect, ThreadPool, Weights,
 };
 use proptest::prelude::*;
 
@@ -671,6 +671,119 @@ fn gemm_equals_gemv_per_token_bitwise() {
                         None => first = Some(y),
                         Some(f) => assert_eq!(bits(f), bits(&y), "{what}: thread counts differ"),
                     }
+                }
+            }
+        }
+    }
+}
+
+/// `gemm_multi` gives every job exactly what `gemm` gives it alone: jobs of one type and of
+/// mixed types (float and quantized), sharing one input or not, with row lengths that are not a
+/// multiple of the SIMD width, matrices of a few rows beside large ones (a layer's K and V
+/// beside Q), inputs small and large (prepared by one thread or by all), one token and many, on every backend and 1, 2 and 3 threads; and a job of the
+/// wrong size is an error before anything is written.
+#[test]
+fn gemm_multi_equals_gemm_per_job_bitwise() {
+    let mut rng = Rng(777);
+    // (type, rows, units of cols, which input: 0 shared, 1 its own)
+    let sets: [&[(GgmlType, usize, usize, usize)]; 5] = [
+        &[
+            (GgmlType::F16, 67, 301, 0),
+            (GgmlType::F16, 9, 301, 0),
+            (GgmlType::F16, 9, 301, 0),
+        ],
+        // Inputs large enough to be prepared by every thread.
+        &[(GgmlType::F16, 21, 4101, 0), (GgmlType::F16, 6, 4101, 0)],
+        &[
+            (GgmlType::F32, 33, 77, 0),
+            (GgmlType::BF16, 5, 77, 1),
+            (GgmlType::F16, 260, 77, 0),
+        ],
+        &[
+            (GgmlType::F16, 40, 256, 0),
+            (GgmlType::Q4_0, 40, 256, 0),
+            (GgmlType::Q8_0, 7, 256, 1),
+        ],
+        &[(GgmlType::F16, 3, 8, 0), (GgmlType::F32, 1, 5, 1)],
+    ];
+    for set in sets {
+        for n_tokens in [1usize, 2, 5, 13, 30] {
+            let cases: Vec<(GgmlType, usize, usize, Case)> = set
+                .iter()
+                .map(|&(ty, rows, units, _)| {
+                    let cols = cols_for(ty, units);
+                    (ty, rows, cols, make_case(ty, rows, cols, &mut rng))
+                })
+                .collect();
+            // Inputs by column count: one shared per length, and one of each job's own.
+            let shared: Vec<Vec<f32>> = cases
+                .iter()
+                .map(|(_, _, cols, _)| random_vec(cols * n_tokens, &mut rng))
+                .collect();
+            let own: Vec<Vec<f32>> = cases
+                .iter()
+                .map(|(_, _, cols, _)| random_vec(cols * n_tokens, &mut rng))
+                .collect();
+            let input = |k: usize| -> &[f32] {
+                let first_same = (0..k)
+                    .find(|&i| set[i].3 == 0 && cases[i].2 == cases[k].2)
+                    .unwrap_or(k);
+                if set[k].3 == 0 {
+                    &shared[first_same]
+                } else {
+                    &own[k]
+                }
+            };
+            for backend in Backend::available() {
+                for threads in [1, 2, 3] {
+                    let pool = ThreadPool::new(threads);
+                    let mm = MatMul::with_backend(&pool, backend).unwrap();
+                    let what = format!("{set:?} {backend} {threads}t T={n_tokens}");
+                    let views: Vec<Weights<'_>> = cases
+                        .iter()
+                        .map(|(ty, rows, cols, c)| {
+                            Weights::new(*ty, *rows, *cols, &c.data).unwrap()
+                        })
+                        .collect();
+                    let mut ys: Vec<Vec<f32>> = cases
+                        .iter()
+                        .map(|(_, rows, _, _)| vec![f32::NAN; rows * n_tokens])
+                        .collect();
+                    let mut jobs: Vec<GemmJob<'_>> = ys
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(k, y)| GemmJob {
+                            w: views[k],
+                            x: input(k),
+                            y,
+                        })
+                        .collect();
+                    mm.gemm_multi(&mut jobs, n_tokens).unwrap();
+                    for (k, y) in ys.iter().enumerate() {
+                        let mut alone = vec![f32::NAN; y.len()];
+                        mm.gemm(&views[k], input(k), n_tokens, &mut alone).unwrap();
+                        assert_eq!(bits(&alone), bits(y), "{what}: job {k}");
+                    }
+                    // A job whose output is one value short: an error, nothing written.
+                    let mut short = vec![7f32; cases[0].1 * n_tokens - 1];
+                    let mut fine = vec![7f32; cases[0].1 * n_tokens];
+                    let mut bad = [
+                        GemmJob {
+                            w: views[0],
+                            x: input(0),
+                            y: &mut fine,
+                        },
+                        GemmJob {
+                            w: views[0],
+                            x: input(0),
+                            y: &mut short,
+                        },
+                    ];
+                    assert!(mm.gemm_multi(&mut bad, n_tokens).is_err(), "{what}");
+                    assert!(
+                        fine.iter().all(|&v| v == 7.0),
+                        "{what}: written before the check"
+                    );
                 }
             }
         }

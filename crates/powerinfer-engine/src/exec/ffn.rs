@@ -13,13 +13,13 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use powerinfer_kernels_cpu::ops::activation::relu;
-use powerinfer_kernels_cpu::{GemvJob, KernelError, MatMul};
+use powerinfer_kernels_cpu::{GemmJob, KernelError, MatMul};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::fused::{run_threads, FusedSplit};
-use super::neurons::{activate, hidden, nonzero, NeuronRows, TokenBufs};
+use super::neurons::{activate_all, hidden, nonzero, NeuronRows, TokenBufs};
 use super::step::{add_bias, FfnScratch, LayerRun, Step};
-use super::weights::{product, products_one_token, FfnMats};
+use super::weights::{product, products, FfnMats};
 use crate::device::balance::{Balance, Measured, DECODE_MAX_TOKENS};
 use crate::device::{HotJob, HotSpec, MatId};
 use crate::error::Result;
@@ -404,13 +404,13 @@ fn hidden_dense(
             ..
         } => {
             resize(up, t * n);
-            if t == 1 && fuse {
-                products_one_token(mm, device, &mut [(g, cur, gate), (u, cur, up)])?;
+            if fuse {
+                products(mm, device, &mut [(g, cur, gate), (u, cur, up)], t)?;
             } else {
                 product(mm, device, g, cur, t, gate)?;
                 product(mm, device, u, cur, t, up)?;
             }
-            activate(act, gate, up)?;
+            activate_all(mm.pool(), act, gate, up)?;
         }
         FfnMats::Sparse {
             gate: Some(g),
@@ -418,24 +418,27 @@ fn hidden_dense(
             ..
         } => {
             resize(up, t * n);
-            if t == 1 && fuse {
-                mm.gemv_multi(&mut [
-                    GemvJob {
-                        w: *g,
-                        x: cur,
-                        y: gate,
-                    },
-                    GemvJob {
-                        w: *u,
-                        x: cur,
-                        y: up,
-                    },
-                ])?;
+            if fuse {
+                mm.gemm_multi(
+                    &mut [
+                        GemmJob {
+                            w: *g,
+                            x: cur,
+                            y: gate,
+                        },
+                        GemmJob {
+                            w: *u,
+                            x: cur,
+                            y: up,
+                        },
+                    ],
+                    t,
+                )?;
             } else {
                 mm.gemm(g, cur, t, gate)?;
                 mm.gemm(u, cur, t, up)?;
             }
-            activate(act, gate, up)?;
+            activate_all(mm.pool(), act, gate, up)?;
         }
         FfnMats::Dense { gate: None, up, .. } => {
             product(mm, device, up, cur, t, gate)?;

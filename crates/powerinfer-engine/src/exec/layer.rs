@@ -13,7 +13,7 @@ use powerinfer_kernels_cpu::ops::attention::{
 use powerinfer_kernels_cpu::ops::rope::rope_block;
 
 use super::step::{add_bias, norm, LayerRun, Step};
-use super::weights::{product, products_one_token, QkvMats};
+use super::weights::{product, products, QkvMats};
 use crate::device::balance::Balance;
 use crate::device::AttentionJob;
 use crate::error::Result;
@@ -58,9 +58,9 @@ pub(crate) fn attention(
     laps.lap(Op::Norm, || 0);
     match (&mats.qkv, &layer.qkv) {
         (QkvMats::Separate([wq, wk, wv]), Qkv::Separate { bq, bk, bv, .. }) => {
-            if t == 1 && step.opts.fuse {
-                // One token: the three products in one dispatch.
-                products_one_token(
+            if step.opts.fuse {
+                // The three products in one dispatch.
+                products(
                     mm,
                     dev,
                     &mut [
@@ -68,6 +68,7 @@ pub(crate) fn attention(
                         (wk, attn_in, &mut b.k),
                         (wv, attn_in, &mut b.v),
                     ],
+                    t,
                 )?;
             } else {
                 product(mm, dev, wq, attn_in, t, &mut b.q)?;

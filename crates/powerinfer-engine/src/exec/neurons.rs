@@ -3,7 +3,7 @@
 //! sparse axpy over their down rows.
 
 use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
-use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
+use powerinfer_kernels_cpu::{KernelError, MatMul, ThreadPool, Weights};
 
 use crate::model::FfnAct;
 
@@ -92,6 +92,44 @@ pub(crate) fn activate(
         FfnAct::Relu => relu(gate),
     }
     Ok(())
+}
+
+/// Values below which [`activate_all`] runs on the calling thread (a dispatch costs more than
+/// a decode step's few thousand activations).
+const PARALLEL_ACTIVATE: usize = 1 << 15;
+
+/// [`activate`] over a block of tokens' whole FFN (a dense FFN of a prompt), split between the
+/// pool's threads when there are many values; each value is computed as by `activate` alone.
+pub(crate) fn activate_all(
+    pool: &ThreadPool,
+    act: FfnAct,
+    gate: &mut [f32],
+    up: &[f32],
+) -> std::result::Result<(), KernelError> {
+    let n = pool.n_threads();
+    if n == 1 || gate.len() < PARALLEL_ACTIVATE || up.len() != gate.len() {
+        return activate(act, gate, up);
+    }
+    let per = gate.len().div_ceil(n);
+    let parts: Vec<std::sync::Mutex<(&mut [f32], &[f32])>> = gate
+        .chunks_mut(per)
+        .zip(up.chunks(per))
+        .map(std::sync::Mutex::new)
+        .collect();
+    let failed = std::sync::Mutex::new(None);
+    pool.run(|tid| {
+        if let Some(part) = parts.get(tid) {
+            let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
+            let (g, u) = &mut *part;
+            if let Err(e) = activate(act, g, u) {
+                *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+            }
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// The rows of `active` whose `up` product is needed once `gate` holds their gate products.

@@ -4,7 +4,7 @@
 use std::sync::OnceLock;
 
 use powerinfer_gguf::{GgmlType, GgufFile};
-use powerinfer_kernels_cpu::{GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
+use powerinfer_kernels_cpu::{GemmJob, GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
 use powerinfer_predictor::predictor::Predictor;
 
 use crate::device::placement::{Hybrid, HybridLayer, Slot, SLOTS};
@@ -293,5 +293,33 @@ pub(crate) fn products_one_token(
             product(mm, None, m, x, 1, y)?;
         }
     }
+    Ok(())
+}
+
+/// Several `t`-token products `y = W x` in one dispatch (a layer's Q, K and V; a dense FFN's
+/// gate and up): [`products_one_token`] for one token, [`MatMul::gemm_multi`] for more (the
+/// row blocks of all matrices shared out together, a shared input prepared once), or one
+/// product after another when a device holds any of the matrices. The same bits as
+/// [`product`] on each.
+pub(crate) fn products(
+    mm: &MatMul<'_>,
+    device: Option<&dyn Device>,
+    jobs: &mut [(&Mat<'_>, &[f32], &mut [f32])],
+    t: usize,
+) -> Result<()> {
+    if t == 1 {
+        return products_one_token(mm, device, jobs);
+    }
+    if device.is_some() && jobs.iter().any(|(m, _, _)| m.dev.is_some()) {
+        for (m, x, y) in jobs.iter_mut() {
+            product(mm, device, m, x, t, y)?;
+        }
+        return Ok(());
+    }
+    let mut gj: Vec<GemmJob<'_>> = jobs
+        .iter_mut()
+        .map(|(m, x, y)| GemmJob { w: m.w, x, y })
+        .collect();
+    mm.gemm_multi(&mut gj, t)?;
     Ok(())
 }

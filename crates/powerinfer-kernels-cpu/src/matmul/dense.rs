@@ -60,6 +60,17 @@ pub struct GemvJob<'a> {
     pub y: &'a mut [f32],
 }
 
+/// One product of [`MatMul::gemm_multi`]: `y_t = w x_t` for every token.
+#[derive(Debug)]
+pub struct GemmJob<'a> {
+    /// The matrix.
+    pub w: Weights<'a>,
+    /// The activations, `[n_tokens][w.cols()]`.
+    pub x: &'a [f32],
+    /// The outputs, `[n_tokens][w.rows()]`.
+    pub y: &'a mut [f32],
+}
+
 /// One product of [`MatMul::gemv_packed_multi`]: `y = w x` over a repacked matrix.
 #[derive(Debug)]
 pub struct PackedGemvJob<'a> {
@@ -361,6 +372,39 @@ impl MatMul<'_> {
             return Ok(());
         }
         Err(KernelError::BackendUnavailable(self.backend.name()))
+    }
+
+    /// [`gemm`](Self::gemm) of every job over `n_tokens` tokens, in one dispatch of the pool
+    /// where the kernels allow it (float weights on AVX-512): the row blocks of all jobs are
+    /// shared out together, so small products (a layer's K and V) do not leave threads idle,
+    /// and jobs with the same input (a layer's Q, K and V; an FFN's gate and up) prepare it
+    /// once. Otherwise one `gemm` after another. Each output equals `gemm` on that job alone,
+    /// bit for bit. All jobs are checked before any is computed.
+    pub fn gemm_multi(&self, jobs: &mut [GemmJob<'_>], n_tokens: usize) -> Result<(), KernelError> {
+        for j in jobs.iter() {
+            check_len("x", mul(j.w.cols, n_tokens)?, j.x.len())?;
+            check_len("y", mul(j.w.rows, n_tokens)?, j.y.len())?;
+            self.ops(&j.w)?;
+        }
+        if n_tokens == 1 {
+            let mut one: Vec<GemvJob<'_>> = jobs
+                .iter_mut()
+                .map(|j| GemvJob {
+                    w: j.w,
+                    x: j.x,
+                    y: &mut *j.y,
+                })
+                .collect();
+            return self.gemv_multi(&mut one);
+        }
+        #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+        if x86::gemm::dense_gemm_multi(self.pool, self.backend, jobs, n_tokens) {
+            return Ok(());
+        }
+        for j in jobs.iter_mut() {
+            self.gemm(&j.w, j.x, n_tokens, j.y)?;
+        }
+        Ok(())
     }
 
     /// `y_t = W x_t` for `n_tokens` tokens: `x` is `[n_tokens][cols]`, `y` is `[n_tokens][rows]`.

@@ -62,7 +62,7 @@ pub(crate) mod weights;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
 
-pub use dense::{GemvJob, PackedGemvJob, GEMV_GRAIN_BYTES};
+pub use dense::{GemmJob, GemvJob, PackedGemvJob, GEMV_GRAIN_BYTES};
 pub use handle::{AxpyCoefficients, MatMul};
 pub use select::RowSelect;
 pub use weights::{PackedQ4_0, Weights};

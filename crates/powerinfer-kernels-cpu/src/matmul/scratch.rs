@@ -54,7 +54,25 @@ impl<T: Pooled> ScratchVec<T> {
     /// `len` zeros (`T::default()`), in a pooled buffer where one is free: the smallest free
     /// one that is large enough, else the largest (which then grows).
     pub(crate) fn zeroed(len: usize) -> Self {
-        let mut v = T::with_pool(|pool| {
+        let mut v = Self::take(len);
+        v.clear();
+        v.resize(len, T::default());
+        ScratchVec(v)
+    }
+
+    /// `len` values for the caller to overwrite: a pooled buffer as [`zeroed`](Self::zeroed)
+    /// picks it, keeping whatever values it held (zeros where it grows), so no time goes to
+    /// clearing memory that is written next.
+    pub(crate) fn overwritten(len: usize) -> Self {
+        let mut v = Self::take(len);
+        v.resize(len, T::default());
+        ScratchVec(v)
+    }
+
+    /// A free pooled buffer for `len` values: the smallest one that is large enough, else the
+    /// largest; a new one when the pool has none.
+    fn take(len: usize) -> Vec<T> {
+        T::with_pool(|pool| {
             let fits = (0..pool.len())
                 .filter(|&i| pool[i].capacity() >= len)
                 .min_by_key(|&i| pool[i].capacity());
@@ -62,10 +80,7 @@ impl<T: Pooled> ScratchVec<T> {
             pick.map(|i| pool.swap_remove(i))
         })
         .flatten()
-        .unwrap_or_default();
-        v.clear();
-        v.resize(len, T::default());
-        ScratchVec(v)
+        .unwrap_or_default()
     }
 }
 

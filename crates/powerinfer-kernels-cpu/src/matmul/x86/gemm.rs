@@ -8,11 +8,13 @@
 //! They beat the general frame, whose 2 × 4 tile re-reads the f32 activations from L3 per pair
 //! of rows (measurements of this file's kernels and constants: `docs/tuning.md`).
 //!
-//! Loop order per thread (each thread owns a contiguous run of row tiles): a block of rows whose
-//! weights stay in L2 ([`ROW_BLOCK_BYTES`]); inside it, groups of `N` tokens whose activations
-//! stay in L1/L2; inside that, tiles of `R` rows × `N` tokens through one micro-kernel call over
-//! the whole row. Each activation byte fetched from L3 thus serves a whole row block, and each
-//! weight vector loaded into a register serves `N` tokens.
+//! Loop order per thread (each thread owns a contiguous run of row blocks, and takes others'
+//! when done): a block of rows whose weights stay in L2 ([`ROW_BLOCK_BYTES`]); inside it, groups
+//! of `N` tokens whose activations stay in L1/L2; inside that, tiles of `R` rows × `N` tokens
+//! through one micro-kernel call over the whole row. Each activation byte fetched from L3 thus
+//! serves a whole row block, and each weight vector loaded into a register serves `N` tokens.
+//! The float kernel takes several matrices in one call ([`dense_gemm_multi`]): their row blocks
+//! are shared out together, and matrices with the same input prepare it once.
 //!
 //! The micro-kernels keep the exact arithmetic of the one-row multi-token kernels
 //! (`RowOps::dot_batch`) of [`super::float`] and [`super::int`] per (row, token), so every
@@ -56,6 +58,7 @@ use crate::matmul::frame::OutPtr;
 use crate::matmul::scratch::ScratchVec;
 use crate::matmul::weights::Weights;
 use crate::pool::ThreadPool;
+use powerinfer_gguf::quants::{f16_bits_to_f32, f32_to_f16_bits};
 use powerinfer_gguf::GgmlType;
 use std::arch::x86_64::*;
 
@@ -104,15 +107,9 @@ pub(crate) fn dense_gemm(
         return false;
     }
     match w.ty {
-        GgmlType::F32 => float_gemm::<LF32>(pool, w, x, n_tokens, y),
-        GgmlType::F16 => {
-            // The values every F16 product multiplies (`ActFormat::F16`): x rounded to f16.
-            let n = n_tokens * w.cols;
-            let (mut xr, mut bits) = (ScratchVec::zeroed(n), ScratchVec::zeroed(n));
-            act::round_f16(&x[..n], &mut xr, &mut bits);
-            float_gemm::<LF16>(pool, w, &xr, n_tokens, y)
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+            float_gemm(pool, &mut [FloatJob { w: *w, x, y }], n_tokens)
         }
-        GgmlType::BF16 => float_gemm::<LBF16>(pool, w, x, n_tokens, y),
         GgmlType::Q8_0 if w.cols % 32 == 0 && n_tokens >= MIN_TOKENS_Q8_0 => {
             q8_0_gemm(pool, w, x, n_tokens, y)
         }
@@ -130,11 +127,44 @@ pub(crate) fn dense_gemm(
     true
 }
 
+/// [`dense_gemm`] of several jobs in one dispatch, where every job has float weights (F32,
+/// F16, BF16) that the blocked kernel serves; returns `false` (and touches nothing) otherwise.
+/// The lengths have been checked by the caller.
+pub(crate) fn dense_gemm_multi(
+    pool: &ThreadPool,
+    backend: Backend,
+    jobs: &mut [crate::matmul::GemmJob<'_>],
+    n_tokens: usize,
+) -> bool {
+    if backend != Backend::Avx512 || !backend.is_available() || n_tokens < MIN_TOKENS {
+        return false;
+    }
+    let float = |j: &crate::matmul::GemmJob<'_>| {
+        matches!(j.w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+            && j.w.rows > 0
+            && j.w.cols > 0
+    };
+    if !jobs.iter().all(float) {
+        return false;
+    }
+    let mut fj: Vec<FloatJob<'_, '_>> = jobs
+        .iter_mut()
+        .map(|j| FloatJob {
+            w: j.w,
+            x: j.x,
+            y: &mut *j.y,
+        })
+        .collect();
+    float_gemm(pool, &mut fj, n_tokens);
+    true
+}
+
 // ---------------------------------------------------------------------------------------------
 // Float weights.
 
 /// `R` float rows (`w[r]`, `n` elements) · `2P` tokens, written to
-/// `out[(t0 + k)·stride + i0 + r]` for the first `nt` tokens: the arithmetic of
+/// `out[(t0 + k)·stride + i0 + r]` for the first `nt` tokens (`x[k]`: token `k`'s last
+/// `n % 8` values, those the pairs leave out): the arithmetic of
 /// `float::dot_float_tile` per (row, token). Two tokens share each 512-bit accumulator, token
 /// `2p` in the low 256 bits and `2p + 1` in the high ones, each half doing the 8-lane kernel's
 /// FMAs in its order (so the same bits); a weight vector is loaded into both halves
@@ -145,7 +175,7 @@ pub(crate) fn dense_gemm(
 ///
 /// # Safety
 /// The weight pointers are valid for `n` elements, `xp[p]` for `16·(n / 8)` values, `x[k]` for
-/// `n` values (`k < 2P`); the outputs are in bounds and written by this thread only; AVX2,
+/// `n % 8` values (`k < nt`); the outputs are in bounds and written by this thread only; AVX2,
 /// FMA, F16C, AVX-512 F and VL available.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
@@ -205,7 +235,7 @@ unsafe fn float_tile<L: FloatLoad16, const R: usize, const P: usize>(
                     }
                     let mut s = hsum(half);
                     for j in i..n {
-                        s = L::load1(w[r].add(j * L::SIZE)).mul_add(*x[k].add(j), s);
+                        s = L::load1(w[r].add(j * L::SIZE)).mul_add(*x[k].add(j - i), s);
                     }
                     out.write((t0 + k) * stride + i0 + r, s);
                 }
@@ -214,30 +244,113 @@ unsafe fn float_tile<L: FloatLoad16, const R: usize, const P: usize>(
     }
 }
 
-/// The activations of [`float_tile`]: tokens in pairs, per pair and 8-element step the first
-/// token's 8 values then the second's (an odd last token paired with zeros); `cols % 8`
-/// trailing values are not copied (the tile reads them from `x`).
-fn pair_activations(x: &[f32], cols: usize, n_tokens: usize) -> ScratchVec<f32> {
-    let steps = cols / 8;
-    let pairs = n_tokens.div_ceil(2);
-    let mut out = ScratchVec::zeroed(pairs * steps * 16);
-    for (p, dst) in out
-        .chunks_exact_mut((steps * 16).max(1))
-        .enumerate()
-        .take(pairs)
-    {
-        for h in 0..2 {
-            let t = 2 * p + h;
-            if t >= n_tokens {
-                continue;
+/// Activation values per prepared part below which [`FloatActs::new`] works on the calling
+/// thread alone (a decode step's few tokens: a dispatch would cost more than the copy).
+const PARALLEL_PREP_VALUES: usize = 1 << 16;
+
+/// The activations of [`float_tile`], prepared once per distinct input of a call: the values
+/// the products multiply (for F16 weights `x` rounded to f16, `ActFormat::F16`; else `x`),
+/// tokens in pairs, per pair and 8-element step the first token's 8 values then the second's
+/// (an odd last token paired with zeros); and per token its last `cols % 8` values, which the
+/// tile multiplies one by one.
+struct FloatActs<'a> {
+    /// The input these were made from (jobs with the same input share them).
+    src: &'a [f32],
+    /// Whether the values are rounded to f16.
+    rounded: bool,
+    /// `pairs · 16·(cols / 8)` values.
+    paired: ScratchVec<f32>,
+    /// `n_tokens · (cols % 8)` values.
+    tail: ScratchVec<f32>,
+}
+
+impl<'a> FloatActs<'a> {
+    /// Prepares `x` (`n_tokens` × `cols`); the pairs are split between the pool's threads when
+    /// there are many values.
+    fn new(pool: &ThreadPool, x: &'a [f32], cols: usize, n_tokens: usize, rounded: bool) -> Self {
+        let steps = cols / 8;
+        let pair_len = steps * 16;
+        let pairs = n_tokens.div_ceil(2);
+        let tl = cols % 8;
+        let mut paired = ScratchVec::overwritten(pairs * pair_len);
+        let mut tail = ScratchVec::overwritten(n_tokens * tl);
+        let round = |v: f32| {
+            if rounded {
+                f16_bits_to_f32(f32_to_f16_bits(v))
+            } else {
+                v
             }
-            let src = &x[t * cols..t * cols + steps * 8];
-            for (st, v) in src.chunks_exact(8).enumerate() {
-                dst[st * 16 + h * 8..st * 16 + h * 8 + 8].copy_from_slice(v);
+        };
+        for (t, dst) in tail.chunks_exact_mut(tl.max(1)).take(n_tokens).enumerate() {
+            for (d, &v) in dst.iter_mut().zip(&x[t * cols + steps * 8..(t + 1) * cols]) {
+                *d = round(v);
             }
         }
+        let fill = |ps: std::ops::Range<usize>, dst: &mut [f32]| {
+            for (p, dst) in ps.zip(dst.chunks_exact_mut(pair_len.max(1))) {
+                for h in 0..2 {
+                    let t = 2 * p + h;
+                    if t < n_tokens {
+                        let src = &x[t * cols..t * cols + steps * 8];
+                        // SAFETY: `dense_gemm` checked that the CPU has AVX-512 F, so AVX2 and
+                        // F16C too (Backend::Avx512).
+                        unsafe { interleave_half(src, dst, h, rounded) };
+                    } else {
+                        // An odd last token's partner: zeros (its products are not written).
+                        for st in 0..steps {
+                            dst[st * 16 + h * 8..st * 16 + h * 8 + 8].fill(0.0);
+                        }
+                    }
+                }
+            }
+        };
+        if pool.n_threads() == 1 || pairs * pair_len < PARALLEL_PREP_VALUES {
+            fill(0..pairs, &mut paired);
+        } else {
+            let out = OutPtr::new(&mut paired);
+            pool.for_chunks(pairs, |ps| {
+                // SAFETY: `for_chunks` hands out disjoint ranges of pairs, so these element
+                // ranges of `paired` are disjoint and in bounds (`pairs · pair_len` long).
+                let dst = unsafe { out.slice(ps.start * pair_len..ps.end * pair_len) };
+                fill(ps, dst);
+            });
+        }
+        FloatActs {
+            src: x,
+            rounded,
+            paired,
+            tail,
+        }
     }
-    out
+}
+
+/// Copies the 8-value steps of `src` into half `h` (0 or 1) of the 16-value steps of `dst`,
+/// rounded to f16 and widened back (as `act::round_f16`, by the same F16C conversions) if
+/// `rounded`.
+///
+/// # Safety
+/// AVX2 and F16C available.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn interleave_half(src: &[f32], dst: &mut [f32], h: usize, rounded: bool) {
+    assert!(h < 2 && dst.len() >= src.len() / 8 * 16);
+    for (st, v) in src.chunks_exact(8).enumerate() {
+        let o = &mut dst[st * 16 + h * 8..st * 16 + h * 8 + 8];
+        // SAFETY: `v` and `o` hold 8 values each; AVX2/F16C available (caller).
+        unsafe {
+            let mut a = _mm256_loadu_ps(v.as_ptr());
+            if rounded {
+                a = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
+            }
+            _mm256_storeu_ps(o.as_mut_ptr(), a);
+        }
+    }
+}
+
+/// One product of [`float_gemm`]: `y_t = W x_t` for every token.
+pub(crate) struct FloatJob<'a, 'b> {
+    pub(crate) w: Weights<'a>,
+    pub(crate) x: &'b [f32],
+    pub(crate) y: &'b mut [f32],
 }
 
 /// Evaluates `$call` with the runtime tile size `($r, $n)` as the constants `$R` and `$N`: `r`
@@ -275,65 +388,112 @@ fn ptrs<T, const R: usize>(base: *const T, step: usize, i: usize, count: usize) 
     std::array::from_fn(|r| base.wrapping_add((i + r.min(count - 1)) * step))
 }
 
-/// The float GEMM (see the [module docs](self)). The weights are read in place: converting
-/// F16/BF16 rows to f32 once per row block was no faster (the kernel is FMA-bound, the
-/// conversions run beside the FMAs).
-fn float_gemm<L: FloatLoad16>(
-    pool: &ThreadPool,
-    w: &Weights<'_>,
-    x: &[f32],
-    n_tokens: usize,
-    y: &mut [f32],
-) {
-    let (rows, cols, rb_bytes) = (w.rows, w.cols, w.row_bytes);
-    debug_assert!(rb_bytes >= cols * L::SIZE && w.data.len() >= rows * rb_bytes);
-    debug_assert!(x.len() >= n_tokens * cols && y.len() >= n_tokens * rows);
-    let block_rows = (ROW_BLOCK_BYTES / rb_bytes.max(1)).clamp(FR, 256) / FR * FR;
-    let out = OutPtr::new(y);
-    let n_tiles = rows.div_ceil(FR);
-    let paired = pair_activations(x, cols, n_tokens);
-    let pair_len = cols / 8 * 16;
+/// The float GEMM (see the [module docs](self)) of every job, float weights all (F32, F16 or
+/// BF16, any mix), in one dispatch of the pool: the row blocks of all jobs are the grains, so
+/// small matrices (a layer's K and V) do not leave a thread idle, and jobs with the same input
+/// (a layer's Q, K and V; an FFN's gate and up) share its prepared activations. The weights are
+/// read in place: converting F16/BF16 rows to f32 once per row block was no faster (the kernel
+/// is FMA-bound, the conversions run beside the FMAs). The lengths have been checked.
+fn float_gemm(pool: &ThreadPool, jobs: &mut [FloatJob<'_, '_>], n_tokens: usize) {
+    struct Part<'w> {
+        w: Weights<'w>,
+        acts: usize,
+        out: OutPtr,
+    }
+    let mut acts: Vec<FloatActs<'_>> = Vec::new();
+    let mut parts = Vec::with_capacity(jobs.len());
+    // Row blocks of every job, concatenated: (part, first row, rows).
+    let mut blocks: Vec<(usize, usize, usize)> = Vec::new();
+    for (k, j) in jobs.iter_mut().enumerate() {
+        let w = &j.w;
+        let (rows, cols, rb_bytes) = (w.rows, w.cols, w.row_bytes);
+        let size = if w.ty == GgmlType::F32 { 4 } else { 2 };
+        debug_assert!(rb_bytes >= cols * size && w.data.len() >= rows * rb_bytes);
+        debug_assert!(j.x.len() >= n_tokens * cols && j.y.len() >= n_tokens * rows);
+        // The values every F16 product multiplies (`ActFormat::F16`): x rounded to f16.
+        let rounded = w.ty == GgmlType::F16;
+        let a = match acts
+            .iter()
+            .position(|a| std::ptr::eq(a.src, j.x) && a.rounded == rounded)
+        {
+            Some(a) => a,
+            None => {
+                acts.push(FloatActs::new(pool, j.x, cols, n_tokens, rounded));
+                acts.len() - 1
+            }
+        };
+        let block_rows = (ROW_BLOCK_BYTES / rb_bytes.max(1)).clamp(FR, 256) / FR * FR;
+        blocks.extend(steps(0..rows, block_rows).map(|(b0, bn)| (k, b0, bn)));
+        parts.push(Part {
+            w: j.w,
+            acts: a,
+            out: OutPtr::new(j.y),
+        });
+    }
     // One row block per grain: a thread done with its own blocks takes the others' last ones.
-    pool.for_grains(n_tiles, block_rows / FR, |_, tiles| {
-        let (wp, xp, pp) = (w.data.as_ptr(), x.as_ptr(), paired.as_ptr());
-        let (r0, r1) = (tiles.start * FR, (tiles.end * FR).min(rows));
-        for (b0, bn) in steps(r0..r1, block_rows) {
-            for (t0, nt) in steps(0..n_tokens, FN) {
-                let np = nt.div_ceil(2);
-                let xs = ptrs::<f32, FN>(xp, cols, t0, nt);
-                let pairs = ptrs::<f32, FP>(pp, pair_len, t0 / 2, np);
-                for (i, nr) in steps(b0..b0 + bn, FR) {
-                    let ws = ptrs::<u8, FR>(wp, rb_bytes, i, nr);
-                    // One token group (a decode step's few tokens): the tile's rows are read
-                    // once, as interleaved streams the hardware prefetchers left waiting on
-                    // memory, so the next tile (the rows after these) is requested ahead.
-                    let next = (n_tokens <= FN).then(|| wp.wrapping_add((i + nr) * rb_bytes));
-                    // SAFETY: rows `i..i + nr` < rows and tokens `t0..t0 + nt` < n_tokens, so
-                    // every weight and token pointer is valid for `cols` elements and every
-                    // pair pointer (pairs `t0 / 2..t0 / 2 + np`, `t0` even) for `pair_len`
-                    // values (checked lengths); outputs `(t0 + k)·rows + i + r` are in bounds
-                    // and belong to this thread's rows (disjoint parts); `dense_gemm` checked
-                    // that the CPU has AVX-512 F/VL (Backend::Avx512 implies AVX2/FMA/F16C).
-                    unsafe {
-                        dispatch_tile!(nr, np, [6, 5, 4, 3, 2, 1], |R, P| {
-                            float_tile::<L, R, P>(
-                                first(&ws),
-                                first(&pairs),
-                                &xs,
-                                nt,
-                                cols,
-                                next,
-                                out,
-                                rows,
-                                i,
-                                t0,
-                            )
-                        })
-                    };
-                }
+    pool.for_grains(blocks.len(), 1, |_, range| {
+        for &(k, b0, bn) in &blocks[range] {
+            let (part, a) = (&parts[k], &acts[parts[k].acts]);
+            match part.w.ty {
+                GgmlType::F32 => float_block::<LF32>(&part.w, part.out, a, b0, bn, n_tokens),
+                GgmlType::F16 => float_block::<LF16>(&part.w, part.out, a, b0, bn, n_tokens),
+                _ => float_block::<LBF16>(&part.w, part.out, a, b0, bn, n_tokens),
             }
         }
     });
+}
+
+/// Rows `b0..b0 + bn` of one float product for every token: inside the block, groups of `FN`
+/// tokens whose activations stay in L1/L2; inside that, tiles of `FR` rows through one
+/// [`float_tile`] call over the whole row.
+fn float_block<L: FloatLoad16>(
+    w: &Weights<'_>,
+    out: OutPtr,
+    a: &FloatActs<'_>,
+    b0: usize,
+    bn: usize,
+    n_tokens: usize,
+) {
+    let (rows, cols, rb_bytes, wp) = (w.rows, w.cols, w.row_bytes, w.data.as_ptr());
+    let pair_len = cols / 8 * 16;
+    let tl = cols % 8;
+    let (pp, tp) = (a.paired.as_ptr(), a.tail.as_ptr());
+    for (t0, nt) in steps(0..n_tokens, FN) {
+        let np = nt.div_ceil(2);
+        let xs = ptrs::<f32, FN>(tp, tl, t0, nt);
+        let pairs = ptrs::<f32, FP>(pp, pair_len, t0 / 2, np);
+        for (i, nr) in steps(b0..b0 + bn, FR) {
+            let ws = ptrs::<u8, FR>(wp, rb_bytes, i, nr);
+            // One token group (a decode step's few tokens): the tile's rows are read once, as
+            // interleaved streams the hardware prefetchers left waiting on memory, so the next
+            // tile (the rows after these) is requested ahead.
+            let next = (n_tokens <= FN).then(|| wp.wrapping_add((i + nr) * rb_bytes));
+            // SAFETY: rows `i..i + nr` < rows (the block lies in the matrix) and tokens
+            // `t0..t0 + nt` < n_tokens, so every weight pointer is valid for `cols` elements,
+            // every tail pointer for `cols % 8` values and every pair pointer (pairs
+            // `t0 / 2..t0 / 2 + np`, `t0` even) for `pair_len` values (checked lengths, the
+            // activations prepared for `n_tokens` tokens of `cols`); outputs
+            // `(t0 + k)·rows + i + r` are in bounds and belong to this block, which one thread
+            // computes (`for_grains` hands out each grain once); `dense_gemm` checked that the
+            // CPU has AVX-512 F/VL (Backend::Avx512 implies AVX2/FMA/F16C).
+            unsafe {
+                dispatch_tile!(nr, np, [6, 5, 4, 3, 2, 1], |R, P| {
+                    float_tile::<L, R, P>(
+                        first(&ws),
+                        first(&pairs),
+                        &xs,
+                        nt,
+                        cols,
+                        next,
+                        out,
+                        rows,
+                        i,
+                        t0,
+                    )
+                })
+            };
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
