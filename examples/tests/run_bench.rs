@@ -407,6 +407,23 @@ fn run_profile_reports_every_operation() {
         assert_eq!(f64_of(r, "mb_per_token") > 0.0, reads, "{op}");
         assert!(f64_of(r, "bandwidth_gbps") > 0.0);
     }
+    // The prompt's own profile: every operation timed, the parts summing to the total, over
+    // the prompt's tokens.
+    let pp = prof["prompt_profile"].as_array().unwrap();
+    assert!(plain.get("prompt_profile").is_none());
+    let (pp_ops, pp_total) = pp.split_at(pp.len() - 1);
+    assert_eq!(pp_ops.len(), ops.len() - 1);
+    let pp_sum: f64 = pp_ops.iter().map(|r| f64_of(r, "ms")).sum();
+    let pp_ms = f64_of(&pp_total[0], "ms");
+    assert!(
+        pp_ms > 0.0 && (pp_sum - pp_ms).abs() <= 1e-9 * pp_ms,
+        "{pp_sum} vs {pp_ms}"
+    );
+    assert_eq!(pp_total[0]["tokens"], prof["prompt_tokens"]);
+    for op in ["qkv", "attention", "ffn_up_gate", "ffn_down"] {
+        let r = pp_ops.iter().find(|r| r["op"] == op).unwrap();
+        assert!(f64_of(r, "ms") > 0.0, "{op}: {r}");
+    }
     // How the weights' memory reads, beside the profile.
     assert!(f64_of(&prof, "weights_read_gbps") > 0.0);
     assert!(plain.get("weights_read_gbps").is_none());
@@ -417,6 +434,7 @@ fn run_profile_reports_every_operation() {
     // Five tokens: the first from the prompt's logits, four decode steps (none is spent on
     // the last token, which stays with the session).
     assert!(err.contains("decode profile: 4 tokens"), "{err}");
+    assert!(err.contains("prompt profile: "), "{err}");
     assert!(
         err.contains("ffn_up_gate") && err.contains("output_head"),
         "{err}"

@@ -86,6 +86,7 @@ pub struct Session<'e> {
     seq: SeqId,
     stats: Stats,
     profile: Option<OpProfile>,
+    prompt_profile: Option<OpProfile>,
     /// The last token [`Session::generate`] sampled and gave out, which no logits were needed
     /// for yet: evaluated first by the session's next evaluation (so a generation that ends
     /// spends no forward pass on its last token, and the sequence still holds it after).
@@ -116,6 +117,7 @@ impl<'e> Session<'e> {
                 ..Stats::default()
             },
             profile: None,
+            prompt_profile: None,
             unevaluated: None,
             context_shift: Some(0),
         }
@@ -169,18 +171,25 @@ impl<'e> Session<'e> {
         &self.stats
     }
 
-    /// Starts (`true`, from an empty profile) or stops recording where the decode steps'
-    /// time goes ([`Session::profile`]). Only single-token decode steps (those of
-    /// [`Session::generate`] after the prompt) are recorded; the clock is read between
-    /// operations, which costs well under a microsecond per layer.
+    /// Starts (`true`, from empty profiles) or stops recording where the time goes: of the
+    /// decode steps (single tokens, those of [`Session::generate`] after the prompt:
+    /// [`Session::profile`]) and of the prompt blocks ([`Session::prompt_profile`]), apart.
+    /// The clock is read between operations, which costs well under a microsecond per layer.
     pub fn set_profiling(&mut self, on: bool) {
         self.profile = on.then(OpProfile::new);
+        self.prompt_profile = on.then(OpProfile::new);
     }
 
     /// Time, calls and bytes read per operation over the decode steps since
     /// [`set_profiling(true)`](Session::set_profiling); `None` when not recording.
     pub fn profile(&self) -> Option<&OpProfile> {
         self.profile.as_ref()
+    }
+
+    /// As [`profile`](Self::profile), over the prompt blocks evaluated since
+    /// [`set_profiling(true)`](Session::set_profiling).
+    pub fn prompt_profile(&self) -> Option<&OpProfile> {
+        self.prompt_profile.as_ref()
     }
 
     /// Tokens of the session's sequence: those in the KV cache, and a last generated token
@@ -262,7 +271,10 @@ impl<'e> Session<'e> {
         }
         if let Some(o) = observer {
             opts = opts.observe(o);
-        } else if let (Some(p), false) = (self.profile.as_mut(), prompt) {
+        } else if let Some(p) = match prompt {
+            true => self.prompt_profile.as_mut(),
+            false => self.profile.as_mut(),
+        } {
             opts = opts.profile(p);
         }
         let out = e

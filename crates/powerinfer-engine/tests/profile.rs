@@ -1,5 +1,6 @@
 //! The decode profile ([`Session::set_profiling`]): per-operation calls and bytes agree with the
-//! model's tensors, the times add up within the decode time, and profiling changes no result.
+//! model's tensors, the times add up within the decode time, and profiling changes no result;
+//! the prompt's profile is kept apart.
 
 use std::path::Path;
 
@@ -47,6 +48,22 @@ fn generate(
         .generate("once upon a time", params)
         .map(|t| t.unwrap().id)
         .collect();
+    if profile {
+        // The prompt's blocks, apart: every token of the prompt, the attention's operations
+        // once per layer and block, the FFN's at least (a sparse block times them per token).
+        let pp = s.prompt_profile().unwrap();
+        let n_layer = engine.model().hparams().n_layer as u64;
+        assert_eq!(pp.tokens as usize, s.stats().prompt_tokens);
+        assert!(pp.evals >= 1 && pp.total_time() <= s.stats().prompt_time);
+        for op in [Op::Qkv, Op::Attention, Op::AttnOutput] {
+            assert_eq!(pp.get(op).calls, n_layer * pp.evals, "{op:?}");
+        }
+        for op in [Op::FfnUpGate, Op::FfnDown] {
+            assert!(pp.get(op).calls >= n_layer * pp.evals, "{op:?}");
+        }
+    } else {
+        assert!(s.prompt_profile().is_none());
+    }
     (toks, s.stats().clone(), s.profile().cloned())
 }
 

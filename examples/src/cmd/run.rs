@@ -166,7 +166,7 @@ pub struct Args {
     /// Record where decode time goes: per operation (norms, Q/K/V, attention, predictor, FFN
     /// up/gate, FFN down, output head) its time, bytes read per token and read bandwidth,
     /// against this machine's measured read bandwidth (a table on stderr; with `--json`, a
-    /// `profile` array).
+    /// `profile` array); and the prompt's time per operation (`prompt_profile`).
     #[arg(long)]
     pub profile: bool,
     /// With a device: print what the run-time scheduling did (per layer: CPU and device
@@ -341,6 +341,7 @@ struct Run {
     stats: Stats,
     prompt_tokens: usize,
     profile: Option<OpProfile>,
+    prompt_profile: Option<OpProfile>,
 }
 
 fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<Run, String> {
@@ -383,8 +384,10 @@ fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<
     }
     let stats = session.stats().clone();
     let profile = session.profile().cloned();
+    let prompt_profile = session.prompt_profile().cloned();
     Ok(Run {
         profile,
+        prompt_profile,
         tokens,
         text,
         prompt_tokens: stats.prompt_tokens,
@@ -467,6 +470,34 @@ pub(crate) fn print_profile(p: &OpProfile, bandwidth: f64) {
     }
 }
 
+/// The prompt's profile as a table on stderr: each operation's time and share (a prompt is
+/// bound by arithmetic, not by reading the weights, so no bandwidth column).
+pub(crate) fn print_prompt_profile(p: &OpProfile) {
+    eprintln!("prompt profile: {} tokens in {} blocks", p.tokens, p.evals);
+    eprintln!("{:<12} {:>10} {:>6}", "op", "ms", "share");
+    let total = p.total_time().as_secs_f64() * 1e3;
+    let rows = p
+        .iter()
+        .map(|(op, o)| (op.name(), o.time))
+        .chain(std::iter::once(("total", p.total_time())));
+    for (name, t) in rows {
+        let ms = t.as_secs_f64() * 1e3;
+        let share = if total > 0.0 { ms / total } else { 0.0 };
+        eprintln!("{name:<12} {ms:>10.1} {:>5.1}%", share * 100.0);
+    }
+}
+
+/// The prompt's profile as JSON: milliseconds per operation and in total.
+pub(crate) fn prompt_profile_json(p: &OpProfile) -> serde_json::Value {
+    let ms = |t: std::time::Duration| t.as_secs_f64() * 1e3;
+    let mut rows: Vec<serde_json::Value> = p
+        .iter()
+        .map(|(op, o)| serde_json::json!({ "op": op.name(), "ms": ms(o.time) }))
+        .collect();
+    rows.push(serde_json::json!({ "op": "total", "ms": ms(p.total_time()), "tokens": p.tokens }));
+    serde_json::Value::Array(rows)
+}
+
 /// The decode profile as JSON: one object per operation and the total.
 pub(crate) fn profile_json(p: &OpProfile, bandwidth: f64) -> serde_json::Value {
     let rows: Vec<serde_json::Value> = profile_rows(p)
@@ -536,6 +567,9 @@ pub fn run(args: Args) -> Result<(), String> {
             ],
             _ => Vec::new(),
         };
+        if let Some(p) = &run.prompt_profile {
+            extra.push(("prompt_profile", prompt_profile_json(p)));
+        }
         extra.push(("device", super::device::json(&engine.device_report())));
         if let (true, Some(b)) = (args.stats, engine.balance_report()) {
             extra.push(("schedule", super::device::balance_json(&b)));
@@ -543,6 +577,9 @@ pub fn run(args: Args) -> Result<(), String> {
         println!("{}", json(&run, &extra));
     } else {
         summary("", &engine, &run.stats);
+        if let Some(p) = &run.prompt_profile {
+            print_prompt_profile(p);
+        }
         if let (Some(p), Some(bw)) = (&run.profile, bw) {
             print_profile(p, bw);
             super::device::print_split(p);
