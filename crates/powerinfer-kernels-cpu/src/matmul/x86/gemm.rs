@@ -21,7 +21,8 @@
 //! result is bit-identical to the frame's other multi-token paths, and for Q8_0 to the GEMV
 //! (float GEMVs sum in the "wide" order of [`super::float`] instead):
 //! * float types: one 8-lane f32 accumulator per (row, token) over 8-element steps in order, the
-//!   fixed-order horizontal sum [`hsum`], then scalar FMAs over the last `cols % 8` elements.
+//!   fixed-order horizontal sum [`hsum`] (here the same tree of additions for four rows and two
+//!   tokens at once: [`hsum_rows4`]), then scalar FMAs over the last `cols % 8` elements.
 //!   Two tokens share one 512-bit register (one per 256-bit half, the weights loaded into both
 //!   halves), so a core with two 512-bit FMA units runs twice the 8-lane FMAs per cycle: the
 //!   4 rows × 6 pairs tile holds 24 such registers (6 pairs were faster than 5).
@@ -222,26 +223,80 @@ unsafe fn float_tile<L: FloatLoad16, const R: usize, const P: usize>(
             }
         }
         let i = steps * 8;
-        for r in 0..R {
-            for p in 0..P {
-                let halves = [
-                    _mm512_castps512_ps256(acc[r][p]),
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[r][p]))),
-                ];
-                for (h, half) in halves.into_iter().enumerate() {
-                    let k = 2 * p + h;
-                    if k >= nt {
-                        continue;
-                    }
-                    let mut s = hsum(half);
+        for p in 0..P {
+            // The tile's rows (zeros past `R`, never written) for this pair of tokens.
+            let v = std::array::from_fn(|r| {
+                if r < R {
+                    acc[r][p]
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            let sums = hsum_rows4(v);
+            for h in 0..2 {
+                let k = 2 * p + h;
+                if k >= nt {
+                    continue;
+                }
+                let at = (t0 + k) * stride + i0;
+                if i == n {
+                    // The R rows of token k are R consecutive outputs.
+                    let q = if h == 0 {
+                        _mm512_castps512_ps128(sums)
+                    } else {
+                        _mm512_extractf32x4_ps::<1>(sums)
+                    };
+                    let dst = out.slice(at..at + R);
+                    _mm_mask_storeu_ps(dst.as_mut_ptr(), (1u8 << R) - 1, q);
+                    continue;
+                }
+                let mut lanes = [0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), sums);
+                for r in 0..R {
+                    let mut s = lanes[4 * h + r];
                     for j in i..n {
                         s = L::load1(w[r].add(j * L::SIZE)).mul_add(*x[k].add(j - i), s);
                     }
-                    out.write((t0 + k) * stride + i0 + r, s);
+                    out.write(at + r, s);
                 }
             }
         }
     }
+}
+
+/// The [`hsum`]s of a float tile's accumulators for one pair of tokens: `v[r]` holds row `r`'s
+/// 8 lanes of the pair's first token in its low 256 bits, of the second in its high ones.
+/// Returns the four rows' sums of the first token in lanes 0..4 and of the second in lanes
+/// 4..8. Each sum is built by the same tree of additions as `hsum` (lanes `l` and `l + 4`,
+/// then the pairs' `0 + 2` and `1 + 3`, then those two), so it has the same bits; four rows
+/// and two tokens share each instruction.
+///
+/// # Safety
+/// AVX-512 F available.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn hsum_rows4(v: [__m512; 4]) -> __m512 {
+    // 128-bit quarters of `v[r]`: [first token's lanes 0..4, its 4..8, second's 0..4, 4..8].
+    // Level 1 (`x_l = lane l + lane l + 4`): quarters [r0 first, r0 second, r1 first, r1
+    // second] (and rows 2, 3).
+    let level1 = |a: __m512, b: __m512| {
+        let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+        let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+        _mm512_add_ps(lo, hi)
+    };
+    let (s01, s23) = (level1(v[0], v[1]), level1(v[2], v[3]));
+    // Level 2 (`x0 + x2`, `x1 + x3`): per quarter, two of rows 0/1 then two of rows 2/3.
+    let (a, b) = (_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+    let u = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+    );
+    // Level 3: element 0 of a quarter plus element 1, element 2 plus element 3.
+    let f = _mm512_add_ps(u, _mm512_movehdup_ps(u));
+    // Lane of (row, token): quarter 0: r0/r2 first token (lanes 0, 2), quarter 1: r0/r2
+    // second (4, 6), quarter 2: r1/r3 first (8, 10), quarter 3: r1/r3 second (12, 14).
+    let idx = _mm512_setr_epi32(0, 8, 2, 10, 4, 12, 6, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_permutexvar_ps(idx, f)
 }
 
 /// Activation values per prepared part below which [`FloatActs::new`] works on the calling
