@@ -400,7 +400,17 @@ fn attend_group(
         for p0 in (0..n_ctx).step_by(tw) {
             let np = load_tile(k, p0, tile);
             tile[np * d..].fill(0.0);
-            for (j, qh) in q.chunks_exact(d).enumerate() {
+            let mut j = 0;
+            // Two query heads per pass over the tile where the AVX-512 code has it (each
+            // row's values loaded once for both; the same bits as one head at a time).
+            while wide && j + 2 <= g {
+                let (sa, sb) =
+                    tile_scores_pair(isa, &q[j * d..][..d], &q[(j + 1) * d..][..d], tile, scale);
+                scores[j * n_ctx + p0..][..np].copy_from_slice(&sa[..np]);
+                scores[(j + 1) * n_ctx + p0..][..np].copy_from_slice(&sb[..np]);
+                j += 2;
+            }
+            for (j, qh) in q.chunks_exact(d).enumerate().skip(j) {
                 tile_scores(isa, wide, qh, tile, scale, &mut s[..tw]);
                 scores[j * n_ctx + p0..][..np].copy_from_slice(&s[..np]);
             }
@@ -443,7 +453,17 @@ fn attend_group(
     if tiled {
         for p0 in (0..n_ctx).step_by(tw) {
             let np = load_tile(v, p0, tile);
-            for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
+            let mut heads = acc.chunks_exact_mut(d).enumerate();
+            // Two query heads per pass where the AVX-512 code has it (as for the scores).
+            while wide && heads.len() >= 2 {
+                let (Some((j, oa)), Some((_, ob))) = (heads.next(), heads.next()) else {
+                    break;
+                };
+                let wa = &scores[j * n_ctx + p0..][..np];
+                let wb = &scores[(j + 1) * n_ctx + p0..][..np];
+                tile_axpy_pair(isa, oa, ob, wa, wb, tile);
+            }
+            for (j, oh) in heads {
                 tile_axpy(isa, wide, oh, &scores[j * n_ctx + p0..][..np], tile);
             }
         }
@@ -532,6 +552,52 @@ fn tile_scores(isa: Isa, wide: bool, q: &[f32], tile: &[f32], scale: f32, out: &
     }
     let _ = wide;
     out.copy_from_slice(&dots8(isa, q, tile, scale));
+}
+
+/// [`tile_scores`] of two query heads over one wide tile (AVX-512; callers check
+/// `isa.is_avx512()` and `d % 16 == 0`): the same bits, each row loaded once for both.
+#[inline]
+fn tile_scores_pair(
+    isa: Isa,
+    qa: &[f32],
+    qb: &[f32],
+    tile: &[f32],
+    scale: f32,
+) -> ([f32; TILE_WIDE], [f32; TILE_WIDE]) {
+    assert!(isa.is_avx512() && qa.len() == qb.len() && qa.len() % 16 == 0);
+    assert!(tile.len() == TILE_WIDE * qa.len());
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    {
+        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; the lengths are
+        // asserted above.
+        unsafe { super::x86_512::dots16_pair(qa, qb, tile, scale) }
+    }
+    #[cfg(not(all(target_arch = "x86_64", powerinfer_avx512)))]
+    unreachable!("no AVX-512 code in this build, so no wide tiles")
+}
+
+/// [`tile_axpy`] of two query heads over one wide tile (AVX-512; callers check
+/// `isa.is_avx512()` and `d % 16 == 0`): the same bits, each row loaded once for both.
+#[inline]
+fn tile_axpy_pair(
+    isa: Isa,
+    acc_a: &mut [f32],
+    acc_b: &mut [f32],
+    wa: &[f32],
+    wb: &[f32],
+    tile: &[f32],
+) {
+    let d = acc_a.len();
+    assert!(isa.is_avx512() && acc_b.len() == d && d % 16 == 0);
+    assert!(wa.len() == wb.len() && wa.len() <= TILE_WIDE && tile.len() >= wa.len() * d);
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    {
+        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; the lengths are
+        // asserted above.
+        unsafe { super::x86_512::axpy_tile16_pair(acc_a, acc_b, wa, wb, tile) }
+    }
+    #[cfg(not(all(target_arch = "x86_64", powerinfer_avx512)))]
+    unreachable!("no AVX-512 code in this build, so no wide tiles")
 }
 
 /// `acc += w[r] · tile[r]` over the tile's first `w.len()` rows, in order: the AVX-512 code
