@@ -410,7 +410,7 @@ fn hidden_dense(
                 product(mm, device, g, cur, t, gate)?;
                 product(mm, device, u, cur, t, up)?;
             }
-            activate_all(mm.pool(), act, gate, up)?;
+            activate_all(mm, act, gate, up)?;
         }
         FfnMats::Sparse {
             gate: Some(g),
@@ -438,7 +438,7 @@ fn hidden_dense(
                 mm.gemm(g, cur, t, gate)?;
                 mm.gemm(u, cur, t, up)?;
             }
-            activate_all(mm.pool(), act, gate, up)?;
+            activate_all(mm, act, gate, up)?;
         }
         FfnMats::Dense { gate: None, up, .. } => {
             product(mm, device, up, cur, t, gate)?;

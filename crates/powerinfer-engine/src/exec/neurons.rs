@@ -3,7 +3,7 @@
 //! sparse axpy over their down rows.
 
 use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
-use powerinfer_kernels_cpu::{KernelError, MatMul, ThreadPool, Weights};
+use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
 
 use crate::model::FfnAct;
 
@@ -101,14 +101,14 @@ const PARALLEL_ACTIVATE: usize = 1 << 15;
 /// [`activate`] over a block of tokens' whole FFN (a dense FFN of a prompt), split between the
 /// pool's threads when there are many values; each value is computed as by `activate` alone.
 pub(crate) fn activate_all(
-    pool: &ThreadPool,
+    mm: &MatMul<'_>,
     act: FfnAct,
     gate: &mut [f32],
     up: &[f32],
-) -> std::result::Result<(), KernelError> {
-    let n = pool.n_threads();
+) -> crate::error::Result<()> {
+    let n = mm.pool().n_threads();
     if n == 1 || gate.len() < PARALLEL_ACTIVATE || up.len() != gate.len() {
-        return activate(act, gate, up);
+        return Ok(activate(act, gate, up)?);
     }
     let per = gate.len().div_ceil(n);
     let parts: Vec<std::sync::Mutex<(&mut [f32], &[f32])>> = gate
@@ -116,20 +116,14 @@ pub(crate) fn activate_all(
         .zip(up.chunks(per))
         .map(std::sync::Mutex::new)
         .collect();
-    let failed = std::sync::Mutex::new(None);
-    pool.run(|tid| {
-        if let Some(part) = parts.get(tid) {
+    super::fused::run_threads(mm, |tid, _| match parts.get(tid) {
+        Some(part) => {
             let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
             let (g, u) = &mut *part;
-            if let Err(e) = activate(act, g, u) {
-                *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-            }
+            activate(act, g, u)
         }
-    });
-    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        Some(e) => Err(e),
         None => Ok(()),
-    }
+    })
 }
 
 /// The rows of `active` whose `up` product is needed once `gate` holds their gate products.
