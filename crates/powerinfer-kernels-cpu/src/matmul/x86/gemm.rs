@@ -223,16 +223,19 @@ unsafe fn float_tile<L: FloatLoad16, const R: usize, const P: usize>(
             }
         }
         let i = steps * 8;
+        // Every pair's sums first, in a loop the compiler unrolls, so the accumulators are
+        // never indexed by a run-time pair (which would keep them in memory).
+        let mut all = [_mm512_setzero_ps(); P];
         for p in 0..P {
             // The tile's rows (zeros past `R`, never written) for this pair of tokens.
-            let v = std::array::from_fn(|r| {
-                if r < R {
-                    acc[r][p]
-                } else {
-                    _mm512_setzero_ps()
-                }
-            });
-            let sums = hsum_rows4(v);
+            let mut v = [_mm512_setzero_ps(); 4];
+            for r in 0..R {
+                v[r] = acc[r][p];
+            }
+            all[p] = hsum_rows4(v);
+        }
+        for p in 0..P {
+            let sums = all[p];
             for h in 0..2 {
                 let k = 2 * p + h;
                 if k >= nt {
@@ -457,8 +460,11 @@ fn float_gemm(pool: &ThreadPool, jobs: &mut [FloatJob<'_, '_>], n_tokens: usize)
     }
     let mut acts: Vec<FloatActs<'_>> = Vec::new();
     let mut parts = Vec::with_capacity(jobs.len());
-    // Row blocks of every job, concatenated: (part, first row, rows).
-    let mut blocks: Vec<(usize, usize, usize)> = Vec::new();
+    // The token chunks every row block is cut into (one chunk up to `TOKEN_CHUNK` tokens).
+    let chunk = token_chunk(n_tokens);
+    // Grains, row block after row block of every job, each block's token chunks in order:
+    // (part, first row, rows, first token, tokens).
+    let mut blocks: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
     for (k, j) in jobs.iter_mut().enumerate() {
         let w = &j.w;
         let (rows, cols, rb_bytes) = (w.rows, w.cols, w.row_bytes);
@@ -478,42 +484,59 @@ fn float_gemm(pool: &ThreadPool, jobs: &mut [FloatJob<'_, '_>], n_tokens: usize)
             }
         };
         let block_rows = (ROW_BLOCK_BYTES / rb_bytes.max(1)).clamp(FR, 256) / FR * FR;
-        blocks.extend(steps(0..rows, block_rows).map(|(b0, bn)| (k, b0, bn)));
+        for (b0, bn) in steps(0..rows, block_rows) {
+            blocks.extend(steps(0..n_tokens, chunk).map(|(t0, tn)| (k, b0, bn, t0, tn)));
+        }
         parts.push(Part {
             w: j.w,
             acts: a,
             out: OutPtr::new(j.y),
         });
     }
-    // One row block per grain: a thread done with its own blocks takes the others' last ones.
+    // One grain each: a thread done with its own takes the others' last ones.
     pool.for_grains(blocks.len(), 1, |_, range| {
-        for &(k, b0, bn) in &blocks[range] {
+        for &(k, b0, bn, t0, tn) in &blocks[range] {
             let (part, a) = (&parts[k], &acts[parts[k].acts]);
+            let ts = t0..t0 + tn;
             match part.w.ty {
-                GgmlType::F32 => float_block::<LF32>(&part.w, part.out, a, b0, bn, n_tokens),
-                GgmlType::F16 => float_block::<LF16>(&part.w, part.out, a, b0, bn, n_tokens),
-                _ => float_block::<LBF16>(&part.w, part.out, a, b0, bn, n_tokens),
+                GgmlType::F32 => float_block::<LF32>(&part.w, part.out, a, b0, bn, ts, n_tokens),
+                GgmlType::F16 => float_block::<LF16>(&part.w, part.out, a, b0, bn, ts, n_tokens),
+                _ => float_block::<LBF16>(&part.w, part.out, a, b0, bn, ts, n_tokens),
             }
         }
     });
 }
 
-/// Rows `b0..b0 + bn` of one float product for every token: inside the block, groups of `FN`
-/// tokens whose activations stay in L1/L2; inside that, tiles of `FR` rows through one
-/// [`float_tile`] call over the whole row.
+/// Most tokens of one grain of [`float_gemm`]. A long prompt's row blocks are cut into token
+/// chunks, so that the last grains, which decide when the dispatch ends, are short, and a
+/// grain's activations stay near the L2 size.
+const TOKEN_CHUNK: usize = 128;
+
+/// The token chunk of an `n_tokens` product: `n_tokens` cut into equal chunks of at most about
+/// [`TOKEN_CHUNK`], rounded up to whole token groups (`FN`, even, so chunks start on a pair).
+fn token_chunk(n_tokens: usize) -> usize {
+    let chunks = n_tokens.div_ceil(TOKEN_CHUNK).max(1);
+    n_tokens.div_ceil(chunks).div_ceil(FN) * FN
+}
+
+/// Rows `b0..b0 + bn` of one float product for the tokens `tokens` (of `n_tokens`; the
+/// first one even): inside the block, groups of `FN` tokens whose activations stay in L1/L2;
+/// inside that, tiles of `FR` rows through one [`float_tile`] call over the whole row.
 fn float_block<L: FloatLoad16>(
     w: &Weights<'_>,
     out: OutPtr,
     a: &FloatActs<'_>,
     b0: usize,
     bn: usize,
+    tokens: std::ops::Range<usize>,
     n_tokens: usize,
 ) {
     let (rows, cols, rb_bytes, wp) = (w.rows, w.cols, w.row_bytes, w.data.as_ptr());
     let pair_len = cols / 8 * 16;
     let tl = cols % 8;
     let (pp, tp) = (a.paired.as_ptr(), a.tail.as_ptr());
-    for (t0, nt) in steps(0..n_tokens, FN) {
+    debug_assert!(tokens.start % 2 == 0 && tokens.end <= n_tokens);
+    for (t0, nt) in steps(tokens, FN) {
         let np = nt.div_ceil(2);
         let xs = ptrs::<f32, FN>(tp, tl, t0, nt);
         let pairs = ptrs::<f32, FP>(pp, pair_len, t0 / 2, np);
@@ -1161,6 +1184,17 @@ mod tests {
     /// of a multi-token product, the order the frame's leftovers and sparse products use); for
     /// Q8_0 and Q4_0 that is also the GEMV's dot.
     #[test]
+    fn token_chunks_are_whole_groups_near_the_limit() {
+        for n in [1usize, 2, 12, 13, 128, 129, 256, 291, 512, 515, 4096] {
+            let c = token_chunk(n);
+            assert!(c % FN == 0 && c > 0, "{n}: {c}");
+            assert!(c < TOKEN_CHUNK + FN, "{n}: {c}");
+            // As many chunks as the limit asks for, the last one not empty.
+            assert_eq!(n.div_ceil(c), n.div_ceil(TOKEN_CHUNK), "{n}: {c}");
+        }
+    }
+
+    #[test]
     fn blocked_gemm_equals_gemv() {
         if !Backend::Avx512.is_available() {
             return;
@@ -1183,6 +1217,8 @@ mod tests {
                 (19, 2048, 3),
                 (22, 2048, 4),
                 (40, 512, 17),
+                // Float row blocks cut into token chunks (108, 108, 75 tokens).
+                (21, 256, 291),
             ] {
                 let cols = if ty.block_size() == 32 {
                     cols / 32 * 32
