@@ -37,6 +37,12 @@ fn resize(v: &mut Vec<f32>, n: usize) {
     v.resize(n, 0.0);
 }
 
+/// `v` at length `n` for a product that writes every value: old values stay where the length
+/// allows (clearing a prompt block's `n_ff`-wide buffers took as long as a norm).
+fn fit_overwritten(v: &mut Vec<f32>, n: usize) {
+    v.resize(n, 0.0);
+}
+
 /// `out = FFN(cur)` for the batch's tokens (`h` = the predictor input: `ffn_inp`, or for
 /// `falcon` the layer input); adds each token's share of computed neurons to `step.density`.
 /// With an observer the FFN is computed densely and reported.
@@ -396,14 +402,14 @@ fn hidden_dense(
         FfnMats::Dense { up, .. } => up.w.rows(),
         FfnMats::Sparse { up, .. } => up.rows(),
     };
-    resize(gate, t * n);
+    fit_overwritten(gate, t * n);
     match mats {
         FfnMats::Dense {
             gate: Some(g),
             up: u,
             ..
         } => {
-            resize(up, t * n);
+            fit_overwritten(up, t * n);
             if fuse {
                 products(mm, device, &mut [(g, cur, gate), (u, cur, up)], t)?;
             } else {
@@ -417,7 +423,7 @@ fn hidden_dense(
             up: u,
             ..
         } => {
-            resize(up, t * n);
+            fit_overwritten(up, t * n);
             if fuse {
                 mm.gemm_multi(
                     &mut [

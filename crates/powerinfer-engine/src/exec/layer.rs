@@ -36,21 +36,21 @@ pub(crate) fn attention(
     let laps = &mut step.laps;
     let (ne, nkv, hd) = (hp.n_embd, hp.n_embd_kv(), hp.head_dim());
     let b = &mut step.buf;
-    let fit = |v: &mut Vec<f32>, n: usize| {
-        v.clear();
-        v.resize(n, 0.0);
-    };
+    // Every buffer is overwritten whole below (norms, products, attention), so it keeps its
+    // old values where its length stays: clearing a prompt block's buffers cost as much as a
+    // norm.
+    let fit = |v: &mut Vec<f32>, n: usize| v.resize(n, 0.0);
     fit(&mut b.cur, t * ne);
     fit(&mut b.q, t * ne);
     fit(&mut b.k, t * nkv);
     fit(&mut b.v, t * nkv);
     fit(&mut b.heads, t * ne);
     fit(&mut b.tmp, t * ne);
-    norm(x, &layer.attn_norm, hp.rms_eps, &mut b.cur)?;
+    norm(mm, x, &layer.attn_norm, hp.rms_eps, &mut b.cur)?;
     let attn_in: &[f32] = match &layer.attn_norm_2 {
         Some(n2) => {
             fit(&mut b.cur2, t * ne);
-            norm(x, n2, hp.rms_eps, &mut b.cur2)?;
+            norm(mm, x, n2, hp.rms_eps, &mut b.cur2)?;
             &b.cur2
         }
         None => &b.cur,

@@ -29,7 +29,7 @@ use crate::observer::FfnObserver;
 use crate::profile::{Laps, Op, OpProfile};
 
 use fused::FusedSplit;
-use step::{norm, LayerRun, Step};
+use step::{add_par, norm, LayerRun, Step};
 use weights::{product, ModelMats, Repacked};
 
 /// A block of consecutive new tokens of one sequence: one entry of a [`Batch`].
@@ -323,22 +323,22 @@ impl Executor {
                 let cur = std::mem::take(&mut step.buf.cur);
                 ffn::forward(&mut step, &run, &x, &cur, &mut out)?;
                 step.buf.cur = cur;
-                add(&mut out, &attn)?;
-                add(&mut x, &out)?;
+                add_par(&mm, &mut out, &attn)?;
+                add_par(&mm, &mut x, &out)?;
                 step.buf.ffn_out = out;
                 step.buf.tmp = attn;
             } else {
-                add(&mut x, &attn)?; // x = ffn_inp
+                add_par(&mm, &mut x, &attn)?; // x = ffn_inp
                 step.laps.lap(Op::Other, || 0);
                 let mut cur = std::mem::take(&mut step.buf.cur);
                 if let Some(n) = &layer.ffn_norm {
-                    norm(&x, n, hp.rms_eps, &mut cur)?;
+                    norm(&mm, &x, n, hp.rms_eps, &mut cur)?;
                     step.laps.lap(Op::Norm, || 0);
                 }
                 let mut out = attn;
                 ffn::forward(&mut step, &run, &x, &cur, &mut out)?;
                 step.buf.cur = cur;
-                add(&mut x, &out)?;
+                add_par(&mm, &mut x, &out)?;
                 step.buf.tmp = out;
             }
             step.laps.lap(Op::Other, || 0);
@@ -365,13 +365,13 @@ impl Executor {
         let n_out = rows.len();
         let mut normed = vec![0f32; n_out * ne];
         if n_out == t {
-            norm(&x, &model.output_norm, hp.rms_eps, &mut normed)?;
+            norm(&mm, &x, &model.output_norm, hp.rms_eps, &mut normed)?;
         } else {
             let mut picked = vec![0f32; n_out * ne];
             for (dst, &r) in picked.chunks_exact_mut(ne).zip(&rows) {
                 dst.copy_from_slice(&x[r * ne..][..ne]);
             }
-            norm(&picked, &model.output_norm, hp.rms_eps, &mut normed)?;
+            norm(&mm, &picked, &model.output_norm, hp.rms_eps, &mut normed)?;
         }
         step.laps.lap(Op::Norm, || 0);
         let nv = hp.n_vocab;

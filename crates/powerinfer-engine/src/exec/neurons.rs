@@ -5,6 +5,7 @@
 use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
 use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
 
+use super::step::for_row_parts;
 use crate::model::FfnAct;
 
 /// A set of neuron rows: whole matrices, or a device's rows of its hot neurons.
@@ -94,36 +95,20 @@ pub(crate) fn activate(
     Ok(())
 }
 
-/// Values below which [`activate_all`] runs on the calling thread (a dispatch costs more than
-/// a decode step's few thousand activations).
-const PARALLEL_ACTIVATE: usize = 1 << 15;
-
 /// [`activate`] over a block of tokens' whole FFN (a dense FFN of a prompt), split between the
-/// pool's threads when there are many values; each value is computed as by `activate` alone.
+/// pool's threads when there are many values ([`for_row_parts`]); each value is computed as by
+/// `activate` alone.
 pub(crate) fn activate_all(
     mm: &MatMul<'_>,
     act: FfnAct,
     gate: &mut [f32],
     up: &[f32],
 ) -> crate::error::Result<()> {
-    let n = mm.pool().n_threads();
-    if n == 1 || gate.len() < PARALLEL_ACTIVATE || up.len() != gate.len() {
+    if up.len() != gate.len() {
+        // ReLU reads no `up`; the others return the kernel's length error.
         return Ok(activate(act, gate, up)?);
     }
-    let per = gate.len().div_ceil(n);
-    let parts: Vec<std::sync::Mutex<(&mut [f32], &[f32])>> = gate
-        .chunks_mut(per)
-        .zip(up.chunks(per))
-        .map(std::sync::Mutex::new)
-        .collect();
-    super::fused::run_threads(mm, |tid, _| match parts.get(tid) {
-        Some(part) => {
-            let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
-            let (g, u) = &mut *part;
-            activate(act, g, u)
-        }
-        None => Ok(()),
-    })
+    for_row_parts(mm, gate, 1, |r, g| activate(act, g, &up[r]))
 }
 
 /// The rows of `active` whose `up` product is needed once `gate` holds their gate products.

@@ -7,10 +7,13 @@ use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::{RopeMode, RopeParams};
 use powerinfer_kernels_cpu::MatMul;
 
+use std::ops::Range;
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
-use super::fused::FusedSplit;
+use powerinfer_kernels_cpu::KernelError;
+
+use super::fused::{run_threads, FusedSplit};
 use super::weights::LayerMats;
 use super::{ExecOptions, Segment};
 use crate::device::balance::Balance;
@@ -164,13 +167,62 @@ pub(crate) struct LayerRun<'a, 'm> {
     pub(crate) split: &'a FusedSplit,
 }
 
-/// RMSNorm (a norm without bias) or LayerNorm (with bias) of every row of `x`.
-pub(crate) fn norm(x: &[f32], n: &Norm, eps: f32, out: &mut [f32]) -> Result<()> {
-    match &n.bias {
-        None => rms_norm(x, &n.weight, eps, out)?,
-        Some(b) => layer_norm(x, &n.weight, b, eps, out)?,
+/// Values below which the row-wise helpers ([`for_row_parts`]) run on the calling thread alone
+/// (a decode step's few rows: a dispatch would cost more than the work).
+pub(crate) const PARALLEL_ROW_VALUES: usize = 1 << 15;
+
+/// Runs `f(rows, out_rows)` over `out` (rows of `width` values): split into one contiguous run
+/// of rows per pool thread when `out` holds at least [`PARALLEL_ROW_VALUES`] values, else in one
+/// call. Every row is computed by the same `f` whichever thread takes it, so the results do not
+/// depend on the split. Returns the first error of any call.
+pub(crate) fn for_row_parts<F>(mm: &MatMul<'_>, out: &mut [f32], width: usize, f: F) -> Result<()>
+where
+    F: Fn(Range<usize>, &mut [f32]) -> std::result::Result<(), KernelError> + Sync,
+{
+    let rows = out.len().checked_div(width).unwrap_or(0);
+    let n = mm.pool().n_threads();
+    if n == 1 || out.len() < PARALLEL_ROW_VALUES || rows < 2 || rows * width != out.len() {
+        return Ok(f(0..rows, out)?);
     }
-    Ok(())
+    let per = rows.div_ceil(n);
+    let parts: Vec<Mutex<(usize, &mut [f32])>> = out
+        .chunks_mut(per * width)
+        .enumerate()
+        .map(|(i, o)| Mutex::new((i * per, o)))
+        .collect();
+    run_threads(mm, |tid, _| match parts.get(tid) {
+        Some(part) => {
+            let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
+            let (r0, o) = &mut *part;
+            let r0 = *r0;
+            f(r0..r0 + o.len() / width, o)
+        }
+        None => Ok(()),
+    })
+}
+
+/// RMSNorm (a norm without bias) or LayerNorm (with bias) of every row of `x`, the rows split
+/// between the pool's threads when there are many ([`for_row_parts`]).
+pub(crate) fn norm(mm: &MatMul<'_>, x: &[f32], n: &Norm, eps: f32, out: &mut [f32]) -> Result<()> {
+    let one = |x: &[f32], out: &mut [f32]| match &n.bias {
+        None => rms_norm(x, &n.weight, eps, out),
+        Some(b) => layer_norm(x, &n.weight, b, eps, out),
+    };
+    let w = n.weight.len();
+    if x.len() != out.len() || w == 0 {
+        // The kernel's own error.
+        return Ok(one(x, out)?);
+    }
+    for_row_parts(mm, out, w, |r, o| one(&x[r.start * w..r.end * w], o))
+}
+
+/// `a += b`, split between the pool's threads when the vectors are long ([`for_row_parts`]).
+pub(crate) fn add_par(mm: &MatMul<'_>, a: &mut [f32], b: &[f32]) -> Result<()> {
+    if a.len() != b.len() {
+        // The kernel's own error.
+        return Ok(add(a, b)?);
+    }
+    for_row_parts(mm, a, 1, |r, o| add(o, &b[r]))
 }
 
 /// Adds `bias` (if any) to every row of `rows`.
