@@ -178,6 +178,13 @@ fn very_large_groups_match_reference() {
         check_against_reference(&c, 2, isa, &ThreadPool::single());
         check_against_reference(&c, 2, isa, &ThreadPool::new(16));
     }
+    // Heads of 16 (the AVX-512 lane path): five items of rows per token, fewer rows per item
+    // for 16 threads.
+    let c = make_case(1, 80, 16, 20, 2, 1.0, 4);
+    for isa in Backend::available() {
+        check_against_reference(&c, 2, isa, &ThreadPool::single());
+        check_against_reference(&c, 2, isa, &ThreadPool::new(16));
+    }
 }
 
 #[test]
@@ -187,6 +194,10 @@ fn block_equals_single_token_attentions_bit_for_bit() {
         (4usize, 64usize, 40usize, 40usize),
         (1, 17, 50, 9),
         (8, 128, 200, 16),
+        // AVX-512 lane path: items of 16 (token, head) rows that cut tokens unevenly.
+        (3, 48, 70, 23),
+        (16, 16, 30, 7),
+        (2, 80, 33, 33),
     ] {
         let c = make_case(2, group, d, n_pos, n_tokens, 1.0, 42 + d as u64);
         let kv_row = c.p.kv_row_len();

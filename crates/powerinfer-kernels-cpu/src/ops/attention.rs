@@ -17,6 +17,15 @@
 //! llama.cpp rounds q and the softmax weights to f16 before its F16 matrix products; this kernel
 //! keeps them in f32 (closer to the exact result).
 //!
+//! On AVX-512, grouped queries (several query heads per kv head, `head_dim` a multiple of 16)
+//! take the lane path: up to sixteen query rows, (token, head) pairs of one kv head, one per
+//! vector lane. Their queries are transposed once; each tile of sixteen positions is widened
+//! once for all of them; a score is one FMA chain per lane over the head's values (no
+//! horizontal sums); positions past a row's own last are `-inf`; the softmax runs down the
+//! lanes; and the V rows are added into four rows at a time, each row over its own positions
+//! in order. A row's result thus does not depend on which rows share its item, so a prompt
+//! block and token-by-token calls agree bit for bit (measurements: `docs/tuning.md`).
+//!
 //! The AVX2 path, for grouped queries (several query heads per kv head, `head_dim` a multiple
 //! of 8), works on tiles of eight positions: their K head rows are widened to f32 once for all
 //! the group's query heads, each head's eight scores come from eight FMA accumulators reduced
@@ -212,6 +221,11 @@ fn attention_block_isa(
 
     let d = params.head_dim;
     let group = params.n_head / params.n_kv_head;
+    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+    if isa.is_avx512() && group >= 2 && d % 16 == 0 {
+        attention_lanes(isa, pool, q, k, v, n_tokens, params, out);
+        return Ok(());
+    }
     // Split each query-head group into `parts` so that there are enough items for the threads.
     let n_threads = pool.n_threads();
     let base_items = n_tokens * params.n_kv_head;
@@ -290,6 +304,186 @@ fn attention_block_isa(
     Ok(())
 }
 
+/// Query rows (one (token, head) each) per item of the AVX-512 lane path: one per lane.
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+const LANES: usize = 16;
+
+/// [`attention_block_isa`] for grouped queries on AVX-512 (`group ≥ 2`, `head_dim` a multiple
+/// of 16): the query rows of each kv head, token after token and head after head, are cut into
+/// items of up to [`LANES`] rows (fewer where that leaves a thread without one), which
+/// [`attend_lanes`] computes together. Every row is computed alike whatever item and thread
+/// take it, so results do not depend on the block or the thread count.
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+#[allow(clippy::too_many_arguments)]
+fn attention_lanes(
+    isa: Isa,
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    n_tokens: usize,
+    params: &AttentionParams,
+    out: &mut [f32],
+) {
+    let (d, n_kv) = (params.head_dim, params.n_kv_head);
+    let g = params.n_head / n_kv;
+    let kv_row = params.kv_row_len();
+    let p0 = k.len() / kv_row - n_tokens;
+    let rows_kv = n_tokens * g;
+    let n_threads = pool.n_threads();
+    let mut per_item = LANES;
+    while per_item > 1 && n_kv * rows_kv.div_ceil(per_item) < n_threads {
+        per_item = per_item.div_ceil(2);
+    }
+    let per_kv = rows_kv.div_ceil(per_item);
+    let n_items = n_kv * per_kv;
+    // Output chunk `t · n_kv + kv`: token t's heads of kv head `kv` (`g · d` values). Each is
+    // behind its own (nearly uncontended) lock, so threads write disjoint rows without unsafe
+    // code.
+    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(g * d).map(Mutex::new).collect();
+    let run_item = |i: usize, scratch: &mut Scratch| {
+        let kv = i / per_kv;
+        let r0 = (i % per_kv) * per_item;
+        let rows = r0..(r0 + per_item).min(rows_kv);
+        attend_lanes(isa, q, k, v, params, kv, rows.clone(), p0, scratch);
+        let mut r = rows.start;
+        while r < rows.end {
+            let t = r / g;
+            let end = ((t + 1) * g).min(rows.end);
+            let mut o = chunks[t * n_kv + kv]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            for rr in r..end {
+                o[(rr % g) * d..][..d].copy_from_slice(&scratch.acc[(rr - rows.start) * d..][..d]);
+            }
+            r = end;
+        }
+    };
+    if n_threads == 1 {
+        SCRATCH.with(|sc| {
+            let mut scratch = sc.borrow_mut();
+            for i in 0..n_items {
+                run_item(i, &mut scratch);
+            }
+        });
+        return;
+    }
+    pool.run(|tid| {
+        SCRATCH.with(|sc| {
+            let mut scratch = sc.borrow_mut();
+            let mut i = tid;
+            while i < n_items {
+                run_item(i, &mut scratch);
+                i += n_threads;
+            }
+        })
+    });
+}
+
+/// Attention of the query rows `rows` of kv head `kv` (row `ρ`: token `ρ / g`, the group's head
+/// `ρ % g`; token `t` attends to positions `0..=p0 + t`), into `s.acc` (`rows.len() · d`
+/// values, row after row). Row `r` takes lane `r` of every vector: its queries, transposed
+/// once, multiply K tiles of sixteen positions (widened once for all rows) into its scores;
+/// positions past its own last are `-inf`; the softmax runs down the lanes; V tiles add into
+/// the rows four at a time, each row over its own positions only, in order.
+#[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
+#[allow(clippy::too_many_arguments)]
+fn attend_lanes(
+    isa: Isa,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    params: &AttentionParams,
+    kv: usize,
+    rows: std::ops::Range<usize>,
+    p0: usize,
+    s: &mut Scratch,
+) {
+    let (d, g) = (params.head_dim, params.n_head / params.n_kv_head);
+    let (q_len, kv_row, kv_off) = (params.q_len(), params.kv_row_len(), kv * d);
+    let n = rows.len();
+    assert!((1..=LANES).contains(&n) && d % 16 == 0 && isa.is_avx512());
+    // Each row's last position + 1; lanes past `n` repeat the last row's (their zero queries
+    // give scores no one reads).
+    let mut lim = [0usize; LANES];
+    let qt = &mut s.qt;
+    qt.clear();
+    qt.resize(LANES * d, 0.0);
+    for (r, rho) in rows.clone().enumerate() {
+        let (t, hl) = (rho / g, rho % g);
+        lim[r] = p0 + t + 1;
+        for (c, &x) in q[t * q_len + (kv * g + hl) * d..][..d].iter().enumerate() {
+            qt[c * LANES + r] = x;
+        }
+    }
+    let (n_min, n_max) = (lim[0], lim[n - 1]);
+    lim[n..].fill(n_max);
+    assert!(n_max * kv_row <= k.len() && k.len() == v.len());
+    let sc = &mut s.scores;
+    sc.resize(n_max * LANES, 0.0);
+    let tile = &mut s.tile;
+    tile.resize(LANES * d, 0.0);
+    // The rows of positions `pt..pt + np` of `src`, widened into `tile`, after requesting the
+    // next tile's.
+    let load = |src: &[f16], pt: usize, np: usize, tile: &mut [f32]| {
+        for p in (pt + LANES..n_max).take(LANES) {
+            prefetch_head(src, p * kv_row + kv_off, d);
+        }
+        // SAFETY: `is_avx512()` (asserted) is only true for an available AVX-512 backend; `d`
+        // is a multiple of 16 and rows `pt..pt + np` (below `n_max`) lie in `src` (asserted).
+        unsafe {
+            super::x86_512::widen_rows16(src, pt * kv_row + kv_off, kv_row, d, &mut tile[..np * d])
+        };
+    };
+    for pt in (0..n_max).step_by(LANES) {
+        let np = (n_max - pt).min(LANES);
+        load(k, pt, np, tile);
+        // SAFETY: as above; `qt` and `tile` hold 16 rows of `d`, `sc` `16·np` values from `pt`.
+        unsafe {
+            super::x86_512::scores_rows16(
+                qt,
+                tile,
+                d,
+                np,
+                params.scale,
+                &mut sc[pt * LANES..][..np * LANES],
+            )
+        };
+    }
+    for p in n_min..n_max {
+        for (r, &l) in lim[..n].iter().enumerate() {
+            if p >= l {
+                sc[p * LANES + r] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    // SAFETY: as above; `sc` holds `16·n_max` values.
+    let inv = unsafe { super::x86_512::softmax_rows16(&mut sc[..n_max * LANES], n_max) };
+    let acc = &mut s.acc;
+    acc.clear();
+    acc.resize(n * d, 0.0);
+    for pt in (0..n_max).step_by(LANES) {
+        let np = (n_max - pt).min(LANES);
+        load(v, pt, np, tile);
+        let upto: [usize; LANES] = std::array::from_fn(|r| lim[r].saturating_sub(pt).min(np));
+        // SAFETY: as above; `acc` holds `n` rows of `d`, the tile `np` rows, the weights
+        // `16·np` values, every limit is at most `np`.
+        unsafe {
+            super::x86_512::axpy_rows(
+                acc,
+                d,
+                &sc[pt * LANES..][..np * LANES],
+                0,
+                &upto[..n],
+                &tile[..np * d],
+            )
+        };
+    }
+    for (oh, &s) in acc.chunks_exact_mut(d).zip(&inv) {
+        scale_in_place(isa, oh, s);
+    }
+}
+
 /// Positions ahead whose K or V head row the per-position path prefetches (the tiled path
 /// prefetches the next tile's rows). The rows of one kv head are `kv_row` values apart (8 KiB
 /// for LLaMA-7B's 32 heads of 128, 1 KiB for TinyLlama's 4 kv heads of 64), strides the
@@ -334,8 +528,11 @@ struct Scratch {
     acc: Vec<f32>,
     /// 1 / (sum of the exponentials) of each query head.
     inv_sum: Vec<f32>,
-    /// Eight K or V head rows widened to f32 (AVX2 path), shared by the group's query heads.
+    /// Eight K or V head rows widened to f32 (AVX2 path; sixteen on the AVX-512 lane path),
+    /// shared by the group's query heads.
     tile: Vec<f32>,
+    /// The lane path's queries, transposed: `[value][lane]`.
+    qt: Vec<f32>,
 }
 
 /// Positions per tile of the AVX2 path: their K (then V) head rows are widened once for all the
@@ -369,11 +566,8 @@ fn attend_group(
     acc.clear();
     acc.resize(q.len(), 0.0);
     let tiled = tiled && isa.is_avx2() && d % 8 == 0;
-    // Sixteen positions per tile with 512-bit vectors where the CPU has AVX-512 (the scores
-    // of a tile in one vector per query head, no per-row horizontal sums).
-    let wide = tiled && isa.is_avx512() && d % 16 == 0;
     // Positions per tile.
-    let tw = if wide { TILE_WIDE } else { TILE };
+    let tw = TILE;
     let tile = &mut scratch.tile;
     // The head rows of positions `p0..p0 + np` of `src` (K or V) widened into `tile`, after
     // requesting the next tile's rows; returns `np`.
@@ -382,9 +576,8 @@ fn attend_group(
         for p in (p0 + tw..n_ctx).take(tw) {
             prefetch_head(src, p * kv_row + kv_off, d);
         }
-        widen_tile(
+        widen_rows(
             isa,
-            wide,
             src,
             p0 * kv_row + kv_off,
             kv_row,
@@ -396,22 +589,11 @@ fn attend_group(
     if tiled {
         tile.clear();
         tile.resize(tw * d, 0.0);
-        let mut s = [0f32; TILE_WIDE];
         for p0 in (0..n_ctx).step_by(tw) {
             let np = load_tile(k, p0, tile);
             tile[np * d..].fill(0.0);
-            let mut j = 0;
-            // Two query heads per pass over the tile where the AVX-512 code has it (each
-            // row's values loaded once for both; the same bits as one head at a time).
-            while wide && j + 2 <= g {
-                let (sa, sb) =
-                    tile_scores_pair(isa, &q[j * d..][..d], &q[(j + 1) * d..][..d], tile, scale);
-                scores[j * n_ctx + p0..][..np].copy_from_slice(&sa[..np]);
-                scores[(j + 1) * n_ctx + p0..][..np].copy_from_slice(&sb[..np]);
-                j += 2;
-            }
-            for (j, qh) in q.chunks_exact(d).enumerate().skip(j) {
-                tile_scores(isa, wide, qh, tile, scale, &mut s[..tw]);
+            for (j, qh) in q.chunks_exact(d).enumerate() {
+                let s = dots8(isa, qh, tile, scale);
                 scores[j * n_ctx + p0..][..np].copy_from_slice(&s[..np]);
             }
         }
@@ -453,18 +635,8 @@ fn attend_group(
     if tiled {
         for p0 in (0..n_ctx).step_by(tw) {
             let np = load_tile(v, p0, tile);
-            let mut heads = acc.chunks_exact_mut(d).enumerate();
-            // Two query heads per pass where the AVX-512 code has it (as for the scores).
-            while wide && heads.len() >= 2 {
-                let (Some((j, oa)), Some((_, ob))) = (heads.next(), heads.next()) else {
-                    break;
-                };
-                let wa = &scores[j * n_ctx + p0..][..np];
-                let wb = &scores[(j + 1) * n_ctx + p0..][..np];
-                tile_axpy_pair(isa, oa, ob, wa, wb, tile);
-            }
-            for (j, oh) in heads {
-                tile_axpy(isa, wide, oh, &scores[j * n_ctx + p0..][..np], tile);
+            for (j, oh) in acc.chunks_exact_mut(d).enumerate() {
+                axpy_tile(isa, oh, &scores[j * n_ctx + p0..][..np], tile);
             }
         }
         p_start = n_ctx;
@@ -506,115 +678,6 @@ fn attend_group(
         scale_in_place(isa, oh, s);
     }
     out.copy_from_slice(acc);
-}
-
-/// Positions per tile of the AVX-512 path.
-const TILE_WIDE: usize = 16;
-
-/// f16 → f32 of a tile's head rows: the AVX-512 code for `wide` tiles (callers check
-/// `isa.is_avx512()` and `d % 16 == 0` for those), else [`widen_rows`].
-#[inline]
-#[allow(clippy::too_many_arguments)]
-fn widen_tile(
-    isa: Isa,
-    wide: bool,
-    src: &[f16],
-    start: usize,
-    stride: usize,
-    d: usize,
-    dst: &mut [f32],
-) {
-    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    if wide && isa.is_avx512() {
-        let rows = dst.len() / d.max(1);
-        assert!(d % 16 == 0 && (rows == 0 || start + (rows - 1) * stride + d <= src.len()));
-        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend (AVX-512 F, AVX2,
-        // FMA, F16C); `d` is a multiple of 16 and the rows lie inside `src` (asserted).
-        unsafe { super::x86_512::widen_rows16(src, start, stride, d, dst) };
-        return;
-    }
-    let _ = wide;
-    widen_rows(isa, src, start, stride, d, dst);
-}
-
-/// `scale · (q · tile[r])` into `out[r]` for every row of the tile (`out.len()` rows: 16 for
-/// `wide` tiles, AVX-512; else 8, [`dots8`]).
-#[inline]
-fn tile_scores(isa: Isa, wide: bool, q: &[f32], tile: &[f32], scale: f32, out: &mut [f32]) {
-    assert!(tile.len() == out.len() * q.len());
-    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    if wide && isa.is_avx512() {
-        assert!(out.len() == TILE_WIDE && q.len() % 16 == 0);
-        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; `tile` holds 16
-        // rows of `q.len()` values, a multiple of 16 (asserted).
-        out.copy_from_slice(&unsafe { super::x86_512::dots16(q, tile, scale) });
-        return;
-    }
-    let _ = wide;
-    out.copy_from_slice(&dots8(isa, q, tile, scale));
-}
-
-/// [`tile_scores`] of two query heads over one wide tile (AVX-512; callers check
-/// `isa.is_avx512()` and `d % 16 == 0`): the same bits, each row loaded once for both.
-#[inline]
-fn tile_scores_pair(
-    isa: Isa,
-    qa: &[f32],
-    qb: &[f32],
-    tile: &[f32],
-    scale: f32,
-) -> ([f32; TILE_WIDE], [f32; TILE_WIDE]) {
-    assert!(isa.is_avx512() && qa.len() == qb.len() && qa.len() % 16 == 0);
-    assert!(tile.len() == TILE_WIDE * qa.len());
-    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    {
-        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; the lengths are
-        // asserted above.
-        unsafe { super::x86_512::dots16_pair(qa, qb, tile, scale) }
-    }
-    #[cfg(not(all(target_arch = "x86_64", powerinfer_avx512)))]
-    unreachable!("no AVX-512 code in this build, so no wide tiles")
-}
-
-/// [`tile_axpy`] of two query heads over one wide tile (AVX-512; callers check
-/// `isa.is_avx512()` and `d % 16 == 0`): the same bits, each row loaded once for both.
-#[inline]
-fn tile_axpy_pair(
-    isa: Isa,
-    acc_a: &mut [f32],
-    acc_b: &mut [f32],
-    wa: &[f32],
-    wb: &[f32],
-    tile: &[f32],
-) {
-    let d = acc_a.len();
-    assert!(isa.is_avx512() && acc_b.len() == d && d % 16 == 0);
-    assert!(wa.len() == wb.len() && wa.len() <= TILE_WIDE && tile.len() >= wa.len() * d);
-    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    {
-        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; the lengths are
-        // asserted above.
-        unsafe { super::x86_512::axpy_tile16_pair(acc_a, acc_b, wa, wb, tile) }
-    }
-    #[cfg(not(all(target_arch = "x86_64", powerinfer_avx512)))]
-    unreachable!("no AVX-512 code in this build, so no wide tiles")
-}
-
-/// `acc += w[r] · tile[r]` over the tile's first `w.len()` rows, in order: the AVX-512 code
-/// for `wide` tiles, else [`axpy_tile`].
-#[inline]
-fn tile_axpy(isa: Isa, wide: bool, acc: &mut [f32], w: &[f32], tile: &[f32]) {
-    #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
-    if wide && isa.is_avx512() {
-        let d = acc.len();
-        assert!(w.len() <= TILE_WIDE && tile.len() >= w.len() * d && d % 16 == 0);
-        // SAFETY: `is_avx512()` is only true for an available AVX-512 backend; the lengths are
-        // asserted above.
-        unsafe { super::x86_512::axpy_tile16(acc, w, tile) };
-        return;
-    }
-    let _ = wide;
-    axpy_tile(isa, acc, w, tile);
 }
 
 /// Σ `a[i]·b[i]` in f32 with eight partial sums (which the compiler keeps in vector registers),

@@ -336,7 +336,7 @@ const EXP_MIN_ARG: f32 = -87.336_54;
 /// exponent field.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn exp_nonpos(x: __m256) -> __m256 {
+pub(crate) unsafe fn exp_nonpos(x: __m256) -> __m256 {
     let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN_ARG));
     let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN_ARG));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(

@@ -1,7 +1,8 @@
 //! AVX-512 building blocks of the one-token and prompt attention (x86-64, AVX-512 F with AVX2,
-//! FMA and F16C): sixteen positions per tile, whose K (then V) head rows are widened once for
-//! all the query heads of a group, as the AVX2 tile path does with eight; the `_pair` kernels
-//! take two query heads per pass, so each row of the tile is loaded once for both.
+//! FMA and F16C) for grouped queries: up to sixteen query rows (a (token, head) each) of one
+//! kv head share every vector, one row per lane, over tiles of sixteen positions whose K (then
+//! V) head rows are widened once for all of them. Scores are FMA chains per lane (no
+//! horizontal sums), the softmax runs down the lanes, and V rows are added four rows at a time.
 //!
 //! Every function is `unsafe` because it requires those CPU features: callers must hold an
 //! `Isa` for which `is_avx512()` is true (only built for an available AVX-512 backend). Memory
@@ -43,230 +44,224 @@ pub(crate) unsafe fn widen_rows16(
     }
 }
 
-/// The sums of the sixteen lanes of each `v[r]`, in one vector: the sum of `v[r]` lands in
-/// lane [`SUM16_LANE`]`[r]`. Each level adds pairs of vectors so that every lane keeps partial
-/// sums of one input only:
-/// 1. `(v[2k], v[2k+1])`: 256-bit halves added; 8 partials of `v[2k]` in lanes 0..8, of
-///    `v[2k+1]` in 8..16.
-/// 2. 128-bit quarters added; quarter `t` of `b[j]` holds 4 partials of input `4j + t`.
-/// 3. 64-bit halves of each quarter added; quarter `t` of `c[i]` holds 2 partials of input
-///    `8i + t` then 2 of `8i + 4 + t`.
-/// 4. Neighbours added; element `m` of quarter `t` is the sum of input `4m + t`.
+/// Below this argument `exp` is flushed to zero (as `x86::exp_nonpos`).
+const EXP_MIN_ARG: f32 = -87.336_54;
+
+/// e^x for 16 lanes with x ≤ 0: the operations of `x86::exp_nonpos` (range reduction, the
+/// degree-7 polynomial, 2ⁿ in the exponent field) on 512-bit vectors, so each lane gets the
+/// bits the 8-lane code gives it; lanes below `EXP_MIN_ARG`, `-inf` included, give 0.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-fn transpose_sum16(v: [__m512; 16]) -> __m512 {
-    let a: [__m512; 8] = std::array::from_fn(|k| {
-        let (x, y) = (v[2 * k], v[2 * k + 1]);
-        let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y);
-        let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y);
-        _mm512_add_ps(lo, hi)
-    });
-    let b: [__m512; 4] = std::array::from_fn(|j| {
-        let (x, y) = (a[2 * j], a[2 * j + 1]);
-        let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y);
-        let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y);
-        _mm512_add_ps(lo, hi)
-    });
-    let c: [__m512; 2] = std::array::from_fn(|i| {
-        let (x, y) = (_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-        let lo = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
-        let hi = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
-        _mm512_add_ps(lo, hi)
-    });
-    let lo = _mm512_shuffle_ps::<0b10_00_10_00>(c[0], c[1]);
-    let hi = _mm512_shuffle_ps::<0b11_01_11_01>(c[0], c[1]);
-    _mm512_add_ps(lo, hi)
+pub(crate) fn exp_nonpos16(x: __m512) -> __m512 {
+    let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN_ARG));
+    let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN_ARG));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.0 / 5040.0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 720.0));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 120.0));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 24.0));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 6.0));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0));
+    let ni = _mm512_cvtps_epi32(n);
+    let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        ni,
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_maskz_mul_ps(!underflow, p, pow2)
 }
 
-/// The lane of [`transpose_sum16`]'s result that holds the sum of input `r` (input `4m + t`
-/// ends in element `m` of 128-bit quarter `t`).
-const SUM16_LANE: [usize; 16] = {
-    let mut out = [0usize; 16];
-    let mut r = 0;
-    while r < 16 {
-        out[r] = 4 * (r % 4) + r / 4;
-        r += 1;
-    }
-    out
-};
-
-/// `scale · (q · tile[r])` for the sixteen rows `r` of `tile` (`16 × q.len()` values,
-/// row-major; `q.len()` a multiple of 16): one accumulator per row over the sixteen-value
-/// chunks in order, then the sixteen accumulators reduced together ([`transpose_sum16`]).
+/// Scores of sixteen query rows, one per lane, against the first `np` rows of a K tile:
+/// `sc[p·16 + r] = scale · Σ_c qt[c·16 + r] · tile[p·d + c]`, the sum over `c` in order (one
+/// FMA chain per (position, row), the position's value broadcast from the tile), so no
+/// horizontal sums, and a row's scores do not depend on the other lanes.
 ///
 /// # Safety
-/// AVX-512 F available; the lengths as above.
+/// AVX-512 F available; `np ≤ 16`, `qt.len() ≥ 16·d`, `tile.len() ≥ 16·d` (rows past `np`
+/// readable, their scores not stored), `sc.len() ≥ 16·np`.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn dots16(q: &[f32], tile: &[f32], scale: f32) -> [f32; 16] {
-    let d = q.len();
-    debug_assert!(tile.len() == 16 * d && d % 16 == 0);
-    let (qp, tp) = (q.as_ptr(), tile.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); 16];
-    let mut c = 0;
-    while c + 16 <= d {
-        // SAFETY: values `c..c + 16` of `q` and of every row of `tile` exist.
-        unsafe {
-            let qv = _mm512_loadu_ps(qp.add(c));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(qv, _mm512_loadu_ps(tp.add(r * d + c)), *a);
-            }
-        }
-        c += 16;
-    }
-    let s = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
-    let mut lanes = [0f32; 16];
-    // SAFETY: `lanes` holds 16 values.
-    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
-    std::array::from_fn(|r| lanes[SUM16_LANE[r]])
-}
-
-/// `acc[i] = fma(w[r], tile[r][i], acc[i])` for `r = 0, 1, …` in order (`w.len() ≤ 16` rows of
-/// `acc.len()` values in `tile`, row-major; `acc.len()` a multiple of 16).
-///
-/// # Safety
-/// AVX-512 F available; the lengths as above.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn axpy_tile16(acc: &mut [f32], w: &[f32], tile: &[f32]) {
-    let d = acc.len();
-    debug_assert!(w.len() <= 16 && tile.len() >= w.len() * d && d % 16 == 0);
-    let (ap, tp) = (acc.as_mut_ptr(), tile.as_ptr());
-    let mut c = 0;
-    // Four vectors of outputs at a time: four independent FMA chains.
-    while c + 64 <= d {
-        // SAFETY: values `c..c + 64` of `acc` and of the first `w.len()` rows of `tile` exist.
-        unsafe {
-            let mut r = [0, 16, 32, 48].map(|o| _mm512_loadu_ps(ap.add(c + o)));
-            for (p, &wp) in w.iter().enumerate() {
-                let wv = _mm512_set1_ps(wp);
-                let row = tp.add(p * d + c);
-                for (i, ri) in r.iter_mut().enumerate() {
-                    *ri = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row.add(16 * i)), *ri);
-                }
-            }
-            for (i, ri) in r.iter().enumerate() {
-                _mm512_storeu_ps(ap.add(c + 16 * i), *ri);
-            }
-        }
-        c += 64;
-    }
-    while c + 16 <= d {
-        // SAFETY: values `c..c + 16` of `acc` and of the first `w.len()` rows of `tile` exist.
-        unsafe {
-            let mut r = _mm512_loadu_ps(ap.add(c));
-            for (p, &wp) in w.iter().enumerate() {
-                r = _mm512_fmadd_ps(_mm512_set1_ps(wp), _mm512_loadu_ps(tp.add(p * d + c)), r);
-            }
-            _mm512_storeu_ps(ap.add(c), r);
-        }
-        c += 16;
-    }
-}
-
-/// [`dots16`] of two query heads over the same sixteen rows: `(scale · (qa · tile[r]),
-/// scale · (qb · tile[r]))`. Each row's chunk of values is loaded once for both heads; every
-/// score is the same accumulator over the same chunks, reduced by the same tree
-/// ([`transpose_sum16`] reduces each input alike wherever it sits), so the bits equal two
-/// calls of `dots16`.
-///
-/// # Safety
-/// AVX-512 F available; `qa.len() == qb.len()`, a multiple of 16; `tile.len() == 16 · qa.len()`.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn dots16_pair(
-    qa: &[f32],
-    qb: &[f32],
+pub(crate) unsafe fn scores_rows16(
+    qt: &[f32],
     tile: &[f32],
+    d: usize,
+    np: usize,
     scale: f32,
-) -> ([f32; 16], [f32; 16]) {
-    let d = qa.len();
-    debug_assert!(qb.len() == d && tile.len() == 16 * d && d % 16 == 0);
-    let (ap, bp, tp) = (qa.as_ptr(), qb.as_ptr(), tile.as_ptr());
-    let mut out = ([0f32; 16], [0f32; 16]);
-    // Rows 0..8, then 8..16: sixteen accumulators, head a's eight rows then head b's.
-    for half in 0..2 {
-        let mut acc = [_mm512_setzero_ps(); 16];
-        let mut c = 0;
-        while c + 16 <= d {
-            // SAFETY: values `c..c + 16` of both heads and of every row of `tile` exist.
-            unsafe {
-                let (qav, qbv) = (_mm512_loadu_ps(ap.add(c)), _mm512_loadu_ps(bp.add(c)));
-                for r in 0..8 {
-                    let row = _mm512_loadu_ps(tp.add((8 * half + r) * d + c));
-                    acc[r] = _mm512_fmadd_ps(qav, row, acc[r]);
-                    acc[8 + r] = _mm512_fmadd_ps(qbv, row, acc[8 + r]);
-                }
+    sc: &mut [f32],
+) {
+    debug_assert!(np <= 16 && qt.len() >= 16 * d && tile.len() >= 16 * d && sc.len() >= 16 * np);
+    let (qp, tp) = (qt.as_ptr(), tile.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 16];
+    for c in 0..d {
+        // SAFETY: `c < d`: lane block `c` of `qt` and value `c` of each of the 16 rows exist.
+        unsafe {
+            let qv = _mm512_loadu_ps(qp.add(c * 16));
+            for (p, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(qv, _mm512_set1_ps(*tp.add(p * d + c)), *a);
             }
-            c += 16;
-        }
-        let s = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
-        let mut lanes = [0f32; 16];
-        // SAFETY: `lanes` holds 16 values.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
-        for r in 0..8 {
-            out.0[8 * half + r] = lanes[SUM16_LANE[r]];
-            out.1[8 * half + r] = lanes[SUM16_LANE[8 + r]];
         }
     }
+    let sv = _mm512_set1_ps(scale);
+    for (p, a) in acc.iter().enumerate().take(np) {
+        // SAFETY: `p < np`: values `16p..16p + 16` of `sc` exist.
+        unsafe { _mm512_storeu_ps(sc.as_mut_ptr().add(p * 16), _mm512_mul_ps(*a, sv)) };
+    }
+}
+
+/// Softmax of sixteen rows (lanes) over positions `0..n` of `sc` (16 values per position):
+/// per lane the largest score `m`, then `e = exp(s − m)` written over the scores, and the sum
+/// of the `e` in position order. Returns `1 / sum` per lane: 0 for a lane whose scores are all
+/// `-inf` (its weights are then 0 too).
+///
+/// # Safety
+/// AVX-512 F available; `sc.len() ≥ 16·n`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn softmax_rows16(sc: &mut [f32], n: usize) -> [f32; 16] {
+    debug_assert!(sc.len() >= 16 * n);
+    let p = sc.as_mut_ptr();
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    for i in 0..n {
+        // SAFETY: `i < n`: values `16i..16i + 16` exist.
+        m = _mm512_max_ps(m, unsafe { _mm512_loadu_ps(p.add(i * 16)) });
+    }
+    let empty = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m, _mm512_set1_ps(f32::NEG_INFINITY));
+    // An all `-inf` lane subtracts 0: its exponentials are exp(-inf) = 0.
+    let m = _mm512_mask_mov_ps(m, empty, _mm512_setzero_ps());
+    let mut sum = _mm512_setzero_ps();
+    for i in 0..n {
+        // SAFETY: as above.
+        unsafe {
+            let e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(p.add(i * 16)), m));
+            _mm512_storeu_ps(p.add(i * 16), e);
+            sum = _mm512_add_ps(sum, e);
+        }
+    }
+    let inv = _mm512_maskz_div_ps(!empty, _mm512_set1_ps(1.0), sum);
+    let mut out = [0f32; 16];
+    // SAFETY: `out` holds 16 values.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), inv) };
     out
 }
 
-/// [`axpy_tile16`] of two query heads over the same rows: `acc_a[i] = fma(wa[r], tile[r][i],
-/// acc_a[i])` and the same for `b`, for `r = 0, 1, …` in order. Each row's values are loaded
-/// once for both heads; every output gets the same FMAs in the same order as from
-/// `axpy_tile16` (the same bits).
+/// `acc[r][i] = fma(w[p·16 + lane0 + r], tile[p][i], acc[r][i])` for positions `p` in order,
+/// row `r` (of `lim.len()` ≤ 16 rows of `d` values in `acc`) only while `p < lim[r]`
+/// (`lim[r] ≤ np`, the tile's rows). Rows go four at a time and values 64 at a time, so each
+/// tile vector loaded serves four rows; a row's result does not depend on the others.
 ///
 /// # Safety
-/// AVX-512 F available; `acc_a.len() == acc_b.len()`, a multiple of 16; `wa.len() == wb.len()
-/// ≤ 16`; `tile` holds `wa.len()` rows of `acc_a.len()` values.
+/// AVX-512 F available; `d` a multiple of 16; `acc.len() ≥ lim.len()·d`; `tile.len() ≥ np·d`
+/// for `np` = the largest `lim`; `w.len() ≥ 16·np`; `lane0 + lim.len() ≤ 16`.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn axpy_tile16_pair(
-    acc_a: &mut [f32],
-    acc_b: &mut [f32],
-    wa: &[f32],
-    wb: &[f32],
+pub(crate) unsafe fn axpy_rows(
+    acc: &mut [f32],
+    d: usize,
+    w: &[f32],
+    lane0: usize,
+    lim: &[usize],
     tile: &[f32],
 ) {
-    let d = acc_a.len();
-    debug_assert!(acc_b.len() == d && wa.len() == wb.len() && wa.len() <= 16);
-    debug_assert!(tile.len() >= wa.len() * d && d % 16 == 0);
-    let (ap, bp, tp) = (acc_a.as_mut_ptr(), acc_b.as_mut_ptr(), tile.as_ptr());
-    let mut c = 0;
-    // Four vectors of outputs per head at a time: eight independent FMA chains.
-    while c + 64 <= d {
-        // SAFETY: values `c..c + 64` of both outputs and of the first `wa.len()` rows of
-        // `tile` exist.
-        unsafe {
-            let mut ra = [0, 16, 32, 48].map(|o| _mm512_loadu_ps(ap.add(c + o)));
-            let mut rb = [0, 16, 32, 48].map(|o| _mm512_loadu_ps(bp.add(c + o)));
-            for (p, (&xa, &xb)) in wa.iter().zip(wb).enumerate() {
-                let (va, vb) = (_mm512_set1_ps(xa), _mm512_set1_ps(xb));
-                let row = tp.add(p * d + c);
-                for i in 0..4 {
-                    let t = _mm512_loadu_ps(row.add(16 * i));
-                    ra[i] = _mm512_fmadd_ps(va, t, ra[i]);
-                    rb[i] = _mm512_fmadd_ps(vb, t, rb[i]);
+    debug_assert!(d % 16 == 0 && acc.len() >= lim.len() * d && lane0 + lim.len() <= 16);
+    let mut r0 = 0;
+    while r0 < lim.len() {
+        let g = (lim.len() - r0).min(4);
+        let mut c = 0;
+        while c < d {
+            let cv = ((d - c) / 16).min(4);
+            // SAFETY: rows `r0..r0 + g` and values `c..c + 16·cv` lie in `acc` and the tile
+            // (caller's lengths); weights of lanes `lane0 + r0..` below 16 (caller).
+            unsafe {
+                macro_rules! go {
+                    ($G:literal, $V:literal) => {
+                        axpy_group::<$G, $V>(acc, d, c, r0, w, lane0, &lim[r0..r0 + $G], tile)
+                    };
+                }
+                match (g, cv) {
+                    (4, 4) => go!(4, 4),
+                    (4, 3) => go!(4, 3),
+                    (4, 2) => go!(4, 2),
+                    (4, 1) => go!(4, 1),
+                    (3, 4) => go!(3, 4),
+                    (3, 3) => go!(3, 3),
+                    (3, 2) => go!(3, 2),
+                    (3, 1) => go!(3, 1),
+                    (2, 4) => go!(2, 4),
+                    (2, 3) => go!(2, 3),
+                    (2, 2) => go!(2, 2),
+                    (2, 1) => go!(2, 1),
+                    (1, 4) => go!(1, 4),
+                    (1, 3) => go!(1, 3),
+                    (1, 2) => go!(1, 2),
+                    _ => go!(1, 1),
                 }
             }
-            for i in 0..4 {
-                _mm512_storeu_ps(ap.add(c + 16 * i), ra[i]);
-                _mm512_storeu_ps(bp.add(c + 16 * i), rb[i]);
-            }
+            c += 16 * cv;
         }
-        c += 64;
+        r0 += g;
     }
-    while c + 16 <= d {
-        // SAFETY: values `c..c + 16` of both outputs and of the first `wa.len()` rows of
-        // `tile` exist.
-        unsafe {
-            let (mut ra, mut rb) = (_mm512_loadu_ps(ap.add(c)), _mm512_loadu_ps(bp.add(c)));
-            for (p, (&xa, &xb)) in wa.iter().zip(wb).enumerate() {
-                let t = _mm512_loadu_ps(tp.add(p * d + c));
-                ra = _mm512_fmadd_ps(_mm512_set1_ps(xa), t, ra);
-                rb = _mm512_fmadd_ps(_mm512_set1_ps(xb), t, rb);
+}
+
+/// [`axpy_rows`] for rows `r0..r0 + G` and values `c..c + 16·V`: the `G·V` accumulators stay in
+/// registers over the positions; positions below every row's limit run without checks.
+///
+/// # Safety
+/// As [`axpy_rows`], for these rows and values; `lim.len() == G`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+// The register tile reads closest as indexed loops (rows × vectors).
+#[allow(clippy::needless_range_loop)]
+unsafe fn axpy_group<const G: usize, const V: usize>(
+    acc: &mut [f32],
+    d: usize,
+    c: usize,
+    r0: usize,
+    w: &[f32],
+    lane0: usize,
+    lim: &[usize],
+    tile: &[f32],
+) {
+    let (ap, wp, tp) = (acc.as_mut_ptr(), w.as_ptr(), tile.as_ptr());
+    let all = lim.iter().copied().min().unwrap_or(0);
+    let most = lim.iter().copied().max().unwrap_or(0);
+    let wl = lane0 + r0;
+    // SAFETY: the rows, values, weights and tile rows below `most` exist (caller).
+    unsafe {
+        let mut a = [[_mm512_setzero_ps(); V]; G];
+        for r in 0..G {
+            for i in 0..V {
+                a[r][i] = _mm512_loadu_ps(ap.add((r0 + r) * d + c + 16 * i));
             }
-            _mm512_storeu_ps(ap.add(c), ra);
-            _mm512_storeu_ps(bp.add(c), rb);
         }
-        c += 16;
+        for p in 0..all {
+            let row = tp.add(p * d + c);
+            let t: [__m512; V] = std::array::from_fn(|i| _mm512_loadu_ps(row.add(16 * i)));
+            for r in 0..G {
+                let wv = _mm512_set1_ps(*wp.add(p * 16 + wl + r));
+                for i in 0..V {
+                    a[r][i] = _mm512_fmadd_ps(wv, t[i], a[r][i]);
+                }
+            }
+        }
+        for p in all..most {
+            let row = tp.add(p * d + c);
+            for r in 0..G {
+                if p < lim[r] {
+                    let wv = _mm512_set1_ps(*wp.add(p * 16 + wl + r));
+                    for i in 0..V {
+                        a[r][i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row.add(16 * i)), a[r][i]);
+                    }
+                }
+            }
+        }
+        for r in 0..G {
+            for i in 0..V {
+                _mm512_storeu_ps(ap.add((r0 + r) * d + c + 16 * i), a[r][i]);
+            }
+        }
     }
 }
 
@@ -274,74 +269,152 @@ pub(crate) unsafe fn axpy_tile16_pair(
 mod tests {
     use super::*;
 
-    /// Every input of the reduction tree lands in its own lane (a permutation).
-    #[test]
-    fn sum16_lanes_are_a_permutation() {
-        let mut seen = [false; 16];
-        for (r, &l) in SUM16_LANE.iter().enumerate() {
-            assert!(l < 16 && !seen[l], "input {r} → lane {l}");
-            seen[l] = true;
-        }
+    fn rnd(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    /// The two-head kernels give each head exactly what the one-head kernels give it
-    /// (random values: the same operations in the same order, so the same bits).
+    /// `exp_nonpos16` gives every lane the bits of the 8-lane `x86::exp_nonpos`.
     #[test]
-    fn pair_kernels_equal_one_head_kernels_bitwise() {
+    fn exp16_equals_exp8_bitwise() {
         if !crate::Backend::Avx512.is_available() {
             eprintln!("skipped: no AVX-512 on this CPU");
             return;
         }
-        let mut seed = 12345u64;
-        let mut rnd = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
-        for d in [16usize, 64, 80, 128] {
-            let qa: Vec<f32> = (0..d).map(|_| rnd()).collect();
-            let qb: Vec<f32> = (0..d).map(|_| rnd()).collect();
-            let tile: Vec<f32> = (0..16 * d).map(|_| rnd()).collect();
-            // SAFETY: AVX-512 F available (checked); the lengths are as the kernels require.
-            let (a, b) = unsafe { dots16_pair(&qa, &qb, &tile, 0.125) };
-            let (wa, wb) = unsafe { (dots16(&qa, &tile, 0.125), dots16(&qb, &tile, 0.125)) };
-            assert_eq!(a.map(f32::to_bits), wa.map(f32::to_bits), "d={d} head a");
-            assert_eq!(b.map(f32::to_bits), wb.map(f32::to_bits), "d={d} head b");
-            for n in [1usize, 7, 16] {
-                let (ws_a, ws_b): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (rnd(), rnd())).unzip();
-                let acc0: Vec<f32> = (0..d).map(|_| rnd()).collect();
-                let acc1: Vec<f32> = (0..d).map(|_| rnd()).collect();
-                let (mut pa, mut pb) = (acc0.clone(), acc1.clone());
-                let (mut sa, mut sb) = (acc0.clone(), acc1.clone());
-                // SAFETY: as above; `tile` holds 16 ≥ n rows of d.
-                unsafe {
-                    axpy_tile16_pair(&mut pa, &mut pb, &ws_a, &ws_b, &tile);
-                    axpy_tile16(&mut sa, &ws_a, &tile);
-                    axpy_tile16(&mut sb, &ws_b, &tile);
+        let mut seed = 7u64;
+        let mut xs: Vec<f32> = (0..4096).map(|_| rnd(&mut seed) * 100.0 - 100.0).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            -87.3,
+            -87.4,
+            -1e-30,
+            f32::NEG_INFINITY,
+            -200.0,
+            f32::NAN,
+        ]);
+        xs.resize(xs.len().div_ceil(16) * 16, -1.0);
+        for chunk in xs.chunks_exact(16) {
+            let mut wide = [0f32; 16];
+            let mut narrow = [0f32; 16];
+            // SAFETY: AVX-512 F (so AVX2/FMA/F16C) available (checked); 16-value buffers.
+            unsafe {
+                _mm512_storeu_ps(
+                    wide.as_mut_ptr(),
+                    exp_nonpos16(_mm512_loadu_ps(chunk.as_ptr())),
+                );
+                for h in 0..2 {
+                    let v =
+                        super::super::x86::exp_nonpos(_mm256_loadu_ps(chunk.as_ptr().add(8 * h)));
+                    _mm256_storeu_ps(narrow.as_mut_ptr().add(8 * h), v);
                 }
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&pa), bits(&sa), "d={d} n={n} head a");
-                assert_eq!(bits(&pb), bits(&sb), "d={d} n={n} head b");
+            }
+            for l in 0..16 {
+                assert_eq!(wide[l].to_bits(), narrow[l].to_bits(), "x = {}", chunk[l]);
             }
         }
     }
 
-    /// `dots16` against plain sums (exact small integers: any order gives the same value).
+    /// Scores against plain sums (exact small integers: any order gives the same value), only
+    /// the first `np` positions written.
     #[test]
-    fn dots16_rows_land_in_order() {
+    fn row_scores_land_in_their_lanes() {
         if !crate::Backend::Avx512.is_available() {
             eprintln!("skipped: no AVX-512 on this CPU");
             return;
         }
-        let d = 48;
-        let q: Vec<f32> = (0..d).map(|c| (c % 5) as f32 - 2.0).collect();
-        let tile: Vec<f32> = (0..16 * d).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
-        // SAFETY: AVX-512 F available (checked); tile holds 16 rows of d (a multiple of 16).
-        let got = unsafe { dots16(&q, &tile, 0.5) };
-        for r in 0..16 {
-            let want: f32 = (0..d).map(|c| q[c] * tile[r * d + c]).sum::<f32>() * 0.5;
-            assert_eq!(got[r], want, "row {r}");
+        for (d, np) in [(48usize, 16usize), (64, 5), (16, 1)] {
+            let qt: Vec<f32> = (0..16 * d).map(|i| ((i * 3) % 5) as f32 - 2.0).collect();
+            let tile: Vec<f32> = (0..16 * d).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+            let mut sc = vec![99f32; 16 * 16];
+            // SAFETY: AVX-512 F available (checked); the lengths as the kernel requires.
+            unsafe { scores_rows16(&qt, &tile, d, np, 0.5, &mut sc) };
+            for p in 0..16 {
+                for r in 0..16 {
+                    let want = if p < np {
+                        (0..d)
+                            .map(|c| qt[c * 16 + r] * tile[p * d + c])
+                            .sum::<f32>()
+                            * 0.5
+                    } else {
+                        99.0
+                    };
+                    assert_eq!(sc[p * 16 + r], want, "d={d} p={p} r={r}");
+                }
+            }
+        }
+    }
+
+    /// The weighted sums equal, bit for bit, one `mul_add` per (row, value) over the row's
+    /// positions in order, whatever the rows' limits and the lane they start at.
+    #[test]
+    fn row_axpy_follows_each_rows_limit() {
+        if !crate::Backend::Avx512.is_available() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let mut seed = 99u64;
+        for d in [16usize, 64, 80, 128] {
+            for (lane0, lim) in [
+                (0usize, vec![16usize; 16]),
+                (3, vec![5, 5, 6, 6, 7, 7, 8]),
+                (0, vec![0, 1, 16, 2, 9]),
+                (15, vec![3]),
+            ] {
+                let tile: Vec<f32> = (0..16 * d).map(|_| rnd(&mut seed)).collect();
+                let w: Vec<f32> = (0..256).map(|_| rnd(&mut seed)).collect();
+                let acc0: Vec<f32> = (0..lim.len() * d).map(|_| rnd(&mut seed)).collect();
+                let mut got = acc0.clone();
+                // SAFETY: AVX-512 F available (checked); lengths as the kernel requires.
+                unsafe { axpy_rows(&mut got, d, &w, lane0, &lim, &tile) };
+                for (r, &l) in lim.iter().enumerate() {
+                    for i in 0..d {
+                        let mut a = acc0[r * d + i];
+                        for p in 0..l {
+                            a = w[p * 16 + lane0 + r].mul_add(tile[p * d + i], a);
+                        }
+                        assert_eq!(a.to_bits(), got[r * d + i].to_bits(), "d={d} r={r} i={i}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Softmax lanes: the weights of each lane sum (times the returned inverse) to 1 and
+    /// equal `exp(s − max)`; an all `-inf` lane gives zeros and a 0 inverse.
+    #[test]
+    fn row_softmax_per_lane() {
+        if !crate::Backend::Avx512.is_available() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let mut seed = 5u64;
+        let n = 37;
+        let mut sc: Vec<f32> = (0..16 * n).map(|_| rnd(&mut seed) * 8.0).collect();
+        for p in 0..n {
+            sc[p * 16 + 9] = f32::NEG_INFINITY;
+        }
+        sc[3 * 16 + 2] = f32::NEG_INFINITY;
+        let before = sc.clone();
+        // SAFETY: AVX-512 F available (checked); 16·n values.
+        let inv = unsafe { softmax_rows16(&mut sc, n) };
+        for l in 0..16 {
+            let col: Vec<f32> = (0..n).map(|p| before[p * 16 + l]).collect();
+            let m = col.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if l == 9 {
+                assert_eq!(inv[l], 0.0);
+                assert!((0..n).all(|p| sc[p * 16 + l] == 0.0));
+                continue;
+            }
+            let mut sum = 0f32;
+            for p in 0..n {
+                let e = sc[p * 16 + l];
+                assert!((e - (col[p] - m).exp()).abs() <= 2e-6, "lane {l} p {p}");
+                sum += e;
+            }
+            assert_eq!(inv[l], 1.0 / sum, "lane {l}");
         }
     }
 }
