@@ -29,7 +29,8 @@ pub struct EngineOptions {
     pub dense: bool,
     /// KV cache positions per sequence; 0 = the model's training context length.
     pub ctx_len: usize,
-    /// Prompt tokens evaluated per block.
+    /// Most prompt tokens evaluated per block (a session cuts a prompt into as few blocks as
+    /// this allows, of equal sizes).
     pub batch: usize,
     /// Map the file (`true`, the default: loading is nearly free and the weights stay in the
     /// OS page cache) or read it into anonymous memory with transparent huge pages requested
@@ -63,7 +64,7 @@ impl Default for EngineOptions {
             sparse_threshold: None,
             dense: false,
             ctx_len: 0,
-            batch: 64,
+            batch: 256,
             mmap: true,
             repack: false,
             fuse: true,

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
-use crate::exec::{Batch, EvalOptions};
+use crate::exec::{Batch, EvalOptions, Logits};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::observer::FfnObserver;
 use crate::profile::OpProfile;
@@ -210,8 +210,10 @@ impl<'e> Session<'e> {
     /// (its KV cache could hold part of a block).
     pub fn eval(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let mut last = Vec::new();
-        for block in tokens.chunks(self.engine.batch_size()) {
-            last = self.eval_block(block, false, true)?;
+        let blocks = prompt_blocks(tokens, self.engine.batch_size());
+        let n = blocks.len();
+        for (i, block) in blocks.enumerate() {
+            last = self.eval_block(block, last_block(i, n), true)?;
         }
         Ok(last)
     }
@@ -220,8 +222,8 @@ impl<'e> Session<'e> {
     /// values, position after position). Counted as prompt time.
     pub fn eval_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let mut all = Vec::with_capacity(tokens.len() * self.engine.model().hparams().n_vocab);
-        for block in tokens.chunks(self.engine.batch_size()) {
-            all.extend(self.eval_block(block, true, true)?);
+        for block in prompt_blocks(tokens, self.engine.batch_size()) {
+            all.extend(self.eval_block(block, Logits::All, true)?);
         }
         Ok(all)
     }
@@ -236,20 +238,22 @@ impl<'e> Session<'e> {
         observer: &mut dyn FfnObserver,
     ) -> Result<Vec<f32>> {
         let mut last = Vec::new();
-        for block in tokens.chunks(self.engine.batch_size()) {
-            last = self.eval_block_with(block, false, true, Some(&mut *observer))?;
+        let blocks = prompt_blocks(tokens, self.engine.batch_size());
+        let n = blocks.len();
+        for (i, block) in blocks.enumerate() {
+            last = self.eval_block_with(block, last_block(i, n), true, Some(&mut *observer))?;
         }
         Ok(last)
     }
 
-    fn eval_block(&mut self, tokens: &[u32], all: bool, prompt: bool) -> Result<Vec<f32>> {
-        self.eval_block_with(tokens, all, prompt, None)
+    fn eval_block(&mut self, tokens: &[u32], which: Logits, prompt: bool) -> Result<Vec<f32>> {
+        self.eval_block_with(tokens, which, prompt, None)
     }
 
     fn eval_block_with(
         &mut self,
         tokens: &[u32],
-        all: bool,
+        which: Logits,
         prompt: bool,
         observer: Option<&mut dyn FfnObserver>,
     ) -> Result<Vec<f32>> {
@@ -266,9 +270,8 @@ impl<'e> Session<'e> {
         };
         let batch = Batch::one(self.seq, tokens);
         let mut opts = EvalOptions::new();
-        if all {
-            opts = opts.all_logits();
-        }
+        opts.logits = which;
+        let all = which == Logits::All;
         if let Some(o) = observer {
             opts = opts.observe(o);
         } else if let Some(p) = match prompt {
@@ -397,7 +400,7 @@ impl Generate<'_, '_> {
                 self.pending = Some(tok);
                 return Err(e);
             }
-            self.logits = self.session.eval_block(&[tok], false, false)?;
+            self.logits = self.session.eval_block(&[tok], Logits::Last, false)?;
         }
         let id = self.sampler.sample(&mut self.logits);
         self.sampler.accept(id);
@@ -451,5 +454,54 @@ impl Iterator for Generate<'_, '_> {
                 Some(Err(e))
             }
         }
+    }
+}
+
+/// `tokens` cut into as few blocks of at most `batch` (≥ 1) tokens as possible, all of one
+/// size but the last (at most that size): a prompt one token over the batch becomes two half
+/// blocks, not a full block and a one-token block whose products read every weight for a
+/// single token.
+fn prompt_blocks(tokens: &[u32], batch: usize) -> std::slice::Chunks<'_, u32> {
+    let n = tokens.len().div_ceil(batch.max(1)).max(1);
+    tokens.chunks(tokens.len().div_ceil(n).max(1))
+}
+
+/// The logits block `i` of `n` returns: the last block's last token's; none before it.
+fn last_block(i: usize, n: usize) -> Logits {
+    if i + 1 == n {
+        Logits::Last
+    } else {
+        Logits::None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// As few blocks as the batch allows, none longer than it, sizes within one block of
+    /// each other but the last, every token once and in order.
+    #[test]
+    fn prompt_blocks_are_balanced() {
+        for (n, batch, want) in [
+            (515usize, 256usize, vec![172usize, 172, 171]),
+            (257, 256, vec![129, 128]),
+            (256, 256, vec![256]),
+            (5, 2, vec![2, 2, 1]),
+            (1, 64, vec![1]),
+            (0, 64, vec![]),
+            (3, 0, vec![1, 1, 1]),
+        ] {
+            let toks: Vec<u32> = (0..n as u32).collect();
+            let blocks: Vec<&[u32]> = prompt_blocks(&toks, batch).collect();
+            assert_eq!(
+                blocks.iter().map(|b| b.len()).collect::<Vec<_>>(),
+                want,
+                "{n} / {batch}"
+            );
+            assert_eq!(blocks.concat(), toks);
+        }
+        assert_eq!(last_block(2, 3), Logits::Last);
+        assert_eq!(last_block(0, 3), Logits::None);
     }
 }

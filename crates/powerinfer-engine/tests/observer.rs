@@ -100,9 +100,9 @@ fn observed_eval_reports_every_layer_and_equals_dense() {
     // blocks): identical logits.
     assert_eq!(observed, want);
 
-    // Blocks of 8 then 4 tokens, every layer in order for each block.
+    // 12 tokens in blocks of at most 8: two equal blocks of 6, every layer in order for each.
     let mut expect = Vec::new();
-    for t in [8, 4] {
+    for t in [6, 6] {
         expect.extend((0..hp.n_layer).map(|l| (l, t)));
     }
     assert_eq!(rec.calls, expect);

@@ -135,8 +135,8 @@ pub struct Args {
     /// Context size (0 = the model's).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
     pub ctx_size: usize,
-    /// Prompt tokens evaluated per block.
-    #[arg(short = 'b', long = "batch-size", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Most prompt tokens evaluated per block (the prompt is cut into equal blocks).
+    #[arg(short = 'b', long = "batch-size", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub batch_size: u32,
     /// Predictor threshold θ (default: env LLAMA_SPARSE_PRED_THRESHOLD, the file's key, 0).
     #[arg(long = "sparse-threshold")]

@@ -100,6 +100,9 @@ pub enum Logits {
     Last,
     /// Every token's (scoring a text, perplexity).
     All,
+    /// None: the output head is skipped (a prompt's blocks before its last, whose logits
+    /// nobody reads); every [`EvalOutput::logits`] is empty.
+    None,
 }
 
 /// How one evaluation runs and what it reports ([`Engine::eval`](crate::Engine::eval)).
@@ -124,6 +127,12 @@ impl<'a> EvalOptions<'a> {
     /// Returns every token's logits.
     pub fn all_logits(mut self) -> Self {
         self.logits = Logits::All;
+        self
+    }
+
+    /// Returns no logits and skips the output head ([`Logits::None`]).
+    pub fn no_logits(mut self) -> Self {
+        self.logits = Logits::None;
         self
     }
 
@@ -350,34 +359,35 @@ impl Executor {
         let n_layer = model.layers.len().max(1) as f32;
         let mut density = std::mem::take(&mut step.density);
         density.iter_mut().for_each(|d| *d /= n_layer);
-        // The rows whose logits are returned: every token, or each segment's last.
-        let all = which == Logits::All;
-        let rows: Vec<usize> = if all {
-            (0..t).collect()
-        } else {
-            segments
+        // The rows whose logits are returned: every token, each segment's last, or none.
+        let rows: Vec<usize> = match which {
+            Logits::All => (0..t).collect(),
+            Logits::Last => segments
                 .iter()
                 .zip(&step.starts)
                 .filter(|(sg, _)| !sg.tokens.is_empty())
                 .map(|(sg, &s0)| s0 + sg.tokens.len() - 1)
-                .collect()
+                .collect(),
+            Logits::None => Vec::new(),
         };
         let n_out = rows.len();
-        let mut normed = vec![0f32; n_out * ne];
-        if n_out == t {
-            norm(&mm, &x, &model.output_norm, hp.rms_eps, &mut normed)?;
-        } else {
-            let mut picked = vec![0f32; n_out * ne];
-            for (dst, &r) in picked.chunks_exact_mut(ne).zip(&rows) {
-                dst.copy_from_slice(&x[r * ne..][..ne]);
-            }
-            norm(&mm, &picked, &model.output_norm, hp.rms_eps, &mut normed)?;
-        }
-        step.laps.lap(Op::Norm, || 0);
         let nv = hp.n_vocab;
         let mut logits = vec![0f32; n_out * nv];
-        product(&mm, step.device, &mats.output, &normed, n_out, &mut logits)?;
-        step.laps.lap(Op::OutputHead, || mats.output.bytes());
+        if n_out > 0 {
+            let mut normed = vec![0f32; n_out * ne];
+            if n_out == t {
+                norm(&mm, &x, &model.output_norm, hp.rms_eps, &mut normed)?;
+            } else {
+                let mut picked = vec![0f32; n_out * ne];
+                for (dst, &r) in picked.chunks_exact_mut(ne).zip(&rows) {
+                    dst.copy_from_slice(&x[r * ne..][..ne]);
+                }
+                norm(&mm, &picked, &model.output_norm, hp.rms_eps, &mut normed)?;
+            }
+            step.laps.lap(Op::Norm, || 0);
+            product(&mm, step.device, &mats.output, &normed, n_out, &mut logits)?;
+            step.laps.lap(Op::OutputHead, || mats.output.bytes());
+        }
         let mut outs = Vec::with_capacity(segments.len());
         let mut row = 0;
         for (sg, &s0) in segments.iter().zip(&step.starts) {
@@ -386,7 +396,11 @@ impl Executor {
                 outs.push(empty());
                 continue;
             }
-            let k = if all { n } else { 1 };
+            let k = match which {
+                Logits::All => n,
+                Logits::Last => 1,
+                Logits::None => 0,
+            };
             outs.push(EvalOutput {
                 logits: logits[row * nv..(row + k) * nv].to_vec(),
                 density: density[s0..s0 + n].to_vec(),
