@@ -275,33 +275,36 @@ fn attention_block_isa(
         );
     };
 
-    if n_threads == 1 {
-        let mut chunks: Vec<&mut [f32]> = out.chunks_exact_mut(item_len).collect();
-        SCRATCH.with(|sc| {
-            let mut scratch = sc.borrow_mut();
-            for i in 0..n_items {
-                run_item(i, chunks[chunk_of(i)], &mut scratch);
-            }
-        });
-        return Ok(());
-    }
     // Each output chunk is behind its own (uncontended) lock, so threads can write disjoint parts
     // of `out` without unsafe code.
     let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(item_len).map(Mutex::new).collect();
-    pool.run(|tid| {
-        SCRATCH.with(|sc| {
-            let mut scratch = sc.borrow_mut();
-            let mut i = tid;
-            while i < n_items {
-                let mut o = chunks[chunk_of(i)]
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                run_item(i, &mut o, &mut scratch);
-                i += n_threads;
-            }
-        })
+    for_items(pool, n_items, |i, scratch| {
+        let mut o = chunks[chunk_of(i)]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        run_item(i, &mut o, scratch);
     });
     Ok(())
+}
+
+/// Runs `f(i, scratch)` for every item `i < n_items` with the running thread's [`Scratch`]:
+/// thread `t` of `pool` takes items `t, t + n, t + 2n, …`, which spreads the growing cost of a
+/// causal block's later tokens evenly.
+fn for_items<F: Fn(usize, &mut Scratch) + Sync>(pool: &ThreadPool, n_items: usize, f: F) {
+    let n_threads = pool.n_threads();
+    let run = |first: usize| {
+        SCRATCH.with(|sc| {
+            let mut scratch = sc.borrow_mut();
+            for i in (first..n_items).step_by(n_threads) {
+                f(i, &mut scratch);
+            }
+        })
+    };
+    if n_threads == 1 {
+        run(0);
+    } else {
+        pool.run(run);
+    }
 }
 
 /// Query rows (one (token, head) each) per item of the AVX-512 lane path: one per lane.
@@ -359,25 +362,7 @@ fn attention_lanes(
             r = end;
         }
     };
-    if n_threads == 1 {
-        SCRATCH.with(|sc| {
-            let mut scratch = sc.borrow_mut();
-            for i in 0..n_items {
-                run_item(i, &mut scratch);
-            }
-        });
-        return;
-    }
-    pool.run(|tid| {
-        SCRATCH.with(|sc| {
-            let mut scratch = sc.borrow_mut();
-            let mut i = tid;
-            while i < n_items {
-                run_item(i, &mut scratch);
-                i += n_threads;
-            }
-        })
-    });
+    for_items(pool, n_items, run_item);
 }
 
 /// Attention of the query rows `rows` of kv head `kv` (row `ρ`: token `ρ / g`, the group's head

@@ -326,7 +326,22 @@ pub(crate) unsafe fn max(x: &[f32]) -> f32 {
 }
 
 /// Below this argument `exp` is flushed to zero (`exp(-87.33) ≈ 1.2e-38`, the smallest normal f32).
-const EXP_MIN_ARG: f32 = -87.336_54;
+pub(crate) const EXP_MIN_ARG: f32 = -87.336_54;
+
+/// ln 2 = `EXP_LN2[0] + EXP_LN2[1]`, the first 355/512 (9 bits, so `n·EXP_LN2[0]` is exact).
+pub(crate) const EXP_LN2: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
+
+/// The Taylor coefficients of e^r, highest degree (7) first, for Horner's rule.
+pub(crate) const EXP_POLY: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
 
 /// e^x for 8 lanes with x ≤ 0 (an error of about 2 ulp); lanes below [`EXP_MIN_ARG`], `-inf`
 /// included, give exactly 0.
@@ -343,18 +358,12 @@ pub(crate) unsafe fn exp_nonpos(x: __m256) -> __m256 {
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
-    // ln 2 = LN2_HI + LN2_LO with LN2_HI = 355/512 (the literal rounds to it exactly, 9 bits),
-    // so n·LN2_HI is exact.
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.0 / 5040.0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 720.0));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 120.0));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 24.0));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 6.0));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2[0]), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2[1]), r);
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
     // 2^n for n in [-126, 0]: the biased exponent n + 127 is in [1, 127].
     let ni = _mm256_cvtps_epi32(n);
     let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(

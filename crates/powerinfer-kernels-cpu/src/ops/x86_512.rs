@@ -13,6 +13,7 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+use super::x86::{EXP_LN2, EXP_MIN_ARG, EXP_POLY};
 use core::arch::x86_64::*;
 use half::f16;
 
@@ -44,12 +45,9 @@ pub(crate) unsafe fn widen_rows16(
     }
 }
 
-/// Below this argument `exp` is flushed to zero (as `x86::exp_nonpos`).
-const EXP_MIN_ARG: f32 = -87.336_54;
-
 /// e^x for 16 lanes with x ≤ 0: the operations of `x86::exp_nonpos` (range reduction, the
 /// degree-7 polynomial, 2ⁿ in the exponent field) on 512-bit vectors, so each lane gets the
-/// bits the 8-lane code gives it; lanes below `EXP_MIN_ARG`, `-inf` included, give 0.
+/// bits the 8-lane code gives it; lanes below [`EXP_MIN_ARG`], `-inf` included, give 0.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(crate) fn exp_nonpos16(x: __m512) -> __m512 {
@@ -58,16 +56,12 @@ pub(crate) fn exp_nonpos16(x: __m512) -> __m512 {
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
     );
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 720.0));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 120.0));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 24.0));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0 / 6.0));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2[0]), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2[1]), r);
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
     let ni = _mm512_cvtps_epi32(n);
     let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
         ni,
