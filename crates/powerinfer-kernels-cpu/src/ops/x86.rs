@@ -325,25 +325,7 @@ pub(crate) unsafe fn max(x: &[f32]) -> f32 {
     r
 }
 
-/// Below this argument `exp` is flushed to zero (`exp(-87.33) ≈ 1.2e-38`, the smallest normal f32).
-pub(crate) const EXP_MIN_ARG: f32 = -87.336_54;
-
-/// ln 2 = `EXP_LN2[0] + EXP_LN2[1]`, the first 355/512 (9 bits, so `n·EXP_LN2[0]` is exact).
-pub(crate) const EXP_LN2: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
-
-/// The Taylor coefficients of e^r, highest degree (7) first, for Horner's rule.
-pub(crate) const EXP_POLY: [f32; 8] = [
-    1.0 / 5040.0,
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-    1.0,
-    1.0,
-];
-
-/// e^x for 8 lanes with x ≤ 0 (an error of about 2 ulp); lanes below [`EXP_MIN_ARG`], `-inf`
+/// e^x for 8 lanes with x ≤ 0 (an error of about 2 ulp); lanes below [`EXP_MIN_ARG`](super::activation::EXP_MIN_ARG), `-inf`
 /// included, give exactly 0.
 ///
 /// Range reduction x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in a high and a low part), a
@@ -352,6 +334,7 @@ pub(crate) const EXP_POLY: [f32; 8] = [
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn exp_nonpos(x: __m256) -> __m256 {
+    use super::activation::{EXP_LN2, EXP_MIN_ARG, EXP_POLY};
     let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN_ARG));
     let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN_ARG));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
@@ -371,6 +354,29 @@ pub(crate) unsafe fn exp_nonpos(x: __m256) -> __m256 {
         _mm256_set1_epi32(127),
     )));
     _mm256_andnot_ps(underflow, _mm256_mul_ps(p, pow2))
+}
+
+/// SwiGLU, `gate[i] = silu(gate[i]) · up[i]`, eight values at a time (`gate.len()` a multiple
+/// of 8, `up` at least as long): per lane the operations of `activation::silu1`,
+/// `x · ((x ≥ 0 ? 1 : e) / (1 + e))` with `e = exp(−|x|)` ([`exp_nonpos`]), so the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn swiglu8(gate: &mut [f32], up: &[f32]) {
+    assert!(gate.len() % 8 == 0 && up.len() >= gate.len());
+    let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
+    for (g, u) in gate.chunks_exact_mut(8).zip(up.chunks_exact(8)) {
+        // SAFETY: 8 values in each chunk; the features are available (caller).
+        unsafe {
+            let x = _mm256_loadu_ps(g.as_ptr());
+            let e = exp_nonpos(_mm256_or_ps(x, sign));
+            let ge = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_setzero_ps());
+            let s = _mm256_div_ps(_mm256_blendv_ps(e, one, ge), _mm256_add_ps(one, e));
+            let y = _mm256_mul_ps(_mm256_mul_ps(x, s), _mm256_loadu_ps(u.as_ptr()));
+            _mm256_storeu_ps(g.as_mut_ptr(), y);
+        }
+    }
 }
 
 /// `x[i] = e^(x[i] - m)` for every element, returning the sum of the results (f32 lanes).
