@@ -212,7 +212,7 @@ impl<'e> Session<'e> {
         let mut last = Vec::new();
         let blocks = prompt_blocks(tokens, self.engine.batch_size());
         let n = blocks.len();
-        for (i, block) in blocks.enumerate() {
+        for (i, block) in blocks.into_iter().enumerate() {
             last = self.eval_block(block, last_block(i, n), true)?;
         }
         Ok(last)
@@ -240,7 +240,7 @@ impl<'e> Session<'e> {
         let mut last = Vec::new();
         let blocks = prompt_blocks(tokens, self.engine.batch_size());
         let n = blocks.len();
-        for (i, block) in blocks.enumerate() {
+        for (i, block) in blocks.into_iter().enumerate() {
             last = self.eval_block_with(block, last_block(i, n), true, Some(&mut *observer))?;
         }
         Ok(last)
@@ -457,13 +457,21 @@ impl Iterator for Generate<'_, '_> {
     }
 }
 
-/// `tokens` cut into as few blocks of at most `batch` (≥ 1) tokens as possible, all of one
-/// size but the last (at most that size): a prompt one token over the batch becomes two half
-/// blocks, not a full block and a one-token block whose products read every weight for a
+/// `tokens` cut into as few blocks of at most `batch` (≥ 1) tokens as possible, whose sizes
+/// differ by at most one (the longer ones first): a prompt one token over the batch becomes two
+/// half blocks, not a full block and a one-token block whose products read every weight for a
 /// single token.
-fn prompt_blocks(tokens: &[u32], batch: usize) -> std::slice::Chunks<'_, u32> {
-    let n = tokens.len().div_ceil(batch.max(1)).max(1);
-    tokens.chunks(tokens.len().div_ceil(n).max(1))
+fn prompt_blocks(tokens: &[u32], batch: usize) -> Vec<&[u32]> {
+    let n = tokens.len().div_ceil(batch.max(1));
+    let mut out = Vec::with_capacity(n);
+    let mut rest = tokens;
+    for i in 0..n {
+        let len = tokens.len() / n + usize::from(i < tokens.len() % n);
+        let (block, tail) = rest.split_at(len);
+        out.push(block);
+        rest = tail;
+    }
+    out
 }
 
 /// The logits block `i` of `n` returns: the last block's last token's; none before it.
@@ -479,8 +487,8 @@ fn last_block(i: usize, n: usize) -> Logits {
 mod tests {
     use super::*;
 
-    /// As few blocks as the batch allows, none longer than it, sizes within one block of
-    /// each other but the last, every token once and in order.
+    /// As few blocks as the batch allows, none longer than it, sizes within one token of each
+    /// other, every token once and in order.
     #[test]
     fn prompt_blocks_are_balanced() {
         for (n, batch, want) in [
@@ -491,9 +499,10 @@ mod tests {
             (1, 64, vec![1]),
             (0, 64, vec![]),
             (3, 0, vec![1, 1, 1]),
+            (10, 3, vec![3, 3, 2, 2]),
         ] {
             let toks: Vec<u32> = (0..n as u32).collect();
-            let blocks: Vec<&[u32]> = prompt_blocks(&toks, batch).collect();
+            let blocks = prompt_blocks(&toks, batch);
             assert_eq!(
                 blocks.iter().map(|b| b.len()).collect::<Vec<_>>(),
                 want,
@@ -501,6 +510,12 @@ mod tests {
             );
             assert_eq!(blocks.concat(), toks);
         }
+        let sizes: Vec<usize> = prompt_blocks(&vec![0; 1001], 16)
+            .iter()
+            .map(|b| b.len())
+            .collect();
+        assert_eq!(sizes.len(), 63);
+        assert!(sizes.iter().all(|&l| l == 16 || l == 15), "{sizes:?}");
         assert_eq!(last_block(2, 3), Logits::Last);
         assert_eq!(last_block(0, 3), Logits::None);
     }

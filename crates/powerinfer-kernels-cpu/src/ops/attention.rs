@@ -517,6 +517,7 @@ struct Scratch {
     /// shared by the group's query heads.
     tile: Vec<f32>,
     /// The lane path's queries, transposed: `[value][lane]`.
+    #[cfg_attr(not(all(target_arch = "x86_64", powerinfer_avx512)), allow(dead_code))]
     qt: Vec<f32>,
 }
 
