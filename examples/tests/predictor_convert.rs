@@ -14,7 +14,7 @@ use powerinfer_predictor::predictor::{F32Predictor, FileDtype};
 use powerinfer_predictor::train::write_predictor_dir;
 use serde_json::{json, Value};
 
-#[path = "../../crates/powerinfer-engine/tests/support/hf_checkpoint.rs"]
+#[path = "support/hf_checkpoint.rs"]
 mod hf_checkpoint;
 use hf_checkpoint::{llama_tensor_specs, LlamaDims};
 

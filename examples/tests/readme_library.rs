@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use powerinfer_engine::synth::{self, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::synth::{self, Shape, SynthConfig, SynthOutputs};
 
 /// The first ```rust block after the heading `## Use it as a library` in the README.
 fn readme_program() -> String {

@@ -8,12 +8,13 @@ use powerinfer_kernels_cpu::ops::rope::rope_shift;
 use powerinfer_kernels_cpu::{AxpyCoefficients, Backend, MatMul, ThreadPool};
 
 use crate::chat::ChatTemplate;
-use crate::device::placement::{self, Opened};
-use crate::device::{BalanceReport, DeviceOptions, DeviceReport};
+use crate::device::DeviceReport;
 use crate::error::Result;
 use crate::exec::{Batch, EvalOptions, EvalOutput, ExecOptions, Executor};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::Model;
+use crate::schedule::placement::{self, Opened};
+use crate::schedule::{BalanceReport, DeviceOptions};
 use crate::tokenizer::Tokenizer;
 
 /// Options of [`Engine::load`]. Start from [`EngineOptions::default`] and set what differs.

@@ -27,16 +27,13 @@
 //! - [`FfnObserver`], [`OpProfile`]: what each layer's FFN computed, where the time went;
 //! - [`device`]: the device beside the CPU and what it holds ([`Engine::device_report`]).
 //!
-//! With the default feature `tools`: [`synth`] (synthetic models, quantization), [`convert`]
-//! (Hugging Face checkpoints to PowerInfer files), [`reorder`] (neurons sorted by
-//! activation frequency) and [`predictor_storage`] (each layer's predictor type checked on
-//! held-out inputs).
+//! The model-file tools (synthetic models, conversion from Hugging Face checkpoints, neuron
+//! reordering) are not here: they are the library of the `powerinfer` command
+//! (`powerinfer-cli`), which uses this crate like any other program.
 
 #![warn(missing_docs)]
 
 pub mod chat;
-#[cfg(feature = "tools")]
-pub mod convert;
 pub mod device;
 mod engine;
 mod error;
@@ -44,23 +41,15 @@ mod exec;
 pub mod kv_cache;
 pub mod model;
 mod observer;
-#[cfg(feature = "tools")]
-pub mod predictor_storage;
 pub mod profile;
-#[cfg(feature = "tools")]
-pub mod reorder;
 pub mod sampling;
+pub mod schedule;
 mod scheduler;
 mod session;
-#[cfg(feature = "tools")]
-pub mod synth;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use device::{
-    AttentionBalance, BalanceOptions, BalanceReport, Calibration, DeviceChoice, DeviceOptions,
-    DeviceReport, GpuIndexMode, LayerBalance, LinearCost, SimOptions, SimSpeed,
-};
+pub use device::{DeviceChoice, DeviceReport, SimOptions, SimSpeed};
 pub use engine::{Engine, EngineOptions};
 pub use error::{EngineError, Result};
 pub use exec::{Batch, EvalOptions, EvalOutput, Logits, Segment};
@@ -70,5 +59,9 @@ pub use observer::FfnObserver;
 pub use powerinfer_kernels_cpu::AxpyCoefficients;
 pub use profile::{BatchDensity, LayerSplit, Op, OpProfile};
 pub use sampling::{Sampler, SamplingParams};
+pub use schedule::{
+    AttentionBalance, BalanceOptions, BalanceReport, Calibration, DeviceOptions, GpuIndexMode,
+    LayerBalance, LinearCost,
+};
 pub use scheduler::{Event, Finish, Scheduler, SchedulerOptions, SeqHandle};
 pub use session::{Generate, Session, Stats, Token};

@@ -88,19 +88,8 @@ impl Arch {
     }
 }
 
-/// The FFN activation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum FfnAct {
-    /// ReLU(gate) ⊙ up.
-    Reglu,
-    /// ReLU(gate) ⊙ ReLU(up).
-    Drelu,
-    /// SiLU(gate) ⊙ up.
-    Swiglu,
-    /// ReLU(up (+ up bias)), no gate (`falcon`, `opt`).
-    Relu,
-}
+/// The FFN activation (the kernels' [`FfnAct`], re-exported here where the model names it).
+pub use powerinfer_kernels_cpu::ffn::FfnAct;
 
 /// Hyper-parameters read from the metadata.
 #[derive(Clone, Debug, PartialEq)]
@@ -349,8 +338,7 @@ impl std::fmt::Debug for Model {
     }
 }
 
-/// Rows of OPT's `position_embd` before the one of position 0 (see [`Model::position_row`]).
-pub const OPT_POSITION_OFFSET: usize = 2;
+pub use powerinfer_gguf::conventions::OPT_POSITION_OFFSET;
 
 impl Model {
     /// Maps `path` and binds every tensor (see the [module docs](self)).

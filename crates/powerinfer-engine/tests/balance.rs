@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use powerinfer_engine::synth::{self, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::synth::{self, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::{
     DeviceChoice, Engine, EngineOptions, GpuIndexMode, LayerBalance, SamplingParams, SimSpeed,
 };

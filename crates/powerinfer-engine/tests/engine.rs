@@ -4,10 +4,10 @@ use std::path::Path;
 
 use powerinfer_engine::{Batch, Engine, EngineError, EvalOptions};
 
+use powerinfer_cli::synth::Arch;
 use powerinfer_engine::kv_cache::KvCache;
 use powerinfer_engine::model::Model;
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::Arch;
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter};
 
 mod common;
@@ -545,7 +545,7 @@ fn repacked_q4_0_matches_file_layout_bitwise() {
 /// for bit, for every family, weight type, thread count, sparse and dense.
 #[test]
 fn fused_decode_is_bit_identical() {
-    use powerinfer_engine::synth::Family;
+    use powerinfer_cli::synth::Family;
     let decode = |path: &Path, dense: bool, threads: usize, fuse: bool| -> Vec<Vec<u32>> {
         let mut o = opts(dense);
         o.threads = threads;
@@ -588,7 +588,7 @@ fn fused_decode_is_bit_identical() {
 /// exactly the neurons the quantized gate activates, which the reference's ReLU does.
 #[test]
 fn k_quant_files_match_f64_reference() {
-    use powerinfer_engine::synth::{quantize, KQuantMix, QuantizeOptions, QuantizeTarget};
+    use powerinfer_cli::synth::{quantize, KQuantMix, QuantizeOptions, QuantizeTarget};
     let f = make(GgmlType::F32, Arch::Llama, 2);
     let dir = tempfile::tempdir().unwrap();
     let targets: [QuantizeTarget; 4] = [

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use powerinfer_cli::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::Engine;
 use powerinfer_engine::EngineError;
 use powerinfer_engine::FfnObserver;

@@ -11,8 +11,8 @@
 mod common;
 
 use common::{make_family, opts};
+use powerinfer_cli::synth::Family;
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::Family;
 use powerinfer_engine::tokenizer::Tokenizer;
 use powerinfer_engine::Engine;
 use powerinfer_gguf::{Array, GgmlType, GgufFile, GgufWriter, Metadata, Value};

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::{
     Batch, DeviceChoice, DeviceReport, Engine, EngineOptions, EvalOptions, GpuIndexMode,
 };

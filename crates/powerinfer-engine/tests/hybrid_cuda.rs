@@ -1,7 +1,7 @@
 //! The hybrid engine on a real GPU (`--gpu cuda`) against the CPU engine. Without a usable GPU
 //! it prints why and passes, unless `POWERINFER_REQUIRE_GPU` is set (`scripts/gpu-check run`).
 
-use powerinfer_engine::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::{DeviceChoice, Engine, GpuIndexMode};
 use powerinfer_gguf::GgmlType;
 

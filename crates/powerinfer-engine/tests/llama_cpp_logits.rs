@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::synth::{self, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::synth::{self, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::{Engine, EngineOptions};
 use powerinfer_gguf::GgmlType;
 

@@ -1,6 +1,6 @@
 //! The FFN observer: what it reports, and that an observed evaluation is the dense forward pass.
 
-use powerinfer_engine::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::synth::{self, Arch, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::FfnObserver;
 use powerinfer_engine::{Engine, EngineOptions};
 use powerinfer_gguf::GgmlType;

@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
+use powerinfer_cli::synth::{Arch, Shape};
 use powerinfer_engine::profile::Op;
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::{Arch, Shape};
 use powerinfer_engine::Engine;
 use powerinfer_gguf::{GgmlType, GgufFile};
 

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use powerinfer_engine::synth::Family;
+use powerinfer_cli::synth::Family;
 use powerinfer_engine::{
     Engine, EngineError, Event, Finish, SamplingParams, Scheduler, SchedulerOptions, SeqHandle,
 };

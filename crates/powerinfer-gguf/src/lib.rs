@@ -13,12 +13,14 @@
 //!   [`GgufFile::from_bytes`] does the same for bytes in memory.
 //! - [`GgufWriter`] writes files with tensor data streamed one tensor at a time.
 //! - [`gpuidx::GpuIndex`] reads and writes the GPU-index file.
+//! - [`conventions`]: numbers of model families that files agree on (OPT's position offset).
 //! - [`split::SplitModel`] opens `NAME-0000i-of-0000n.gguf` parts as one tensor directory.
 //!
 //! Malformed input never panics: every problem is a [`GgufError`] that names the byte offset.
 
 #![warn(missing_docs)]
 
+pub mod conventions;
 pub mod error;
 pub mod gpuidx;
 pub mod metadata;

@@ -11,10 +11,13 @@
 //!
 //! Matrix kernels: [`MatMul`] over a [`Weights`] view ([`matmul`] lists the operators), on a
 //! caller-sized [`ThreadPool`], with the instruction set chosen at run time ([`Backend`]).
+//! [`ffn`]: the FFN of a set of neuron rows for one token (gate/up rows, the activation, the
+//! sparse axpy), the arithmetic of PowerInfer's sparse FFN wherever it runs on these kernels.
 //! [`probe`] holds the memory-read probes that benchmarks compare the kernels with.
 
 pub mod backend;
 pub mod error;
+pub mod ffn;
 pub mod matmul;
 pub mod ops;
 pub mod pool;

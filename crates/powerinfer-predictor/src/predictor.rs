@@ -487,6 +487,15 @@ impl F32Predictor {
     }
 }
 
+/// The layer of a predictor tensor `blk.N.fc1.weight` / `blk.N.fc2.weight`; `None` for any
+/// other tensor.
+pub fn predictor_layer(name: &str) -> Option<usize> {
+    let (n, tail) = name.strip_prefix("blk.")?.split_once('.')?;
+    matches!(tail, "fc1.weight" | "fc2.weight")
+        .then(|| n.parse().ok())
+        .flatten()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,7 @@
 //! Under each result a `weights:` line says how fast the memory holding that model's weights
 //! reads (the file image the engine decodes from, read whole) and, for a mapped file, which
 //! share of it the OS maps with 2 MiB pages: page-cache history can change decode speed by
-//! tens of percent on a VM (see [`WeightsMemory`]), and this shows when it did.
+//! tens of percent on a VM (see `WeightsMemory`), and this shows when it did.
 //!
 //! With `--batch B`, B sequences (the prompt with a different last token each) are decoded
 //! together, one token of each per step (one [`Engine::eval`] of a `Batch::decode`), and tok/s counts all their

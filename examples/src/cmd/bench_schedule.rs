@@ -27,7 +27,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use powerinfer_engine::synth::{self, SynthConfig, SynthOutputs};
+use crate::synth::{self, SynthConfig, SynthOutputs};
 use powerinfer_engine::{
     BalanceReport, DeviceChoice, Engine, EngineOptions, GpuIndexMode, LayerBalance, SimSpeed,
 };

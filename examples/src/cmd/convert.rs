@@ -5,14 +5,14 @@
 //! Bamboo with `tokenizer.model` (as `convert.py`), ReluFalcon (Falcon-7B or -40B layout) or OPT
 //! with a byte-level BPE `tokenizer.json` (as `convert-hf-to-powerinfer-gguf.py`); `--dense`
 //! writes a plain GGUF file (`ffn_down` kept, no predictor) instead. See
-//! `powerinfer_engine::convert` for exactly what is written. A PowerInfer file's predictors are
+//! `crate::convert` for exactly what is written. A PowerInfer file's predictors are
 //! then checked in their stored type on held-out tokens (`predictor_check`); a layer outside the
 //! margin is rewritten in F32 with a warning, and `--predictor-type auto` stores each layer in
 //! the cheapest type within it.
 
 use std::path::PathBuf;
 
-use powerinfer_engine::convert::{convert, find_predictors, ConvertOptions, OutType};
+use crate::convert::{convert, find_predictors, ConvertOptions, OutType};
 use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_predictor::predictor::F32Predictor;
 
@@ -110,7 +110,7 @@ pub fn run(args: Args) -> Result<(), String> {
     Ok(())
 }
 
-fn write(opts: &ConvertOptions) -> Result<powerinfer_engine::convert::ConvertReport, String> {
+fn write(opts: &ConvertOptions) -> Result<crate::convert::ConvertReport, String> {
     let bar = progress::bytes_bar("convert");
     let report = convert(opts, &mut progress::callback(&bar));
     bar.finish_and_clear();

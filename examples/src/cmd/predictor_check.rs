@@ -1,11 +1,11 @@
 //! The predictor storage check `quantize` and `convert` run: a calibration text through the
 //! model, each layer's predictor measured in its stored type against its F32 form on those
 //! held-out inputs, a table printed, and layers outside the margin kept in F32 with a warning
-//! (see `powerinfer_engine::predictor_storage`).
+//! (see `crate::predictor_storage`).
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::predictor_storage::{
+use crate::predictor_storage::{
     choose_predictor_types, collect_predictor_inputs, CALIBRATION_TEXT,
 };
 use powerinfer_engine::Engine;

@@ -6,13 +6,11 @@
 //! margin of the F32 predictor's (`auto`, the default for quantized targets; F32 when none is);
 //! a fixed `--predictor-type` (`f16`, `powerinfer` for PowerInfer's Q4_0 / Q5_0, or a type) is
 //! checked the same way and a layer outside the margin kept in F32 with a warning. See
-//! `powerinfer_engine::synth::quantize` for the rules and `predictor_check` for the check.
+//! `crate::synth::quantize` for the rules and `predictor_check` for the check.
 
 use std::path::PathBuf;
 
-use powerinfer_engine::synth::{
-    predictor_type, quantize, PredictorRule, QuantizeOptions, QuantizeTarget,
-};
+use crate::synth::{predictor_type, quantize, PredictorRule, QuantizeOptions, QuantizeTarget};
 
 use super::predictor_check::{auto_candidates, check, CheckArgs};
 use super::progress;

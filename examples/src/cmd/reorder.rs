@@ -2,11 +2,11 @@
 //! their activation frequency (most active first), from the activation statistics next to the
 //! input (`activation/*.pt`, as PowerInfer ships them, or `activation.safetensors`), and the
 //! statistics permuted alike next to the output. Same model, faster sparse decode: see
-//! `powerinfer_engine::reorder`.
+//! `crate::reorder`.
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::reorder::reorder_neurons;
+use crate::reorder::reorder_neurons;
 use powerinfer_predictor::stats::ActivationStats;
 
 /// Arguments of `powerinfer reorder`.

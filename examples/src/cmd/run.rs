@@ -10,9 +10,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use powerinfer_engine::reorder::reorder_neurons;
+use crate::reorder::reorder_neurons;
+use crate::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::sampling::SamplingParams;
-use powerinfer_engine::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::OpProfile;
 use powerinfer_engine::{AxpyCoefficients, Engine, EngineOptions, Stats};
 use powerinfer_gguf::GgmlType;

@@ -3,11 +3,11 @@
 //! for llama.cpp (`--dense-out`), and the per-neuron activation probabilities
 //! (`activation/activation_N.pt` and `activation/activation.safetensors` next to the model,
 //! unless `--no-activation`) and, with `--predictor-dir`, the predictor as `model_N.pt` state
-//! dicts. See `powerinfer_engine::synth` for the construction.
+//! dicts. See `crate::synth` for the construction.
 
 use std::path::PathBuf;
 
-use powerinfer_engine::synth::{
+use crate::synth::{
     synthesize, Family, PredictorRule, Shape, SynthConfig, SynthOutputs, VocabSource, ARCHS,
     PRESETS,
 };

@@ -14,20 +14,12 @@
 //! Implementations: `sim::SimDevice`, a simulated GPU (own memory arena, own worker threads,
 //! explicit copies, optional speed model: [`SimSpeed`]) that runs on every machine, and
 //! `cuda::CudaDevice` on an NVIDIA GPU through `powerinfer-kernels-cuda`. What goes where is
-//! decided at load by `placement`. [`DeviceOptions`] chooses; [`DeviceReport`] tells.
+//! decided at load by the scheduling policy ([`crate::schedule`]), which reads what a device
+//! can do from `Device::supports` and `Device::attention` and never the reverse: this module knows nothing of placement or
+//! balancing. [`DeviceChoice`] and [`SimOptions`] choose; [`DeviceReport`] tells.
 
-pub(crate) mod attention;
-pub(crate) mod balance;
-pub(crate) mod calibrate;
 pub(crate) mod cuda;
-pub(crate) mod placement;
-#[cfg(all(test, feature = "tools"))]
-mod schedule_props;
 pub(crate) mod sim;
-
-pub use attention::AttentionBalance;
-pub use balance::{BalanceOptions, BalanceReport, LayerBalance};
-pub use calibrate::{Calibration, LinearCost};
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -119,42 +111,6 @@ impl Default for SimOptions {
             speed: None,
         }
     }
-}
-
-/// What to do with PowerInfer's cached neuron placement (`<model>.generated.gpuidx`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum GpuIndexMode {
-    /// Reuse it when it matches the model, statistics and budget; else solve and write it.
-    #[default]
-    Reuse,
-    /// Solve and write it again (`--reset-gpu-index`).
-    Reset,
-    /// Read and write none; every FFN neuron on the CPU (`--disable-gpu-index`).
-    Disable,
-}
-
-/// Where the model's parts run ([`EngineOptions::device`](crate::EngineOptions::device)).
-#[derive(Clone, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct DeviceOptions {
-    /// The device.
-    pub choice: DeviceChoice,
-    /// Bytes of device memory the engine may use; `None`: 90% of a GPU's memory less 256 MiB,
-    /// or for the simulated device everything the model could place there.
-    pub vram_budget: Option<u64>,
-    /// Dense GGUF files: offload this many whole layers (the last ones; more than the layer
-    /// count also takes the output head), as llama.cpp's `-ngl`. Refused for PowerInfer files,
-    /// which place neurons by `vram_budget` instead (as PowerInfer does).
-    pub n_gpu_layers: Option<usize>,
-    /// The cached neuron placement.
-    pub gpu_index: GpuIndexMode,
-    /// Activation statistics for the placement (default: `activation/` beside the model).
-    pub activation_dir: Option<std::path::PathBuf>,
-    /// The simulated device.
-    pub sim: SimOptions,
-    /// How the device and the CPU share each layer's work while decoding.
-    pub balance: BalanceOptions,
 }
 
 /// What the device holds and did: [`Engine::device_report`](crate::Engine::device_report).
@@ -389,47 +345,29 @@ pub(crate) trait Device: Send + Sync {
     fn submit(&self, job: &HotJob<'_>) -> Result<Ticket>;
     /// Waits for a submitted job and adds its output (`t × n_embd`) into `out`.
     fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone>;
-    /// Reserves memory for a mirror of one sequence's first `positions` KV rows in each of
-    /// `n_layer` layers (`kv_row` F16 values per K and V row): the device's share of the
-    /// attention split. Devices without attention refuse.
-    fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()> {
-        let _ = (n_layer, positions, kv_row);
-        Err(EngineError::Device(format!(
-            "{} does not run attention",
-            self.name()
-        )))
-    }
-
-    /// Copies K and V rows (whole rows) into layer `layer`'s mirror from position `start`;
-    /// returns the copy's time.
-    fn write_kv(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration> {
-        let _ = (layer, start, k, v);
-        Err(EngineError::Device(format!(
-            "{} does not run attention",
-            self.name()
-        )))
-    }
-
-    /// Queues one token's attention part.
-    fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket> {
-        let _ = job;
-        Err(EngineError::Device(format!(
-            "{} does not run attention",
-            self.name()
-        )))
-    }
-
-    /// Waits for a queued attention part; returns it and the device's busy time.
-    fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)> {
-        let _ = ticket;
-        Err(EngineError::Device(format!(
-            "{} does not run attention",
-            self.name()
-        )))
+    /// The attention split's side of the device, when it runs attention (a capability the
+    /// scheduling policy reads before it reserves anything).
+    fn attention(&self) -> Option<&dyn AttentionDevice> {
+        None
     }
 
     /// Pieces of work finished later than a speed model asked (0 for real devices).
     fn overruns(&self) -> u64 {
         0
     }
+}
+
+/// A device that attends over a mirror of a sequence's first KV rows (the attention split):
+/// what [`Device::attention`] returns where a device has it.
+pub(crate) trait AttentionDevice {
+    /// Reserves memory for a mirror of one sequence's first `positions` KV rows in each of
+    /// `n_layer` layers (`kv_row` F16 values per K and V row).
+    fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()>;
+    /// Copies K and V rows (whole rows) into layer `layer`'s mirror from position `start`;
+    /// returns the copy's time.
+    fn write_kv(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration>;
+    /// Queues one token's attention part.
+    fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket>;
+    /// Waits for a queued attention part; returns it and the device's busy time.
+    fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)>;
 }

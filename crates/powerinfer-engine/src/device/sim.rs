@@ -31,12 +31,12 @@ use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::{
-    AttentionJob, Device, HotDone, HotId, HotJob, HotSpec, HotSwap, MatId, Queue, SimOptions,
-    SimSpeed, Ticket, WorkShape,
+    AttentionDevice, AttentionJob, Device, HotDone, HotId, HotJob, HotSpec, HotSwap, MatId, Queue,
+    SimOptions, SimSpeed, Ticket, WorkShape,
 };
 use crate::error::{EngineError, Result};
-use crate::exec::neurons::{token_ffn, NeuronRows, TokenBufs};
 use crate::model::FfnAct;
+use powerinfer_kernels_cpu::ffn::{token_ffn, NeuronRows, TokenBufs};
 
 /// A matrix in device memory.
 struct DevMat {
@@ -493,6 +493,16 @@ impl Device for SimDevice {
         Ok(done)
     }
 
+    fn attention(&self) -> Option<&dyn AttentionDevice> {
+        Some(self)
+    }
+
+    fn overruns(&self) -> u64 {
+        self.overruns.load(Ordering::Relaxed)
+    }
+}
+
+impl AttentionDevice for SimDevice {
     fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()> {
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
         mem.kv = None;
@@ -542,10 +552,6 @@ impl Device for SimDevice {
     fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)> {
         let answer = self.pending_attention.take(ticket, "attention job")?;
         wait(&answer, REPLY_SPIN).map_err(stopped)?
-    }
-
-    fn overruns(&self) -> u64 {
-        self.overruns.load(Ordering::Relaxed)
     }
 }
 

@@ -12,19 +12,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use powerinfer_kernels_cpu::ffn::{activate, hidden, nonzero, NeuronRows, TokenBufs};
 use powerinfer_kernels_cpu::ops::activation::relu;
 use powerinfer_kernels_cpu::{GemmJob, KernelError, MatMul};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::fused::{run_threads, FusedSplit};
-use super::neurons::{activate_all, hidden, nonzero, NeuronRows, TokenBufs};
-use super::step::{add_bias, FfnScratch, LayerRun, Step};
+use super::step::{add_bias, for_row_parts, FfnScratch, LayerRun, Step};
 use super::weights::{product, products, FfnMats};
-use crate::device::balance::{Balance, Measured, DECODE_MAX_TOKENS};
 use crate::device::{HotJob, HotSpec, MatId};
 use crate::error::Result;
 use crate::model::{FfnAct, Layer};
 use crate::profile::{BatchDensity, LayerSplit, Op};
+use crate::schedule::balance::{Balance, Measured, DECODE_MAX_TOKENS};
 
 /// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
 /// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
@@ -614,4 +614,20 @@ fn sparse_hidden_fused(
             .sum(),
         _ => s.active.len(),
     })
+}
+
+/// [`activate`] over a block of tokens' whole FFN (a dense FFN of a prompt), split between the
+/// pool's threads when there are many values ([`for_row_parts`]); each value is computed as by
+/// `activate` alone.
+pub(crate) fn activate_all(
+    mm: &MatMul<'_>,
+    act: FfnAct,
+    gate: &mut [f32],
+    up: &[f32],
+) -> Result<()> {
+    if up.len() != gate.len() {
+        // ReLU reads no `up`; the others return the kernel's length error.
+        return Ok(activate(act, gate, up)?);
+    }
+    for_row_parts(mm, gate, 1, |r, g| activate(act, g, &up[r]))
 }

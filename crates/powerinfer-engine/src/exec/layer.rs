@@ -14,12 +14,12 @@ use powerinfer_kernels_cpu::ops::rope::rope_block;
 
 use super::step::{add_bias, norm, LayerRun, Step};
 use super::weights::{product, products, QkvMats};
-use crate::device::balance::Balance;
 use crate::device::AttentionJob;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::Qkv;
 use crate::profile::Op;
+use crate::schedule::balance::Balance;
 
 /// The attention half of layer `l` over the batch: reads the layer input `x` and returns the
 /// attention's output (`attn_output` and its bias applied; the buffer is `step.buf.tmp`,
@@ -119,7 +119,8 @@ pub(crate) fn attention(
             &b.v[s0 * nkv..][..n * nkv],
         )?;
         let (q_s, out_s) = (&b.q[s0 * ne..][..n * ne], &mut b.heads[s0 * ne..][..n * ne]);
-        if let (Some(a), Some(d), Some(o)) = (split.as_deref_mut(), dev, bal_opts) {
+        let attending = dev.and_then(|d| d.attention());
+        if let (Some(a), Some(d), Some(o)) = (split.as_deref_mut(), attending, bal_opts) {
             let n_pos = cache.layer(sg.seq, l)?.0.len() / nkv;
             let s = a.device_positions(l, n_pos);
             if s > 0 {

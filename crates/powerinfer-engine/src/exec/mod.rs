@@ -13,20 +13,20 @@
 pub(crate) mod ffn;
 pub(crate) mod fused;
 pub(crate) mod layer;
-pub(crate) mod neurons;
 pub(crate) mod step;
 pub(crate) mod weights;
 
 use powerinfer_kernels_cpu::ops::activation::add;
 use powerinfer_kernels_cpu::{AxpyCoefficients, Backend, MatMul, ThreadPool};
 
-use crate::device::placement::Hybrid;
-use crate::device::{BalanceReport, DeviceReport};
+use crate::device::DeviceReport;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{Arch, Model, OPT_POSITION_OFFSET};
 use crate::observer::FfnObserver;
 use crate::profile::{Laps, Op, OpProfile};
+use crate::schedule::placement::Hybrid;
+use crate::schedule::BalanceReport;
 
 use fused::FusedSplit;
 use step::{add_par, norm, LayerRun, Step};

@@ -16,12 +16,12 @@ use powerinfer_kernels_cpu::KernelError;
 use super::fused::{run_threads, FusedSplit};
 use super::weights::LayerMats;
 use super::{ExecOptions, Segment};
-use crate::device::balance::Balance;
 use crate::device::Device;
 use crate::error::Result;
 use crate::model::{Arch, FfnAct, Hparams, Layer, Model, Norm};
 use crate::observer::FfnObserver;
 use crate::profile::Laps;
+use crate::schedule::balance::Balance;
 
 /// Buffers reused from layer to layer.
 #[derive(Default)]

@@ -7,10 +7,10 @@ use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_kernels_cpu::{GemmJob, GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
 use powerinfer_predictor::predictor::Predictor;
 
-use crate::device::placement::{Hybrid, HybridLayer, Slot, SLOTS};
 use crate::device::{Device, MatId};
 use crate::error::Result;
 use crate::model::{Ffn, Model, Qkv, TensorRef};
+use crate::schedule::placement::{Hybrid, HybridLayer, Slot, SLOTS};
 
 /// A kernel view of one matrix, with the cell of its repacked copy when it is marked for
 /// repacking, and its copy on the device when it has one (products then run there).

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use powerinfer_engine::synth::{self, Arch, Family, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::synth::{self, Arch, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::EngineOptions;
 use powerinfer_gguf::GgmlType;
 

@@ -23,6 +23,7 @@
 
 pub mod activation;
 pub mod attention;
+mod exp;
 mod isa;
 pub mod norm;
 pub mod rope;

@@ -325,7 +325,7 @@ pub(crate) unsafe fn max(x: &[f32]) -> f32 {
     r
 }
 
-/// e^x for 8 lanes with x ≤ 0 (an error of about 2 ulp); lanes below [`EXP_MIN_ARG`](super::activation::EXP_MIN_ARG), `-inf`
+/// e^x for 8 lanes with x ≤ 0 (an error of about 2 ulp); lanes below [`EXP_MIN_ARG`](super::exp::EXP_MIN_ARG), `-inf`
 /// included, give exactly 0.
 ///
 /// Range reduction x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in a high and a low part), a
@@ -334,7 +334,7 @@ pub(crate) unsafe fn max(x: &[f32]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn exp_nonpos(x: __m256) -> __m256 {
-    use super::activation::{EXP_LN2, EXP_MIN_ARG, EXP_POLY};
+    use super::exp::{EXP_LN2, EXP_MIN_ARG, EXP_POLY};
     let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN_ARG));
     let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN_ARG));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(

@@ -13,7 +13,7 @@
 #![allow(clippy::incompatible_msrv)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use super::activation::{EXP_LN2, EXP_MIN_ARG, EXP_POLY};
+use super::exp::{EXP_LN2, EXP_MIN_ARG, EXP_POLY};
 use core::arch::x86_64::*;
 use half::f16;
 

@@ -90,7 +90,7 @@ use powerinfer_predictor::pt::{self, PtDtype};
 use rayon::prelude::*;
 use serde_json::Value as Json;
 
-use crate::predictor_storage::predictor_layer;
+use powerinfer_predictor::predictor::predictor_layer;
 
 pub use bpe::BpeVocab;
 pub use config::{HfArch, HfConfig};

@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::convert::{convert, ConvertOptions, OutType};
+use powerinfer_cli::convert::{convert, ConvertOptions, OutType};
 use powerinfer_engine::model::FfnAct;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::{Arch, Engine};
@@ -24,6 +24,7 @@ use safetensors::Dtype;
 mod safetensors_src;
 use safetensors_src::{exact, no_output_left, np_transpose, write_safetensors, SrcTensor};
 
+#[path = "support/engine_helpers.rs"]
 mod common;
 use common::{opts as engine_opts, rel_diff};
 

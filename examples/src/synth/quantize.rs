@@ -27,7 +27,7 @@ use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter, Value};
 
 use super::generate::RowReader;
 use super::SynthError;
-use crate::predictor_storage::predictor_layer;
+use powerinfer_predictor::predictor::predictor_layer;
 
 /// How predictor tensors (`fc1`, `fc2`) are stored when the target type is quantized.
 ///

@@ -23,11 +23,10 @@ use powerinfer_placement::{
 use super::attention::AttentionSplit;
 use super::balance::{Balance, LayerBalanceState};
 use super::calibrate::{calibrate, Calibration, Subject};
-use super::cuda::CudaDevice;
-use super::sim::SimDevice;
-use super::{
-    Device, DeviceChoice, DeviceOptions, DeviceReport, GpuIndexMode, HotSpec, MatId, WorkShape,
-};
+use super::{DeviceOptions, GpuIndexMode};
+use crate::device::cuda::CudaDevice;
+use crate::device::sim::SimDevice;
+use crate::device::{Device, DeviceChoice, DeviceReport, HotSpec, MatId, WorkShape};
 use crate::error::{EngineError, Result};
 use crate::model::{Ffn, Model, Qkv, TensorRef};
 
@@ -269,10 +268,14 @@ pub(crate) fn place(
     let mut attention_note = None;
     if work.is_ok() && opts.balance.attention_split {
         let n_layer = model.layers.len();
-        match h
-            .device
-            .reserve_kv(n_layer, ctx_len, model.hparams.n_embd_kv())
-        {
+        let reserved = match h.device.attention() {
+            Some(a) => a.reserve_kv(n_layer, ctx_len, model.hparams.n_embd_kv()),
+            None => Err(EngineError::Device(format!(
+                "{} does not run attention",
+                h.device.name()
+            ))),
+        };
+        match reserved {
             Ok(()) => {
                 h.balance
                     .lock()

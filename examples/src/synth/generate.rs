@@ -731,7 +731,7 @@ fn specs(
         push(
             "position_embd.weight".into(),
             n,
-            Some(s.n_ctx + crate::model::OPT_POSITION_OFFSET),
+            Some(s.n_ctx + powerinfer_gguf::conventions::OPT_POSITION_OFFSET),
             ty,
             Rows::PosEmbd,
         );
@@ -892,7 +892,7 @@ fn base_metadata(cfg: &SynthConfig, n_vocab: usize, tokenizer: &Metadata) -> Met
             // The rows of position_embd, as PowerInfer's converter writes 2050 for OPT.
             md.insert(
                 format!("{a}.context_length"),
-                u(s.n_ctx + crate::model::OPT_POSITION_OFFSET),
+                u(s.n_ctx + powerinfer_gguf::conventions::OPT_POSITION_OFFSET),
             );
         }
         md.insert(format!("{a}.attention.head_count"), u(s.n_head));

@@ -23,7 +23,7 @@ import zipfile
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "powerinfer-predictor", "tests", "py"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "crates", "powerinfer-predictor", "tests", "py"))
 
 
 def write_pt(path, r, n_embd, n_ff):

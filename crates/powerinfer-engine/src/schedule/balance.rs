@@ -23,7 +23,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{Device, HotId, HotSpec, HotSwap};
+use crate::device::{Device, HotId, HotSpec, HotSwap};
 use crate::error::Result;
 use crate::profile::ratio;
 

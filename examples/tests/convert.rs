@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use powerinfer_engine::convert::{convert, ConvertError, ConvertOptions, OutType};
+use powerinfer_cli::convert::{convert, ConvertError, ConvertOptions, OutType};
 use powerinfer_gguf::quants::dequantize_to_vec;
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile};
 use powerinfer_predictor::pt::{self, PtTensor};
@@ -938,7 +938,7 @@ fn hidden_act_relu_marks_a_dense_llama_file() {
         convert(&opts(&c, &out, OutType::F32, dense), &mut |_, _| {}).map_err(|e| e.to_string())?;
         Ok(GgufFile::open(&out).unwrap())
     };
-    let key = powerinfer_engine::convert::FFN_ACTIVATION_KEY;
+    let key = powerinfer_cli::convert::FFN_ACTIVATION_KEY;
     let relu = run(Some("relu"), true).unwrap();
     assert_eq!(relu.metadata().get(key).unwrap().as_str(), Some("relu"));
     let silu = run(Some("silu"), true).unwrap();

@@ -10,9 +10,9 @@
 use proptest::prelude::*;
 
 use super::placement::layer_spec;
-use super::DeviceChoice;
-use crate::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
+use crate::device::DeviceChoice;
 use crate::{Engine, EngineOptions, GpuIndexMode};
+use powerinfer_cli::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_gguf::GgmlType;
 
 /// A tiny model with activation statistics (the placement needs them).

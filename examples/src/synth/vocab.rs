@@ -1,7 +1,7 @@
 //! The vocabulary of a synthetic model: copied from a GGUF file, or built in.
 //!
 //! The built-in one is a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`, the
-//! tokenizer LLaMA-2 models use and [`crate::tokenizer`] reads): `<unk>`, `<s>`, `</s>`, the
+//! tokenizer LLaMA-2 models use and `powerinfer_engine::tokenizer` reads): `<unk>`, `<s>`, `</s>`, the
 //! 256 byte tokens `<0x00>`..`<0xFF>` (byte fallback, so every text encodes), then text
 //! pieces (`▁`, printable ASCII characters, `▁` + letter, letter pairs, `▁` + letter pair) with
 //! descending scores, padded with unused `<extra_N>` tokens up to the requested size.

@@ -8,7 +8,7 @@ use powerinfer_kernels_cpu::MatMul;
 use powerinfer_predictor::predictor::F32Predictor;
 use powerinfer_predictor::storage::{choose_storage, StorageChoice, StorageMargin};
 
-use crate::{Engine, EngineError, FfnObserver, Result};
+use powerinfer_engine::{Engine, EngineError, FfnObserver, Result};
 
 /// A short built-in calibration text (varied English prose, numbers and code), used when the
 /// caller gives none.
@@ -28,15 +28,6 @@ algebra and geometry, and Newton and Leibniz each developed the calculus. Today,
 learn that the derivative of x squared is two x, and that the area under a curve can be found \
 by integration. On Tuesday, the weather will be cloudy with a chance of rain in the afternoon; \
 temperatures will stay between 12 and 17 degrees.\n";
-
-/// The layer of a predictor tensor `blk.N.fc1.weight` / `blk.N.fc2.weight`; `None` for any
-/// other tensor.
-pub(crate) fn predictor_layer(name: &str) -> Option<usize> {
-    let (n, tail) = name.strip_prefix("blk.")?.split_once('.')?;
-    matches!(tail, "fc1.weight" | "fc2.weight")
-        .then(|| n.parse().ok())
-        .flatten()
-}
 
 struct Collector {
     layers: Vec<Vec<f32>>,

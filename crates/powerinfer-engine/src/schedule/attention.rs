@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::kv_cache::{KvCache, SeqId};
 
-use super::Device;
+use crate::device::AttentionDevice;
 use crate::error::Result;
 
 /// Fewest positions attended before a layer splits them (below, the device's launch and
@@ -114,7 +114,7 @@ impl AttentionSplit {
     /// `cache` (rows copied in as needed; everything again after the sequence's rows changed).
     pub(crate) fn sync(
         &mut self,
-        device: &dyn Device,
+        device: &dyn AttentionDevice,
         cache: &KvCache,
         seq: SeqId,
         layer: usize,

@@ -1,43 +1,55 @@
-//! The FFN arithmetic of a set of neurons for one token, shared by the CPU's sparse FFN and
-//! the simulated device: gate and up rows of the listed neurons, the activation, and the
-//! sparse axpy over their down rows.
+//! The FFN arithmetic of a set of neuron rows for one token: the gate and up rows of the
+//! listed neurons, the activation ([`FfnAct`]), and the sparse axpy over their down rows
+//! ([`token_ffn`]). An engine's sparse FFN and a device computing its hot neurons on the CPU
+//! kernels both run it, so a neuron gives the same bits wherever it is computed.
 
-use powerinfer_kernels_cpu::ops::activation::{drelu, reglu, relu, swiglu};
-use powerinfer_kernels_cpu::{KernelError, MatMul, Weights};
+use crate::ops::activation::{drelu, reglu, relu, swiglu};
+use crate::{KernelError, MatMul, Weights};
 
-use super::step::for_row_parts;
-use crate::model::FfnAct;
+/// The activation of a gated (or gate-less) FFN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FfnAct {
+    /// ReLU(gate) ⊙ up.
+    Reglu,
+    /// ReLU(gate) ⊙ ReLU(up).
+    Drelu,
+    /// SiLU(gate) ⊙ up.
+    Swiglu,
+    /// ReLU(up (+ up bias)), no gate (`falcon`, `opt`).
+    Relu,
+}
 
 /// A set of neuron rows: whole matrices, or a device's rows of its hot neurons.
 #[derive(Clone, Copy)]
-pub(crate) struct NeuronRows<'a> {
+pub struct NeuronRows<'a> {
     /// `ffn_gate` rows, if the FFN has a gate.
-    pub(crate) gate: Option<&'a Weights<'a>>,
+    pub gate: Option<&'a Weights<'a>>,
     /// `ffn_up` rows.
-    pub(crate) up: &'a Weights<'a>,
+    pub up: &'a Weights<'a>,
     /// `ffn_down_t` rows.
-    pub(crate) down: &'a Weights<'a>,
+    pub down: &'a Weights<'a>,
     /// `ffn_up.bias` of these rows (gate-less FFNs of `opt`).
-    pub(crate) up_bias: Option<&'a [f32]>,
+    pub up_bias: Option<&'a [f32]>,
     /// The activation.
-    pub(crate) act: FfnAct,
+    pub act: FfnAct,
 }
 
 /// A token's buffers over a set of neuron rows: `g` and `u` are row-indexed (one value per
 /// row; only listed entries are meaningful afterwards: `g` holds the activations the axpy
 /// reads; `u` may be empty for gate-less FFNs); `fired` is scratch.
-pub(crate) struct TokenBufs<'a> {
+pub struct TokenBufs<'a> {
     /// Gate products, then the activations.
-    pub(crate) g: &'a mut [f32],
+    pub g: &'a mut [f32],
     /// Up products.
-    pub(crate) u: &'a mut [f32],
+    pub u: &'a mut [f32],
     /// The listed neurons whose gate fired.
-    pub(crate) fired: &'a mut Vec<u32>,
+    pub fired: &'a mut Vec<u32>,
 }
 
 /// One token: `y += down_rowsᵀ · act(gate·x, up·x)` over the neurons (row indices) in
 /// `active`. Returns the number of `up` rows read (see [`gate_fired`]).
-pub(crate) fn token_ffn(
+pub fn token_ffn(
     mm: &MatMul<'_>,
     rows: &NeuronRows<'_>,
     x: &[f32],
@@ -52,7 +64,7 @@ pub(crate) fn token_ffn(
 
 /// The hidden values of the listed neurons into `b.g`: `act(gate·x, up·x)`, or for a
 /// gate-less FFN `ReLU(up·x + b)`. Returns the number of `up` rows read.
-pub(crate) fn hidden(
+pub fn hidden(
     mm: &MatMul<'_>,
     rows: &NeuronRows<'_>,
     x: &[f32],
@@ -81,11 +93,7 @@ pub(crate) fn hidden(
 }
 
 /// `gate = act(gate, up)` element-wise (gate-less FFNs are activated by their callers).
-pub(crate) fn activate(
-    act: FfnAct,
-    gate: &mut [f32],
-    up: &[f32],
-) -> std::result::Result<(), KernelError> {
+pub fn activate(act: FfnAct, gate: &mut [f32], up: &[f32]) -> std::result::Result<(), KernelError> {
     match act {
         FfnAct::Reglu => reglu(gate, up)?,
         FfnAct::Drelu => drelu(gate, up)?,
@@ -93,22 +101,6 @@ pub(crate) fn activate(
         FfnAct::Relu => relu(gate),
     }
     Ok(())
-}
-
-/// [`activate`] over a block of tokens' whole FFN (a dense FFN of a prompt), split between the
-/// pool's threads when there are many values ([`for_row_parts`]); each value is computed as by
-/// `activate` alone.
-pub(crate) fn activate_all(
-    mm: &MatMul<'_>,
-    act: FfnAct,
-    gate: &mut [f32],
-    up: &[f32],
-) -> crate::error::Result<()> {
-    if up.len() != gate.len() {
-        // ReLU reads no `up`; the others return the kernel's length error.
-        return Ok(activate(act, gate, up)?);
-    }
-    for_row_parts(mm, gate, 1, |r, g| activate(act, g, &up[r]))
 }
 
 /// The rows of `active` whose `up` product is needed once `gate` holds their gate products.
@@ -119,7 +111,7 @@ pub(crate) fn activate_all(
 /// of a zero (which no later step reads: the axpy skips zeros) and for a non-finite `up`
 /// product of a neuron whose gate did not fire (0 here, NaN from the full product). Other
 /// activations need every listed row: `active` itself.
-pub(crate) fn gate_fired<'a>(
+pub fn gate_fired<'a>(
     act: FfnAct,
     gate: &mut [f32],
     active: &'a [u32],
@@ -142,7 +134,7 @@ pub(crate) fn gate_fired<'a>(
 
 /// `h[i] = ReLU(h[i] + b[i])` for the listed neurons (the gate-less FFN's activation; `bias`
 /// indexed like `h`).
-pub(crate) fn relu_bias_active(h: &mut [f32], active: &[u32], bias: Option<&[f32]>) {
+pub fn relu_bias_active(h: &mut [f32], active: &[u32], bias: Option<&[f32]>) {
     for &i in active {
         let i = i as usize;
         let v = h[i] + bias.map_or(0.0, |b| b[i]);
@@ -151,7 +143,7 @@ pub(crate) fn relu_bias_active(h: &mut [f32], active: &[u32], bias: Option<&[f32
 }
 
 /// How many of the listed neurons have a non-zero activation (the rows the axpy reads).
-pub(crate) fn nonzero(act: &[f32], active: &[u32]) -> u64 {
+pub fn nonzero(act: &[f32], active: &[u32]) -> u64 {
     active.iter().filter(|&&i| act[i as usize] != 0.0).count() as u64
 }
 

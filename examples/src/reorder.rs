@@ -20,7 +20,7 @@ use std::path::Path;
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile, GgufWriter};
 use powerinfer_predictor::stats::ActivationStats;
 
-use crate::error::{EngineError, Result};
+use powerinfer_engine::{EngineError, Result};
 
 /// What [`reorder_neurons`] did.
 #[derive(Clone, Debug, PartialEq)]

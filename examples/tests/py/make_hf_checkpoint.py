@@ -24,7 +24,7 @@ import zipfile
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "powerinfer-predictor", "tests", "py"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "crates", "powerinfer-predictor", "tests", "py"))
 from pt_tool import Storage, Tensor, stub_torch  # noqa: E402
 
 out, size = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "small")

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use powerinfer_kernels_cpu::MatMul;
 
-use super::{Device, HotJob, HotSpec};
+use crate::device::{Device, HotJob, HotSpec};
 use crate::error::{EngineError, Result};
-use crate::exec::neurons::{token_ffn, NeuronRows, TokenBufs};
+use powerinfer_kernels_cpu::ffn::{token_ffn, NeuronRows, TokenBufs};
 
 /// Neurons of the layer the calibration runs over.
 const CALIBRATION_NEURONS: usize = 2048;

@@ -5,13 +5,14 @@
 
 use std::path::{Path, PathBuf};
 
-use powerinfer_engine::reorder::{neuron_order, reorder_neurons};
-use powerinfer_engine::synth::{self, LnArch, Shape, SynthConfig, SynthOutputs};
+use powerinfer_cli::reorder::{neuron_order, reorder_neurons};
+use powerinfer_cli::synth::{self, LnArch, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::Engine;
 use powerinfer_engine::EngineError;
 use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_predictor::stats::ActivationStats;
 
+#[path = "support/engine_helpers.rs"]
 mod common;
 use common::{argmax, opts, rel_diff, PROMPT};
 

@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use powerinfer_engine::synth::math::{gaussian, stream_key};
-use powerinfer_engine::synth::{
+use powerinfer_cli::synth::math::{gaussian, stream_key};
+use powerinfer_cli::synth::{
     quantize, synthesize, Arch, KQuantMix, PredictorRule, QuantizeOptions, Shape, SynthConfig,
     SynthOutputs, SynthReport, VocabSource, BIAS_CHANNEL, BIAS_VALUE, RMS_EPS, TOPIC_CHANNEL,
 };
@@ -591,7 +591,7 @@ fn same_seed_same_bytes_other_seed_other_bytes() {
 #[test]
 fn vocabulary_copied_from_a_gguf() {
     // `$POWERINFER_TESTDATA`, else `shared/testdata` beside the repository (as CI lays it out).
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let vocab = std::env::var_os("POWERINFER_TESTDATA")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("../shared/testdata"))
@@ -774,7 +774,7 @@ fn quantize_keeps_the_layout_and_matches_the_reference_codecs() {
         );
         assert_eq!(
             q.metadata().get_u32("general.file_type").unwrap(),
-            powerinfer_engine::synth::ftype_of(target).unwrap()
+            powerinfer_cli::synth::ftype_of(target).unwrap()
         );
         assert_eq!(q.tensors().len(), input.tensors().len());
         for (a, b) in input.tensors().iter().zip(q.tensors()) {
@@ -925,7 +925,7 @@ fn density_holds_in_every_layer_of_a_full_forward_pass() {
     let key = stream_key(11, "tokens");
     let mut xs: Vec<Vec<f32>> = (0..n_tok)
         .map(|t| {
-            let id = (powerinfer_engine::synth::math::mix64(key ^ t as u64) % 512) as usize;
+            let id = (powerinfer_cli::synth::math::mix64(key ^ t as u64) % 512) as usize;
             emb[id * n..(id + 1) * n].to_vec()
         })
         .collect();
