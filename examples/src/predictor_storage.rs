@@ -4,7 +4,7 @@
 //! predictor ([`powerinfer_predictor::storage`]).
 
 use powerinfer_gguf::GgmlType;
-use powerinfer_kernels_cpu::MatMul;
+use powerinfer_kernels_cpu::{MatMul, ThreadPool};
 use powerinfer_predictor::predictor::F32Predictor;
 use powerinfer_predictor::storage::{choose_storage, StorageChoice, StorageMargin};
 
@@ -81,7 +81,9 @@ pub fn choose_predictor_types(
     references: Option<&[F32Predictor]>,
 ) -> Result<Vec<Option<StorageChoice>>> {
     let n_embd = engine.model().hparams().n_embd;
-    let mm = MatMul::new(engine.pool());
+    // A pool of the engine's size for the check (the engine's own is not part of its API).
+    let pool = ThreadPool::new(engine.threads());
+    let mm = MatMul::new(&pool);
     let mut out = Vec::with_capacity(inputs.len());
     for (layer, h) in inputs.iter().enumerate() {
         let owned;

@@ -250,11 +250,6 @@ impl Engine {
         self.pool.n_threads()
     }
 
-    /// The thread pool the CPU kernels run on.
-    pub fn pool(&self) -> &ThreadPool {
-        &self.pool
-    }
-
     /// KV cache positions per sequence.
     pub fn ctx_len(&self) -> usize {
         self.ctx_len

@@ -49,19 +49,18 @@ mod session;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use device::{DeviceChoice, DeviceReport, SimOptions, SimSpeed};
+pub use device::{DeviceChoice, DeviceReport};
 pub use engine::{Engine, EngineOptions};
 pub use error::{EngineError, Result};
 pub use exec::{Batch, EvalOptions, EvalOutput, Logits, Segment};
 pub use kv_cache::{KvCache, SeqId};
 pub use model::{Arch, Hparams, Model};
 pub use observer::FfnObserver;
-pub use powerinfer_kernels_cpu::AxpyCoefficients;
-pub use profile::{BatchDensity, LayerSplit, Op, OpProfile};
+/// The kernels' choices that [`EngineOptions`] takes, re-exported so that a user needs no
+/// other crate to set them.
+pub use powerinfer_kernels_cpu::{AxpyCoefficients, Backend};
+pub use profile::{Op, OpProfile};
 pub use sampling::{Sampler, SamplingParams};
-pub use schedule::{
-    AttentionBalance, BalanceOptions, BalanceReport, Calibration, DeviceOptions, GpuIndexMode,
-    LayerBalance, LinearCost,
-};
+pub use schedule::{BalanceOptions, BalanceReport, DeviceOptions, GpuIndexMode};
 pub use scheduler::{Event, Finish, Scheduler, SchedulerOptions, SeqHandle};
 pub use session::{Generate, Session, Stats, Token};

@@ -24,6 +24,7 @@ pub(crate) fn ratio(part: u64, whole: u64) -> f64 {
 
 /// An operation of the forward pass, as [`OpProfile`] counts them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Op {
     /// RMSNorm / LayerNorm before attention, before the FFN and before the output head.
     Norm,
@@ -90,6 +91,7 @@ impl Op {
 
 /// Totals of one [`Op`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OpTime {
     /// Wall time.
     pub time: Duration,
@@ -114,6 +116,7 @@ impl OpTime {
 /// How one layer's hybrid FFN shared its work between the CPU and the device, summed over
 /// the evaluations recorded (see [`OpProfile::layers`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LayerSplit {
     /// Evaluations of the layer.
     pub calls: u64,
@@ -162,6 +165,7 @@ impl LayerSplit {
 /// blocks recorded (see [`OpProfile::batch_density`]): each token's own active neurons
 /// against the union of the block's, the rows a block would read once for all its tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BatchDensity {
     /// Blocks (evaluations of more than one token).
     pub blocks: u64,

@@ -71,6 +71,7 @@ fn rate(n: usize, t: Duration) -> f64 {
 
 /// One generated token.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Token {
     /// Token id.
     pub id: u32,

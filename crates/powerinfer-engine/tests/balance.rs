@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use powerinfer_cli::synth::{self, Shape, SynthConfig, SynthOutputs};
-use powerinfer_engine::{
-    DeviceChoice, Engine, EngineOptions, GpuIndexMode, LayerBalance, SamplingParams, SimSpeed,
-};
+use powerinfer_engine::device::SimSpeed;
+use powerinfer_engine::schedule::LayerBalance;
+use powerinfer_engine::{DeviceChoice, Engine, EngineOptions, GpuIndexMode, SamplingParams};
 use powerinfer_gguf::GgmlType;
 
 mod common;

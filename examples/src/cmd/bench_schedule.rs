@@ -28,9 +28,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::synth::{self, SynthConfig, SynthOutputs};
-use powerinfer_engine::{
-    BalanceReport, DeviceChoice, Engine, EngineOptions, GpuIndexMode, LayerBalance, SimSpeed,
-};
+use powerinfer_engine::device::SimSpeed;
+use powerinfer_engine::schedule::LayerBalance;
+use powerinfer_engine::{BalanceReport, DeviceChoice, Engine, EngineOptions, GpuIndexMode};
 use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_placement::cost::{Hardware, Workload};
 use serde_json::json;

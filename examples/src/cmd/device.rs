@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
+use powerinfer_engine::device::SimSpeed;
+use powerinfer_engine::profile::LayerSplit;
 use powerinfer_engine::{
-    BalanceReport, DeviceChoice, DeviceReport, Engine, EngineOptions, GpuIndexMode, LayerSplit,
-    OpProfile, SimSpeed,
+    BalanceReport, DeviceChoice, DeviceReport, Engine, EngineOptions, GpuIndexMode, OpProfile,
 };
 
 /// Device flags.
@@ -352,7 +353,7 @@ pub fn print_balance(r: &BalanceReport) {
         "migr",
         "rows"
     );
-    let row = |name: String, l: &powerinfer_engine::LayerBalance| {
+    let row = |name: String, l: &powerinfer_engine::schedule::LayerBalance| {
         let ms = |d: Duration| d.as_secs_f64() * 1e3 / l.evals.max(1) as f64;
         eprintln!(
             "{name:>5} {:>8.4} {:>8.4} {:>+7.3} {:>6.1}% {:>6.1}% {:>7} {:>6} {:>6} {:>6} {:>7}",
@@ -407,7 +408,7 @@ fn print_attention(r: &BalanceReport) {
 
 /// The run-time scheduling as JSON (`run --stats --json`).
 pub fn balance_json(r: &BalanceReport) -> serde_json::Value {
-    let layer = |l: &powerinfer_engine::LayerBalance| {
+    let layer = |l: &powerinfer_engine::schedule::LayerBalance| {
         serde_json::json!({
             "layer": l.layer, "held": l.held, "enabled": l.enabled, "evals": l.evals,
             "cpu_ms": l.cpu.as_secs_f64() * 1e3, "device_ms": l.device.as_secs_f64() * 1e3,

@@ -38,6 +38,7 @@ fn evict(buf: &[u64]) -> u64 {
 
 /// Time of an evaluation as a straight line in its active neuron rows.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct LinearCost {
     /// Microseconds whatever the rows (launches, copies, dispatch).
     pub fixed_us: f64,

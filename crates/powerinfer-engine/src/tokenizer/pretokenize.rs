@@ -11,6 +11,7 @@ use super::unicode::{class, Class, Flags};
 
 /// A BPE pre-tokenizer, chosen by `tokenizer.ggml.pre`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum PreTokenizer {
     /// `"default"` or absent: punctuation runs, the GPT-2 split, digit runs, digit triples.
     Default,

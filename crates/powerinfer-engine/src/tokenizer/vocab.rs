@@ -7,6 +7,7 @@ use super::{PreTokenizer, TokenId};
 
 /// Which algorithm turns text into tokens (`tokenizer.ggml.model`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum TokenizerModel {
     /// SentencePiece BPE with scores and byte fallback (`"llama"`): LLaMA-2, ReluLLaMA,
     /// ProSparse, Bamboo.
@@ -36,6 +37,7 @@ impl TokenizerModel {
 
 /// The kind of a token (`tokenizer.ggml.token_type`, values as stored in files).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum TokenType {
     /// 0, or any value outside 1..=6: never produced by the text splitters' special-token
     /// pass, decodes to nothing.
@@ -84,6 +86,7 @@ impl TokenType {
 
 /// Ids of the special tokens; `None` where the vocabulary has none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SpecialTokens {
     /// Beginning of sequence.
     pub bos: Option<TokenId>,
