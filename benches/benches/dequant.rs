@@ -19,15 +19,9 @@ const DEQUANT_BYTES: usize = 4 << 20;
 
 /// Deterministic pseudo-random bytes (SplitMix64).
 fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            (z ^ (z >> 31)) as u8
-        })
+    powerinfer_benches::splitmix64(seed)
+        .take(n)
+        .map(|z| z as u8)
         .collect()
 }
 

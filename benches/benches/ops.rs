@@ -25,15 +25,9 @@ use std::hint::black_box;
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
 fn random_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
+    powerinfer_benches::splitmix64(seed)
+        .take(n)
+        .map(|z| (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         .collect()
 }
 

@@ -469,17 +469,22 @@ fn read_values(
 /// convert.py's `permute` for RoPE: the rows of a `[n_head·head_dim, cols]` matrix viewed as
 /// `(n_head, 2, head_dim/2, cols)`, axes 1 and 2 swapped, flattened back. Output row
 /// `h·head_dim + 2i + j` is input row `h·head_dim + j·head_dim/2 + i`.
-pub fn permute_rows(values: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+pub fn permute_rows<T: Copy + Default>(
+    values: &[T],
+    rows: usize,
+    row_len: usize,
+    n_head: usize,
+) -> Vec<T> {
     let hd = rows / n_head;
     let half = hd / 2;
-    let mut out = vec![0.0f32; values.len()];
+    let mut out = vec![T::default(); values.len()];
     for h in 0..n_head {
         for i in 0..half {
             for j in 0..2 {
                 let dst = h * hd + 2 * i + j;
                 let src = h * hd + j * half + i;
-                out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
+                out[dst * row_len..(dst + 1) * row_len]
+                    .copy_from_slice(&values[src * row_len..(src + 1) * row_len]);
             }
         }
     }
@@ -492,24 +497,6 @@ fn read_raw(file: &Path, offset: u64, n: usize) -> Result<Vec<u8>> {
     let mut bytes = vec![0u8; n];
     f.read_exact(&mut bytes).map_err(io_err(file))?;
     Ok(bytes)
-}
-
-/// [`permute_rows`] on raw rows of `row_bytes` bytes.
-fn permute_rows_raw(bytes: &[u8], rows: usize, row_bytes: usize, n_head: usize) -> Vec<u8> {
-    let hd = rows / n_head;
-    let half = hd / 2;
-    let mut out = vec![0u8; bytes.len()];
-    for h in 0..n_head {
-        for i in 0..half {
-            for j in 0..2 {
-                let dst = h * hd + 2 * i + j;
-                let src = h * hd + j * half + i;
-                out[dst * row_bytes..(dst + 1) * row_bytes]
-                    .copy_from_slice(&bytes[src * row_bytes..(src + 1) * row_bytes]);
-            }
-        }
-    }
-    out
 }
 
 /// [`transpose`] on raw elements of `es` bytes.
@@ -1576,7 +1563,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
                 let raw = read_raw(file, *offset, numel * es)?;
                 match p.op {
                     Op::None => raw,
-                    Op::Permute(h) => permute_rows_raw(&raw, rows, cols * es, h),
+                    Op::Permute(h) => permute_rows(&raw, rows, cols * es, h),
                     Op::Transpose => transpose_raw(&raw, rows, cols, es),
                     Op::Regroup(h, kv, hd) => regroup_qkv(&raw, cols * es, h, kv, hd),
                 }
