@@ -388,6 +388,7 @@ fn run_profile_reports_every_operation() {
             "predictor",
             "ffn_up_gate",
             "ffn_down",
+            "device",
             "device_wait",
             "output_head",
             "other",
@@ -403,7 +404,7 @@ fn run_profile_reports_every_operation() {
     }
     for r in ops_rows {
         let op = r["op"].as_str().unwrap();
-        let reads = !matches!(op, "norm" | "other" | "device_wait");
+        let reads = !matches!(op, "norm" | "other" | "device" | "device_wait");
         assert_eq!(f64_of(r, "mb_per_token") > 0.0, reads, "{op}");
         assert!(f64_of(r, "bandwidth_gbps") > 0.0);
     }
@@ -477,9 +478,9 @@ fn demo_runs_and_profiles_both_modes() {
     assert!(v["ffn_density"].as_f64().unwrap() < 0.5);
     for key in ["profile", "dense_profile"] {
         let rows = v[key].as_array().unwrap();
-        assert_eq!(rows.len(), 11, "{key}");
-        assert_eq!(rows[10]["op"], "total", "{key}");
-        assert!(rows[10]["mb_per_token"].as_f64().unwrap() > 0.0, "{key}");
+        assert_eq!(rows.len(), 12, "{key}");
+        assert_eq!(rows[11]["op"], "total", "{key}");
+        assert!(rows[11]["mb_per_token"].as_f64().unwrap() > 0.0, "{key}");
     }
     // The sparse run reads its predictor; the dense twin has none.
     let predictor_mb = |key: &str| {
@@ -724,5 +725,69 @@ fn dry_breaks_greedy_loops() {
     assert!(
         top_pair(&dry) < top_pair(&plain),
         "{dry:?} against {plain:?}"
+    );
+}
+
+/// `run --gpu sim --json --profile`: the device object says what the device charged per token
+/// (launches, host waits, link bytes) and the decode profile's own `device_traffic` stays within
+/// the device step's bounds: everything on the device, one host wait per token and a link that
+/// carries the token in and its logits out.
+#[test]
+fn run_json_reports_what_the_device_charged() {
+    let f = synth();
+    let out = powerinfer(&[
+        "run",
+        "-m",
+        s(&f.sparse),
+        "-n",
+        "8",
+        "-t",
+        "1",
+        "--temp",
+        "0",
+        "--gpu",
+        "sim",
+        "--balance",
+        "off",
+        "--json",
+        "--profile",
+    ]);
+    let v: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let d = &v["device"];
+    for k in [
+        "launches_per_token",
+        "syncs_per_token",
+        "link_bytes_per_token",
+    ] {
+        assert!(d[k].as_f64().unwrap() > 0.0, "{k} in {d}");
+    }
+    assert_eq!(d["layers"], d["layers_total"], "{d}");
+    let t = &v["device_traffic"];
+    let syncs = t["syncs_per_token"].as_f64().unwrap();
+    assert!(syncs > 0.0 && syncs <= 2.0, "{t}");
+    let n_vocab = 512.0;
+    assert!(
+        t["link_bytes_per_token"].as_f64().unwrap() <= 4.0 * n_vocab + 64.0,
+        "{t}"
+    );
+    // The profile's table has the device's line on stderr.
+    let out = powerinfer(&[
+        "run",
+        "-m",
+        s(&f.sparse),
+        "-n",
+        "4",
+        "-t",
+        "1",
+        "--temp",
+        "0",
+        "--gpu",
+        "sim",
+        "--profile",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("device per token:") && err.contains("host waits"),
+        "{err}"
     );
 }

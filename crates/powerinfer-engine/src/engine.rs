@@ -152,7 +152,7 @@ impl Engine {
             axpy: options.axpy,
         };
         let batch = options.batch.max(1);
-        let (hybrid, device_note) = match placement::open(&options.device, &model, batch)? {
+        let (hybrid, device_note) = match placement::open(&options.device, &model, ctx_len)? {
             Opened::Device(d) => (
                 Some(placement::place(
                     &model,
@@ -281,6 +281,7 @@ impl Engine {
         keep: usize,
         discard: usize,
     ) -> Result<()> {
+        self.exec.unbind(cache, seq)?;
         let hp = &self.model.hparams;
         let (n_head_kv, head_dim) = (hp.n_head_kv, hp.head_dim());
         let rope = crate::exec::step::rope_of(hp);
@@ -288,6 +289,12 @@ impl Engine {
             Some(p) => Ok(rope_shift(k, n_head_kv, head_dim, -(discard as i64), p)?),
             None => Ok(()),
         })
+    }
+
+    /// A new sequence of `cache` holding a copy of `src`'s tokens (several continuations of one
+    /// prompt evaluated once), as [`KvCache::fork`]; rows a device holds are copied there.
+    pub fn fork_sequence(&self, cache: &mut KvCache, src: SeqId) -> Result<SeqId> {
+        self.exec.fork(cache, src)
     }
 
     /// Evaluates `batch`: each segment's tokens become the next positions of its sequence in

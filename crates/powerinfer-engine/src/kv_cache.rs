@@ -5,6 +5,14 @@
 //! [`powerinfer_kernels_cpu::ops::attention`]) and its current position (the number of tokens
 //! stored). Memory for a slot is allocated when the sequence is added and grows with its
 //! positions up to `ctx_len`.
+//!
+//! Where a device beside the CPU runs whole layers, those layers' rows of a sequence live in
+//! the device's memory (`OnDevice`) and the host holds only the first of them: the engine
+//! reads them back when the host needs them (`Engine::fork_sequence`, a context shift, an
+//! evaluation on the CPU). A copy of such a cache ([`Clone`]) cannot reach those rows: its
+//! sequences fail to evaluate with an error that says so.
+
+use std::sync::Arc;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -21,8 +29,23 @@ fn new_stamp() -> u64 {
 /// Identifies a sequence of a [`KvCache`].
 pub type SeqId = usize;
 
+/// Where the rows of a sequence's device layers live while a device holds them.
+#[derive(Debug)]
+pub(crate) struct OnDevice {
+    /// The identity of the device's stores.
+    pub(crate) stores: u64,
+    /// The sequence's store there.
+    pub(crate) store: usize,
+    /// Per layer, whether the device holds its rows (the others are always whole on the host).
+    pub(crate) layers: Arc<[bool]>,
+    /// Rows of the device's layers the host also holds (`0 ..= pos`).
+    pub(crate) host_rows: usize,
+    /// Held while the store belongs to this sequence: the stores see it dropped.
+    pub(crate) _lease: Arc<()>,
+}
+
 /// One sequence's cached keys and values.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct Slot {
     /// Per layer, `pos · n_embd_kv` keys (after RoPE).
     k: Vec<Vec<f16>>,
@@ -32,6 +55,24 @@ struct Slot {
     /// Renewed whenever rows already stored change or go (appending keeps it), so that a copy
     /// of a prefix elsewhere (a device's mirror) knows whether it still holds these rows.
     stamp: u64,
+    /// The device's layers' rows, when a device holds them.
+    device: Option<OnDevice>,
+    /// A copy of a sequence whose rows were on a device: they cannot be reached from here.
+    lost: bool,
+}
+
+impl Clone for Slot {
+    fn clone(&self) -> Slot {
+        let on_device_only = self.device.as_ref().is_some_and(|d| d.host_rows < self.pos);
+        Slot {
+            k: self.k.clone(),
+            v: self.v.clone(),
+            pos: self.pos,
+            stamp: new_stamp(),
+            device: None,
+            lost: self.lost || on_device_only,
+        }
+    }
 }
 
 /// The KV cache of a model for up to `n_seq` sequences of up to `ctx_len` positions each.
@@ -61,6 +102,8 @@ impl KvCache {
             v: vec![Vec::new(); self.n_layer],
             pos: 0,
             stamp: new_stamp(),
+            device: None,
+            lost: false,
         };
         if let Some(i) = self.slots.iter().position(Option::is_none) {
             self.slots[i] = Some(slot);
@@ -83,8 +126,76 @@ impl KvCache {
         let s = self.slot_mut(seq)?;
         s.pos = 0;
         s.stamp = new_stamp();
+        s.lost = false;
+        if let Some(d) = s.device.as_mut() {
+            d.host_rows = 0;
+        }
         s.k.iter_mut().chain(s.v.iter_mut()).for_each(Vec::clear);
         Ok(())
+    }
+
+    /// Where the device holds `seq`'s rows, if it does.
+    pub(crate) fn device(&self, seq: SeqId) -> Result<Option<&OnDevice>> {
+        Ok(self.slot(seq)?.device.as_ref())
+    }
+
+    /// Records where the device holds `seq`'s rows (`None`: the host holds them all).
+    pub(crate) fn set_device(&mut self, seq: SeqId, d: Option<OnDevice>) -> Result<()> {
+        self.slot_mut(seq)?.device = d;
+        Ok(())
+    }
+
+    /// Whether `seq` is a copy of a sequence whose rows were on a device.
+    pub(crate) fn lost(&self, seq: SeqId) -> Result<bool> {
+        Ok(self.slot(seq)?.lost)
+    }
+
+    /// Appends F16 rows read back from a device to layer `layer` of `seq` on the host.
+    pub(crate) fn append_f16(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        k: &[f16],
+        v: &[f16],
+    ) -> Result<()> {
+        let s = self.slot_mut(seq)?;
+        s.k[layer].extend_from_slice(k);
+        s.v[layer].extend_from_slice(v);
+        Ok(())
+    }
+
+    /// A new sequence with `src`'s position and host rows, and no device rows (the caller copies
+    /// those on the device).
+    pub(crate) fn fork_host(&mut self, src: SeqId) -> Result<SeqId> {
+        let s = self.slot(src)?;
+        let copy = Slot {
+            k: s.k.clone(),
+            v: s.v.clone(),
+            pos: s.pos,
+            stamp: new_stamp(),
+            device: None,
+            lost: false,
+        };
+        let seq = self.add_sequence();
+        self.slots[seq] = Some(copy);
+        Ok(seq)
+    }
+
+    /// The error of an operation that needs every row of `seq` on the host while a device
+    /// holds some of them.
+    fn on_device_error(&self, seq: SeqId, what: &str) -> Result<()> {
+        let s = self.slot(seq)?;
+        if s.lost {
+            return Err(EngineError::Invalid(format!(
+                "sequence {seq} is a copy of a sequence whose KV rows are in a device's memory:                  they cannot be read from here"
+            )));
+        }
+        match &s.device {
+            Some(d) if d.host_rows < s.pos => Err(EngineError::Invalid(format!(
+                "{what} sequence {seq}: its KV rows are in the device's memory (use the                  Engine's method, which reads them back)"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The stamp of `seq`'s stored rows: unchanged while rows are only appended.
@@ -160,7 +271,11 @@ impl KvCache {
 
     /// A new sequence holding a copy of `src`'s tokens (several continuations of one prompt
     /// evaluated once).
+    ///
+    /// Errors: `src` has rows only a device holds ([`Engine::fork_sequence`](crate::Engine::fork_sequence)
+    /// reads them back first).
     pub fn fork(&mut self, src: SeqId) -> Result<SeqId> {
+        self.on_device_error(src, "forking")?;
         let mut copy = self.slot(src)?.clone();
         copy.stamp = new_stamp();
         let seq = self.add_sequence();
@@ -178,6 +293,7 @@ impl KvCache {
         discard: usize,
         mut rekey: impl FnMut(&mut [f32]) -> Result<()>,
     ) -> Result<()> {
+        self.on_device_error(seq, "shifting")?;
         let n = self.n_embd_kv;
         let s = self.slot_mut(seq)?;
         if keep + discard > s.pos {
@@ -210,6 +326,9 @@ impl KvCache {
             s.stamp = new_stamp();
         }
         s.pos = s.pos.min(n);
+        if let Some(d) = s.device.as_mut() {
+            d.host_rows = d.host_rows.min(s.pos);
+        }
         let len = s.pos * w;
         s.k.iter_mut()
             .chain(s.v.iter_mut())
@@ -234,7 +353,10 @@ impl KvCache {
         let n_embd_kv = self.n_embd_kv;
         let s = self.slot_mut(seq)?;
         s.pos += n;
-        debug_assert!(s.k.iter().all(|k| k.len() == s.pos * n_embd_kv));
+        debug_assert!(s.k.iter().enumerate().all(|(l, k)| match &s.device {
+            Some(d) if d.layers[l] => k.len() == d.host_rows * n_embd_kv,
+            _ => k.len() == s.pos * n_embd_kv,
+        }));
         Ok(())
     }
 }

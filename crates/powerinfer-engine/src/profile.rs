@@ -45,8 +45,10 @@ pub enum Op {
     /// The FFN's down product (dense) or the axpy over the active rows of `ffn_down_t`, and its
     /// bias.
     FfnDown,
-    /// The CPU waiting for the device's part of a hybrid FFN, after finishing its own.
+    /// The CPU waiting for the device (its copies to the host).
     DeviceWait,
+    /// Queueing the device's work and copies (its kernels run meanwhile, asynchronously).
+    Device,
     /// The output head (logits).
     OutputHead,
     /// Everything else: embedding, residual additions, copying out logits.
@@ -55,7 +57,7 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in the order of a layer.
-    pub const ALL: [Op; 10] = [
+    pub const ALL: [Op; 11] = [
         Op::Norm,
         Op::Qkv,
         Op::Attention,
@@ -63,6 +65,7 @@ impl Op {
         Op::Predictor,
         Op::FfnUpGate,
         Op::FfnDown,
+        Op::Device,
         Op::DeviceWait,
         Op::OutputHead,
         Op::Other,
@@ -79,6 +82,7 @@ impl Op {
             Op::FfnUpGate => "ffn_up_gate",
             Op::FfnDown => "ffn_down",
             Op::DeviceWait => "device_wait",
+            Op::Device => "device",
             Op::OutputHead => "output_head",
             Op::Other => "other",
         }
@@ -204,6 +208,36 @@ impl BatchDensity {
     }
 }
 
+/// What a device charged over the evaluations recorded: kernel launches, host waits
+/// (synchronizations) and bytes over the host link.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceTraffic {
+    /// Kernels launched.
+    pub launches: u64,
+    /// Times the host waited for the device.
+    pub syncs: u64,
+    /// Bytes copied between host and device.
+    pub link_bytes: u64,
+}
+
+impl DeviceTraffic {
+    /// These counts.
+    pub fn new(launches: u64, syncs: u64, link_bytes: u64) -> DeviceTraffic {
+        DeviceTraffic {
+            launches,
+            syncs,
+            link_bytes,
+        }
+    }
+
+    fn add(&mut self, o: &DeviceTraffic) {
+        self.launches += o.launches;
+        self.syncs += o.syncs;
+        self.link_bytes += o.link_bytes;
+    }
+}
+
 /// Per-operation totals over the evaluations recorded into it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpProfile {
@@ -211,6 +245,8 @@ pub struct OpProfile {
     pub evals: u64,
     /// Tokens evaluated in them.
     pub tokens: u64,
+    /// What the device charged in them (zero without a device).
+    pub device: DeviceTraffic,
     ops: [OpTime; Op::ALL.len()],
     layers: Vec<LayerSplit>,
     batch: Vec<BatchDensity>,
@@ -258,6 +294,7 @@ impl OpProfile {
     pub fn merge(&mut self, other: &OpProfile) {
         self.evals += other.evals;
         self.tokens += other.tokens;
+        self.device.add(&other.device);
         for (a, b) in self.ops.iter_mut().zip(&other.ops) {
             a.time += b.time;
             a.calls += b.calls;
@@ -333,6 +370,13 @@ impl<'p> Laps<'p> {
     pub(crate) fn batch(&mut self, layer: usize, b: BatchDensity) {
         if let Some(p) = self.prof.as_deref_mut() {
             p.batch_mut(layer).add(&b);
+        }
+    }
+
+    /// Adds what a device charged.
+    pub(crate) fn traffic(&mut self, t: DeviceTraffic) {
+        if let Some(p) = self.prof.as_deref_mut() {
+            p.device.add(&t);
         }
     }
 

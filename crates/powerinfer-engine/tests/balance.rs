@@ -221,16 +221,28 @@ fn generated(e: &Engine, n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A budget holding the work buffers and the attention split's mirror of `ctx` positions but
+/// no layer: the layers attend on the host, where the split works.
+fn mirror_budget(m: &Model, ctx: usize) -> u64 {
+    let mut o = options(None);
+    o.ctx_len = ctx;
+    let e = Engine::load(&m.path, o).unwrap();
+    let hp = e.model().hparams();
+    let mirror = 4 * (hp.n_layer * ctx * hp.n_embd_kv()) as u64;
+    e.device_report().work_bytes + mirror + 1024
+}
+
 /// The attention split: each layer's first positions attended on the device over its mirror,
-/// the rest on the CPU, merged. Through context shifts (which change the stored rows, so the
-/// mirror is filled again) the greedy tokens are the CPU engine's.
+/// the rest on the CPU, merged, where the layers attend on the host. Through context shifts
+/// (which change the stored rows, so the mirror is filled again) the greedy tokens are the CPU
+/// engine's.
 #[test]
 fn the_attention_split_gives_the_cpu_tokens_through_context_shifts() {
     let m = model(false, 1024, 6);
     let mut c = common::opts(false);
     c.ctx_len = 96;
     let cpu = Engine::load(&m.path, c).unwrap();
-    let mut o = options(None);
+    let mut o = options(Some(mirror_budget(&m, 96)));
     o.ctx_len = 96;
     o.device.balance.attention_split = true;
     o.device.balance.balance = false;
@@ -239,6 +251,7 @@ fn the_attention_split_gives_the_cpu_tokens_through_context_shifts() {
     // points, and with them the float sums, do not depend on measured times.
     o.device.balance.dead_band = 1.0;
     let e = Engine::load(&m.path, o).unwrap();
+    assert_eq!(e.device_report().layers, 0, "{:?}", e.device_report());
     assert_eq!(generated(&e, 200), generated(&cpu, 200));
     let r = e.balance_report().unwrap();
     assert_eq!(r.attention.len(), e.model().hparams().n_layer);
@@ -260,7 +273,7 @@ fn the_attention_split_gives_the_cpu_tokens_through_context_shifts() {
 #[test]
 fn a_slow_device_attends_to_fewer_positions() {
     let m = model(false, 1024, 7);
-    let mut o = options(None);
+    let mut o = options(Some(mirror_budget(&m, 512)));
     slow_device(&mut o);
     o.device.balance.attention_split = true;
     o.device.balance.balance = false;

@@ -167,7 +167,7 @@ fn bench_type(c: &mut Ctx, ty: GgmlType, densities: &[u32], dense: bool) {
                 s,
                 &slices[k % n_copies],
                 &ad,
-                Some(&pd),
+                Some((&pd).into()),
                 theta,
                 1,
                 &mut y_cols,

@@ -75,6 +75,13 @@ extern "C" __global__ void quantize_q8(const float* x, long n_blocks, u8* xq) {
     if (lane == 0) ((float*)(xq + n_blocks * 32))[b] = d;
 }
 
+// y[i] = x[i] rounded to f16 and back: what F16 products multiply (the CPU kernels, as
+// ggml's, round the activation to f16 before multiplying F16 rows).
+extern "C" __global__ void round_f16(const float* x, long n, float* y) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = h2f(f2h(x[i]));
+}
+
 // acc[t] += dot(weights a[0..8], x_t[c..c + 8]) for the first ntok (at most NTT) tokens.
 template <int NTT>
 __device__ __forceinline__ void fma8(const float* a, const float* x, int K, int c, int ntok,

@@ -36,19 +36,21 @@ extern "C" __global__ void layer_norm(const float* x, const float* w, const floa
 
 // Rotary position embedding, in place, on x = T tokens of n_head heads of head_dim floats.
 // The first n_rot dimensions of each head rotate; pair i (i < n_rot / 2) turns by angle
-// pos[t] * base^(-2i / n_rot). Normal mode (neox == 0) pairs (2i, 2i + 1); NeoX mode pairs
-// (i, i + n_rot / 2). One thread per (token, head, pair); grid.y = T.
+// freq_scale * pos[t] * theta_scale^i (theta_scale = base^(-2 / n_rot), computed by the host as
+// the CPU kernels compute it), with the power taken by i repeated f32 products and cos and sin
+// in f32: the CPU kernels' (and ggml's) operations. Normal mode (neox == 0) pairs (2i, 2i + 1);
+// NeoX mode pairs (i, i + n_rot / 2). One thread per (token, head, pair); grid.y = T.
 extern "C" __global__ void rope(float* x, const int* pos, int n_head, int head_dim, int n_rot,
-                                float base, int neox) {
+                                float theta_scale, float freq_scale, int neox) {
     int half = n_rot / 2;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_head * half) return;
     int t = blockIdx.y;
     int h = idx / half, i = idx % half;
-    double theta = (double)pos[t] * pow((double)base, -2.0 * (double)i / (double)n_rot);
-    double sn, cs;
-    sincos(theta, &sn, &cs);
-    float c = (float)cs, s = (float)sn;
+    float th = (float)pos[t];
+    for (int k = 0; k < i; k++) th *= theta_scale;
+    float theta = freq_scale * th;
+    float c = cosf(theta), s = sinf(theta);
     float* v = x + ((long)t * n_head + h) * head_dim;
     int i0 = neox ? i : 2 * i;
     int i1 = neox ? i + half : 2 * i + 1;
@@ -87,10 +89,74 @@ extern "C" __global__ void add(const float* a, const float* b, float* y, long n)
     if (i < n) y[i] = a[i] + b[i];
 }
 
+// y[i] += x[i]
+extern "C" __global__ void add_inplace(float* y, const float* x, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += x[i];
+}
+
+// y[i] = max(y[i], 0)
+extern "C" __global__ void relu_inplace(float* y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = fmaxf(y[i], 0.0f);
+}
+
 // y[i] = max(g[i], 0) * (relu_u ? max(u[i], 0) : u[i])   (ReLU gating of a sparse FFN)
 extern "C" __global__ void relu_gate(const float* g, const float* u, float* y, long n, int relu_u) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = fmaxf(g[i], 0.0f) * (relu_u ? fmaxf(u[i], 0.0f) : u[i]);
+}
+
+// y[i] = silu(g[i]) * u[i] (SwiGLU), silu(x) = x * ((x >= 0 ? 1 : e) / (1 + e)) with
+// e = exp(-|x|), the CPU kernels' form (the exponential never overflows).
+extern "C" __global__ void silu_gate(const float* g, const float* u, float* y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float x = g[i];
+        float e = expf(-fabsf(x));
+        float num = x >= 0.0f ? 1.0f : e;
+        y[i] = x * (num / (1.0f + e)) * u[i];
+    }
+}
+
+// y[i] += b[i % n] for `total` values: a bias added to every row of n.
+extern "C" __global__ void add_rows(float* y, const float* b, int n, long total) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < total) y[i] += b[i % n];
+}
+
+// Row r of a table of `cols` elements of type TY (`row_bytes` apart) as floats:
+// y[r, c] = W[rows[r] + offset, c]. Grid (ceil(cols / threads), n_rows).
+template <int TY>
+__device__ __forceinline__ void get_rows_t(const u8* w, long row_bytes, int cols,
+                                           const int* rows, int offset, float* y) {
+    int r = blockIdx.y;
+    const u8* src = w + (long)(rows[r] + offset) * row_bytes;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+        y[(long)r * cols + c] = weight_at<TY>(src, c);
+}
+
+#define GET_ROWS(NAME, TY)                                                                    \
+    extern "C" __global__ void NAME(const u8* w, long row_bytes, int cols, const int* rows,   \
+                                    int offset, float* y) {                                   \
+        get_rows_t<TY>(w, row_bytes, cols, rows, offset, y);                                  \
+    }
+GET_ROWS(get_rows_f32, TY_F32)
+GET_ROWS(get_rows_f16, TY_F16)
+GET_ROWS(get_rows_q8_0, TY_Q8_0)
+GET_ROWS(get_rows_q4_0, TY_Q4_0)
+
+// out[t] = how many of a hot slice's k rows token t computes: rows j with
+// p[t * N + bucket[j]] >= theta (as a float). One block per token.
+extern "C" __global__ void count_active(const float* p, const u32* bucket, int k, int N,
+                                        float theta, float* out) {
+    __shared__ float red[32];
+    int t = blockIdx.x;
+    float c = 0.0f;
+    for (int j = threadIdx.x; j < k; j += blockDim.x)
+        c += p[(long)t * N + bucket[j]] >= theta ? 1.0f : 0.0f;
+    c = block_sum(c, red);
+    if (threadIdx.x == 0) out[t] = c;
 }
 
 // Stores K and V of consecutive positions as f16: n floats each (T tokens of n_kv_head * head_dim)

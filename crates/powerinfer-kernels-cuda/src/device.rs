@@ -4,7 +4,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
+    PinnedHostSlice, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -63,6 +64,30 @@ impl Stream {
     /// The cudarc stream, for callers that need more.
     pub fn cuda(&self) -> &Arc<CudaStream> {
         &self.inner
+    }
+}
+
+/// A point of a stream's work that can be timed: [`Stream::record`] places it,
+/// [`TimedEvent::elapsed`] measures the device time between two.
+#[derive(Debug)]
+pub struct TimedEvent {
+    inner: cudarc::driver::CudaEvent,
+}
+
+impl TimedEvent {
+    /// The device time from this event to `end`, once both were reached (it waits for them).
+    pub fn elapsed(&self, end: &TimedEvent) -> Result<std::time::Duration> {
+        let ms = self.inner.elapsed_ms(&end.inner)?;
+        Ok(std::time::Duration::from_secs_f64(
+            f64::from(ms.max(0.0)) * 1e-3,
+        ))
+    }
+}
+
+impl Stream {
+    /// Places `event` after the work queued so far.
+    pub fn record(&self, event: &TimedEvent) -> Result<()> {
+        Ok(event.inner.record(&self.inner)?)
     }
 }
 
@@ -131,6 +156,147 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T> {
             return Ok(());
         }
         Ok(stream.inner.memcpy_dtoh(&self.slice, &mut dst.inner)?)
+    }
+}
+
+/// Elements `start .. start + len` of a device buffer, as an operator reads them.
+#[derive(Debug)]
+pub struct DeviceView<'a, T> {
+    pub(crate) inner: CudaView<'a, T>,
+    len: usize,
+}
+
+/// Elements `start .. start + len` of a device buffer, as an operator writes them.
+#[derive(Debug)]
+pub struct DeviceViewMut<'a, T> {
+    pub(crate) inner: CudaViewMut<'a, T>,
+    len: usize,
+}
+
+impl<T> DeviceView<'_, T> {
+    /// The same elements again (a view can be passed to several operators).
+    pub fn reborrow(&self) -> DeviceView<'_, T> {
+        DeviceView {
+            inner: self.inner.slice(..),
+            len: self.len,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<T> DeviceViewMut<'_, T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The same elements, read.
+    pub fn as_view(&self) -> DeviceView<'_, T> {
+        DeviceView {
+            inner: self.inner.slice(..),
+            len: self.len,
+        }
+    }
+
+    /// The same elements, written (a shorter borrow, for passing on).
+    pub fn as_mut(&mut self) -> DeviceViewMut<'_, T> {
+        let len = self.len;
+        DeviceViewMut {
+            inner: self.inner.slice_mut(..),
+            len,
+        }
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DeviceView<'_, T> {
+    /// Copies the view into a pinned host buffer of its length, asynchronously on `stream`
+    /// (the buffer's contents wait for the copy when read).
+    pub fn copy_to_pinned(&self, stream: &Stream, dst: &mut PinnedBuffer<T>) -> Result<()> {
+        check_len("copy destination", self.len, dst.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        Ok(stream.inner.memcpy_dtoh(&self.inner, &mut dst.inner)?)
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DeviceViewMut<'_, T> {
+    /// Copies a pinned host buffer of the view's length into it, asynchronously on `stream`
+    /// (the buffer waits for the copy before it is written again).
+    pub fn copy_from_pinned(&mut self, stream: &Stream, src: &PinnedBuffer<T>) -> Result<()> {
+        check_len("copy source", self.len, src.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        Ok(stream.inner.memcpy_htod(&src.inner, &mut self.inner)?)
+    }
+}
+
+/// The range of a view: `start .. start + len` inside `total` elements, or an index error.
+fn view_range(start: usize, len: usize, total: usize) -> Result<std::ops::Range<usize>> {
+    match start.checked_add(len) {
+        Some(end) if end <= total => Ok(start..end),
+        _ => Err(CudaError::Index {
+            what: "buffer view",
+            index: start.saturating_add(len),
+            len: total,
+        }),
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T> {
+    /// Elements `start .. start + len`, read.
+    pub fn view(&self, start: usize, len: usize) -> Result<DeviceView<'_, T>> {
+        let r = view_range(start, len, self.len)?;
+        // An empty view still points into the (at least one element long) allocation.
+        let r = if r.is_empty() { 0..1 } else { r };
+        Ok(DeviceView {
+            inner: self.slice.slice(r),
+            len,
+        })
+    }
+
+    /// Elements `start .. start + len`, written.
+    pub fn view_mut(&mut self, start: usize, len: usize) -> Result<DeviceViewMut<'_, T>> {
+        let r = view_range(start, len, self.len)?;
+        let r = if r.is_empty() { 0..1 } else { r };
+        Ok(DeviceViewMut {
+            inner: self.slice.slice_mut(r),
+            len,
+        })
+    }
+}
+
+impl<'a, T> From<&'a DeviceBuffer<T>> for DeviceView<'a, T> {
+    fn from(b: &'a DeviceBuffer<T>) -> Self {
+        DeviceView {
+            inner: b.slice.slice(..),
+            len: b.len,
+        }
+    }
+}
+
+impl<'a, T> From<&'a mut DeviceBuffer<T>> for DeviceViewMut<'a, T> {
+    fn from(b: &'a mut DeviceBuffer<T>) -> Self {
+        let len = b.len;
+        DeviceViewMut {
+            inner: b.slice.slice_mut(..),
+            len,
+        }
     }
 }
 
@@ -298,6 +464,14 @@ impl Gpu {
         })
     }
 
+    /// A new timed event.
+    pub fn timed_event(&self) -> Result<TimedEvent> {
+        let inner = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        Ok(TimedEvent { inner })
+    }
+
     /// The byte budget of device buffers.
     pub fn budget(&self) -> &MemoryBudget {
         &self.budget
@@ -354,6 +528,30 @@ impl Gpu {
             len,
             _reservation: reservation,
         })
+    }
+
+    /// Allocates now (budgeted) the activation scratch of `stream` for products whose input
+    /// holds up to `len` floats, so that no later product allocates.
+    pub fn reserve_activation(&self, stream: &Stream, len: usize) -> Result<()> {
+        let mut cache = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = cache
+            .iter()
+            .position(|e| Arc::ptr_eq(&e.stream, &stream.inner))
+        {
+            if cache[i].buf.len() >= len {
+                return Ok(());
+            }
+            cache.remove(i);
+        }
+        if cache.len() >= SCRATCH_STREAMS {
+            cache.remove(0);
+        }
+        let buf = self.alloc_scratch::<f32>(stream, len)?;
+        cache.push(ScratchEntry {
+            stream: stream.inner.clone(),
+            buf,
+        });
+        Ok(())
     }
 
     /// The scratch buffer of at least `len` floats cached for `stream`, grown (reallocated,

@@ -145,6 +145,22 @@ pub fn rope(t: usize, n_head: usize, n_rot: usize) -> Result<Launch> {
     launch("rope", (n_head * (n_rot / 2)).div_ceil(BLOCK), t, 1, BLOCK)
 }
 
+/// Rows of a table as floats: one block column per `BLOCK` elements, one block row per row.
+pub fn get_rows(ty: GgmlType, cols: usize, n: usize) -> Result<Launch> {
+    const NAMES: [&str; 4] = [
+        "get_rows_f32",
+        "get_rows_f16",
+        "get_rows_q8_0",
+        "get_rows_q4_0",
+    ];
+    launch(NAMES[type_index(ty)?], cols.div_ceil(BLOCK), n, 1, BLOCK)
+}
+
+/// One block per token.
+pub fn count_active(t: usize) -> Result<Launch> {
+    launch("count_active", t, 1, 1, BLOCK)
+}
+
 /// Attention: one block per (head, query token).
 pub fn attention(n_head: usize, t: usize) -> Result<Launch> {
     launch("attention_f16kv", n_head, t, 1, BLOCK)

@@ -32,7 +32,8 @@ pub mod tensor;
 
 pub use budget::{MemoryBudget, Reservation};
 pub use device::{
-    driver_present, DeviceBuffer, DeviceInfo, Gpu, KernelImage, PinnedBuffer, Stream,
+    driver_present, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut, Gpu, KernelImage,
+    PinnedBuffer, Stream, TimedEvent,
 };
 pub use error::{BudgetError, CudaError, NoGpu, Result};
 pub use ops::{KvCache, RopeMode};

@@ -9,7 +9,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 
-use crate::device::{check_len, DeviceBuffer, Gpu, Stream};
+use crate::device::{check_len, DeviceBuffer, DeviceView, DeviceViewMut, Gpu, Stream};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
 use crate::kernels::{self, Param};
@@ -60,6 +60,83 @@ impl KvCache {
     pub fn to_host(&self, stream: &Stream) -> Result<(Vec<u16>, Vec<u16>)> {
         Ok((self.k.to_host(stream)?, self.v.to_host(stream)?))
     }
+
+    /// Values per position.
+    fn row(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+
+    /// Writes host rows (f16 bits, whole positions) from position `start`, on `stream`.
+    pub fn write(&mut self, stream: &Stream, start: usize, k: &[u16], v: &[u16]) -> Result<()> {
+        let row = self.row();
+        check_len("v rows", k.len(), v.len())?;
+        if row == 0 || k.len() % row != 0 || start + k.len() / row > self.n_ctx {
+            return Err(CudaError::Index {
+                what: "KV rows",
+                index: start + k.len() / row.max(1),
+                len: self.n_ctx,
+            });
+        }
+        if k.is_empty() {
+            return Ok(());
+        }
+        let (a, n) = (start * row, k.len());
+        stream
+            .inner
+            .memcpy_htod(k, &mut self.k.slice.slice_mut(a..a + n))?;
+        stream
+            .inner
+            .memcpy_htod(v, &mut self.v.slice.slice_mut(a..a + n))?;
+        Ok(())
+    }
+
+    /// Positions `start .. start + n` (f16 bits), waiting for `stream`.
+    pub fn read(&self, stream: &Stream, start: usize, n: usize) -> Result<(Vec<u16>, Vec<u16>)> {
+        let row = self.row();
+        if start + n > self.n_ctx {
+            return Err(CudaError::Index {
+                what: "KV rows",
+                index: start + n,
+                len: self.n_ctx,
+            });
+        }
+        if n == 0 || row == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let r = start * row..(start + n) * row;
+        let k = stream.inner.clone_dtoh(&self.k.slice.slice(r.clone()))?;
+        let v = stream.inner.clone_dtoh(&self.v.slice.slice(r))?;
+        stream.inner.synchronize()?;
+        Ok((k, v))
+    }
+
+    /// Copies the first `n` positions into `to` (same shape), on `stream`.
+    pub fn copy_prefix(&self, stream: &Stream, to: &mut KvCache, n: usize) -> Result<()> {
+        let row = self.row();
+        if row != to.row() || n > self.n_ctx || n > to.n_ctx {
+            return Err(CudaError::Shape(format!(
+                "copying {n} positions of rows of {row} into rows of {}",
+                to.row()
+            )));
+        }
+        if n == 0 || row == 0 {
+            return Ok(());
+        }
+        let m = n * row;
+        stream
+            .inner
+            .memcpy_dtod(&self.k.slice.slice(..m), &mut to.k.slice.slice_mut(..m))?;
+        stream
+            .inner
+            .memcpy_dtod(&self.v.slice.slice(..m), &mut to.v.slice.slice_mut(..m))?;
+        Ok(())
+    }
+}
+
+/// The ratio of consecutive rotary frequencies, `base^(-2 / n_rot)` in f32, as the CPU kernels
+/// compute it (the kernel then takes its powers by repeated products, as they do).
+pub fn rope_theta_scale(base: f32, n_rot: usize) -> f32 {
+    base.powf(-2.0f32 / n_rot as f32)
 }
 
 /// Rotary embedding variant.
@@ -118,6 +195,18 @@ impl<'a> Args<'a> {
         self
     }
 
+    fn view<T>(&mut self, v: &'a DeviceView<'_, T>) -> &mut Self {
+        self.b.arg(&v.inner);
+        self.pushed.push(Param::Ptr);
+        self
+    }
+
+    fn view_mut<T>(&mut self, v: &'a mut DeviceViewMut<'_, T>) -> &mut Self {
+        self.b.arg(&mut v.inner);
+        self.pushed.push(Param::Ptr);
+        self
+    }
+
     fn null(&mut self) -> &mut Self {
         self.b.arg(&NULL_PTR);
         self.pushed.push(Param::Ptr);
@@ -155,6 +244,12 @@ impl<'a> Args<'a> {
     }
 }
 
+/// A buffer or a view of one, read by an operator.
+pub type In<'a> = DeviceView<'a, f32>;
+
+/// A buffer or a view of one, written by an operator.
+pub type Out<'a> = DeviceViewMut<'a, f32>;
+
 impl Gpu {
     fn launch_rows(
         &self,
@@ -162,12 +257,12 @@ impl Gpu {
         l: Launch,
         w: &DeviceTensor,
         bucket: Option<&DeviceBuffer<u32>>,
-        x: &DeviceBuffer<f32>,
+        x: &In<'_>,
         t: usize,
-        p: Option<&DeviceBuffer<f32>>,
+        p: Option<&In<'_>>,
         theta: f32,
         n: usize,
-        dst: &mut DeviceBuffer<f32>,
+        dst: &mut Out<'_>,
     ) -> Result<()> {
         if w.rows() == 0 || t == 0 {
             return Ok(());
@@ -184,17 +279,17 @@ impl Gpu {
             .scalar(&row_bytes)
             .scalar(&rows)
             .scalar(&k)
-            .ptr(&x.slice)
+            .view(x)
             .scalar(&t32);
         match p {
-            Some(p) => b.ptr(&p.slice),
+            Some(p) => b.view(p),
             None => b.null(),
         };
         match bucket {
             Some(bk) => b.ptr(&bk.slice),
             None => b.null(),
         };
-        b.scalar(&theta).scalar(&n32).ptr_mut(&mut dst.slice);
+        b.scalar(&theta).scalar(&n32).view_mut(dst);
         // SAFETY: the kernel's parameters match the argument list above (see kernels/matmul.cu and
         // kernels/axpy.cu); the callers checked every buffer length against the shape, and the
         // bucket was validated (unique, < n) when the slice was made, so all accesses are in bounds.
@@ -205,83 +300,103 @@ impl Gpu {
     /// Dense product: `dst[t, i] = W_i · x_t` for the `rows` rows of `w`, `t` tokens
     /// (`x`: t × cols, `dst`: t × rows). For Q8_0/Q4_0 weights `x` is first quantized to Q8_0
     /// blocks (f32 scales) in a scratch buffer, as the CPU kernels do
-    /// (`powerinfer_kernels_cpu::reference::matmul::quantize_activation`). For F16 weights `x`
-    /// is multiplied as f32, where the CPU kernels first round it to f16 (as ggml's CPU backend
-    /// does): the two sides of a hybrid FFN then differ by that rounding.
-    pub fn matmul(
+    /// (`powerinfer_kernels_cpu::reference::matmul::quantize_activation`); for F16 weights it
+    /// is first rounded to f16, as the CPU kernels (and ggml's CPU backend) do: both sides of a
+    /// hybrid FFN multiply the same operands.
+    pub fn matmul<'x, 'y>(
         &self,
         stream: &Stream,
         w: &DeviceTensor,
-        x: &DeviceBuffer<f32>,
+        x: impl Into<In<'x>>,
         t: usize,
-        dst: &mut DeviceBuffer<f32>,
+        dst: impl Into<Out<'y>>,
     ) -> Result<()> {
+        let (x, mut dst) = (x.into(), dst.into());
         check_len("x", t * w.cols(), x.len())?;
         check_len("dst", t * w.rows(), dst.len())?;
         let l = geometry::matmul(w.ty(), w.rows(), t)?;
         if w.rows() == 0 || t == 0 {
             return Ok(());
         }
-        self.with_activation(stream, w, x, t, |x| {
-            self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), dst)
+        self.with_activation(stream, w, &x, t, |x| {
+            self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), &mut dst)
         })
     }
 
-    /// Queues `launch` with what the product kernels for `w` read: `x` itself for float
-    /// weights; for Q8_0/Q4_0 weights `x` (t × cols) quantized by `quantize_q8` into the
-    /// stream's cached scratch buffer (t·cols int8 values, then t·cols/32 f32 scales, viewed as
-    /// floats; [`Gpu::activation_scratch`]). The scratch lock is held until `launch` has queued
-    /// its kernel, so concurrent calls on one stream cannot overwrite each other's activation;
-    /// after the first call of a size on a stream nothing is allocated.
+    /// Queues `launch` with what the product kernels for `w` read: `x` itself for F32
+    /// weights; for F16 weights `x` rounded to f16 by `round_f16`, for Q8_0/Q4_0 weights `x`
+    /// (t × cols) quantized by `quantize_q8` (t·cols int8 values, then t·cols/32 f32 scales,
+    /// viewed as floats), both into the stream's cached scratch buffer
+    /// ([`Gpu::activation_scratch`]). The scratch lock is held until `launch` has queued its
+    /// kernel, so concurrent calls on one stream cannot overwrite each other's activation; after
+    /// the first call of a size on a stream (or [`Gpu::reserve_activation`]) nothing is
+    /// allocated.
     fn with_activation(
         &self,
         stream: &Stream,
         w: &DeviceTensor,
-        x: &DeviceBuffer<f32>,
+        x: &In<'_>,
         t: usize,
-        launch: impl FnOnce(&DeviceBuffer<f32>) -> Result<()>,
+        launch: impl FnOnce(&In<'_>) -> Result<()>,
     ) -> Result<()> {
-        if !geometry::quantized_activation(w.ty()) || t == 0 || w.cols() == 0 {
+        let quantized = geometry::quantized_activation(w.ty());
+        let f16 = w.ty() == powerinfer_gguf::GgmlType::F16;
+        if !(quantized || f16) || t == 0 || w.cols() == 0 {
             return launch(x);
         }
+        let n = t * w.cols();
+        if f16 {
+            let (mut cache, i) = self.activation_scratch(stream, n)?;
+            let xr = &mut cache[i].buf;
+            let n64 = n as i64;
+            let mut b = Args::new(self, stream, "round_f16");
+            b.view(x).scalar(&n64).ptr_mut(&mut xr.slice);
+            // SAFETY: parameters match round_f16 in kernels/matmul.cu; x holds n floats (checked
+            // by the caller), the scratch at least n; it writes the n floats the product reads.
+            unsafe { b.launch(geometry::per_element("round_f16", n)?) }?;
+            let v = cache[i].buf.view(0, n)?;
+            return launch(&v);
+        }
         // Quantized tensors have cols % 32 == 0 (checked when they are made).
-        let blocks = t * w.cols() / 32;
+        let blocks = n / 32;
         let (mut cache, i) = self.activation_scratch(stream, blocks * 8 + blocks)?;
         let xq = &mut cache[i].buf;
         let nb = blocks as i64;
         let mut b = Args::new(self, stream, "quantize_q8");
-        b.ptr(&x.slice).scalar(&nb).ptr_mut(&mut xq.slice);
+        b.view(x).scalar(&nb).ptr_mut(&mut xq.slice);
         // SAFETY: parameters match quantize_q8 in kernels/matmul.cu; x holds t·cols = 32·blocks
         // floats (checked by the caller), xq at least 32·blocks bytes plus `blocks` floats. It
         // writes all that the product kernel queued next reads.
         unsafe { b.launch(geometry::quantize_q8(blocks)?) }?;
-        launch(&cache[i].buf)
+        let v = DeviceView::from(&cache[i].buf);
+        launch(&v)
     }
 
     /// Row-sparse product over a GPU slice ("upscale"): `dst` (t × N) becomes zero except
     /// `dst[t, bucket[j]] = W_j · x_t` where `p[t, bucket[j]] >= theta`. `x`: t × cols,
     /// `p`: t × N scores. Quantized weights quantize `x` as [`Gpu::matmul`] does.
-    pub fn sparse_matmul(
+    pub fn sparse_matmul<'x, 'p, 'y>(
         &self,
         stream: &Stream,
         slice: &GpuSlice,
-        x: &DeviceBuffer<f32>,
-        p: &DeviceBuffer<f32>,
+        x: impl Into<In<'x>>,
+        p: impl Into<In<'p>>,
         theta: f32,
         t: usize,
-        dst: &mut DeviceBuffer<f32>,
+        dst: impl Into<Out<'y>>,
     ) -> Result<()> {
+        let (x, p, mut dst) = (x.into(), p.into(), dst.into());
         let w = &slice.weight;
         let n = slice.n_neurons();
         check_len("x", t * w.cols(), x.len())?;
         check_len("scores", t * n, p.len())?;
         check_len("dst", t * n, dst.len())?;
-        stream.inner.memset_zeros(&mut dst.slice)?;
+        stream.inner.memset_zeros(&mut dst.inner)?;
         let l = geometry::matmul(w.ty(), w.rows(), t)?;
         if w.rows() == 0 || t == 0 {
             return Ok(());
         }
-        self.with_activation(stream, w, x, t, |x| {
+        self.with_activation(stream, w, &x, t, |x| {
             self.launch_rows(
                 stream,
                 l,
@@ -289,10 +404,10 @@ impl Gpu {
                 slice.bucket.as_ref(),
                 x,
                 t,
-                Some(p),
+                Some(&p),
                 theta,
                 n,
-                dst,
+                &mut dst,
             )
         })
     }
@@ -302,46 +417,59 @@ impl Gpu {
     /// (`p[t, bucket[j]] >= theta`, or every row when `p` is `None`) and whose activation is
     /// non-zero. `a` and `p`: t × N. Up to [`geometry::AXPY_SPARSE_MAX_TOKENS`] tokens a per-token sparse
     /// kernel runs, above it a kernel tiled over 8 tokens.
-    pub fn sparse_axpy(
+    pub fn sparse_axpy<'a, 'p, 'y>(
         &self,
         stream: &Stream,
         slice: &GpuSlice,
-        a: &DeviceBuffer<f32>,
-        p: Option<&DeviceBuffer<f32>>,
+        a: impl Into<In<'a>>,
+        p: Option<In<'p>>,
         theta: f32,
         t: usize,
-        dst: &mut DeviceBuffer<f32>,
+        dst: impl Into<Out<'y>>,
     ) -> Result<()> {
+        let (a, mut dst) = (a.into(), dst.into());
         let w = &slice.weight;
         let n = slice.n_neurons();
         let m = w.cols();
         check_len("activations", t * n, a.len())?;
-        if let Some(p) = p {
+        if let Some(p) = &p {
             check_len("scores", t * n, p.len())?;
         }
         check_len("dst", t * m, dst.len())?;
-        stream.inner.memset_zeros(&mut dst.slice)?;
+        stream.inner.memset_zeros(&mut dst.inner)?;
         let l = geometry::axpy(w.ty(), m, w.rows(), t)?;
         if m == 0 {
             return Ok(());
         }
-        self.launch_rows(stream, l, w, slice.bucket.as_ref(), a, t, p, theta, n, dst)
+        self.launch_rows(
+            stream,
+            l,
+            w,
+            slice.bucket.as_ref(),
+            &a,
+            t,
+            p.as_ref(),
+            theta,
+            n,
+            &mut dst,
+        )
     }
 
     /// RMSNorm of `rows` rows of `n`: `y = x / sqrt(mean(x²) + eps) * w` (`w` of length n, or 1).
-    pub fn rms_norm(
+    pub fn rms_norm<'x, 'w, 'y>(
         &self,
         stream: &Stream,
-        x: &DeviceBuffer<f32>,
-        w: Option<&DeviceBuffer<f32>>,
+        x: impl Into<In<'x>>,
+        w: Option<In<'w>>,
         eps: f32,
         rows: usize,
         n: usize,
-        y: &mut DeviceBuffer<f32>,
+        y: impl Into<Out<'y>>,
     ) -> Result<()> {
+        let (x, mut y) = (x.into(), y.into());
         check_len("x", rows * n, x.len())?;
         check_len("y", rows * n, y.len())?;
-        if let Some(w) = w {
+        if let Some(w) = &w {
             check_len("weight", n, w.len())?;
         }
         if rows == 0 || n == 0 {
@@ -349,12 +477,12 @@ impl Gpu {
         }
         let n32 = i32_arg("n", n)?;
         let mut b = Args::new(self, stream, "rms_norm");
-        b.ptr(&x.slice);
-        match w {
-            Some(w) => b.ptr(&w.slice),
+        b.view(&x);
+        match &w {
+            Some(w) => b.view(w),
             None => b.null(),
         };
-        b.ptr_mut(&mut y.slice).scalar(&n32).scalar(&eps);
+        b.view_mut(&mut y).scalar(&n32).scalar(&eps);
         // SAFETY: parameters match rms_norm in kernels/ops.cu; lengths checked above.
         unsafe { b.launch(geometry::per_row("rms_norm", rows)?) }?;
         Ok(())
@@ -362,20 +490,21 @@ impl Gpu {
 
     /// LayerNorm of `rows` rows of `n`: `y = (x - mean) / sqrt(var + eps) * w + b` (population
     /// variance; `w` and `b` of length n, or 1 and 0).
-    pub fn layer_norm(
+    pub fn layer_norm<'x, 'w, 'b, 'y>(
         &self,
         stream: &Stream,
-        x: &DeviceBuffer<f32>,
-        w: Option<&DeviceBuffer<f32>>,
-        bias: Option<&DeviceBuffer<f32>>,
+        x: impl Into<In<'x>>,
+        w: Option<In<'w>>,
+        bias: Option<In<'b>>,
         eps: f32,
         rows: usize,
         n: usize,
-        y: &mut DeviceBuffer<f32>,
+        y: impl Into<Out<'y>>,
     ) -> Result<()> {
+        let (x, mut y) = (x.into(), y.into());
         check_len("x", rows * n, x.len())?;
         check_len("y", rows * n, y.len())?;
-        for v in [w, bias].into_iter().flatten() {
+        for v in [&w, &bias].into_iter().flatten() {
             check_len("weight/bias", n, v.len())?;
         }
         if rows == 0 || n == 0 {
@@ -383,34 +512,38 @@ impl Gpu {
         }
         let n32 = i32_arg("n", n)?;
         let mut b = Args::new(self, stream, "layer_norm");
-        b.ptr(&x.slice);
-        match w {
-            Some(w) => b.ptr(&w.slice),
+        b.view(&x);
+        match &w {
+            Some(w) => b.view(w),
             None => b.null(),
         };
-        match bias {
-            Some(v) => b.ptr(&v.slice),
+        match &bias {
+            Some(v) => b.view(v),
             None => b.null(),
         };
-        b.ptr_mut(&mut y.slice).scalar(&n32).scalar(&eps);
+        b.view_mut(&mut y).scalar(&n32).scalar(&eps);
         // SAFETY: parameters match layer_norm in kernels/ops.cu; lengths checked above.
         unsafe { b.launch(geometry::per_row("layer_norm", rows)?) }?;
         Ok(())
     }
 
-    /// RoPE in place on `t` tokens of `n_head` heads of `head_dim` (`pos`: t positions).
-    pub fn rope(
+    /// RoPE in place on `t` tokens of `n_head` heads of `head_dim` (`pos`: t positions), angles
+    /// as the CPU kernels compute them (`freq_scale · pos · base^(-2i/n_rot)` by repeated f32
+    /// products).
+    pub fn rope<'x, 'p>(
         &self,
         stream: &Stream,
-        x: &mut DeviceBuffer<f32>,
-        pos: &DeviceBuffer<i32>,
+        x: impl Into<Out<'x>>,
+        pos: impl Into<DeviceView<'p, i32>>,
         t: usize,
         n_head: usize,
         head_dim: usize,
         n_rot: usize,
         base: f32,
+        freq_scale: f32,
         mode: RopeMode,
     ) -> Result<()> {
+        let (mut x, pos) = (x.into(), pos.into());
         check_len("x", t * n_head * head_dim, x.len())?;
         check_len("positions", t, pos.len())?;
         if n_rot > head_dim || n_rot % 2 != 0 {
@@ -428,13 +561,15 @@ impl Gpu {
             i32_arg("n_rot", n_rot)?,
         );
         let neox = i32::from(mode == RopeMode::Neox);
+        let theta_scale = rope_theta_scale(base, n_rot);
         let mut b = Args::new(self, stream, "rope");
-        b.ptr_mut(&mut x.slice)
-            .ptr(&pos.slice)
+        b.view_mut(&mut x)
+            .view(&pos)
             .scalar(&h)
             .scalar(&d)
             .scalar(&r)
-            .scalar(&base)
+            .scalar(&theta_scale)
+            .scalar(&freq_scale)
             .scalar(&neox);
         // SAFETY: parameters match rope in kernels/ops.cu; lengths checked above.
         unsafe { b.launch(geometry::rope(t, n_head, n_rot)?) }?;
@@ -442,21 +577,22 @@ impl Gpu {
     }
 
     /// Softmax of `scale * x` over each of `rows` rows of `n`, in place.
-    pub fn softmax(
+    pub fn softmax<'x>(
         &self,
         stream: &Stream,
-        x: &mut DeviceBuffer<f32>,
+        x: impl Into<Out<'x>>,
         rows: usize,
         n: usize,
         scale: f32,
     ) -> Result<()> {
+        let mut x = x.into();
         check_len("x", rows * n, x.len())?;
         if rows == 0 || n == 0 {
             return Ok(());
         }
         let n32 = i32_arg("n", n)?;
         let mut b = Args::new(self, stream, "softmax");
-        b.ptr_mut(&mut x.slice).scalar(&n32).scalar(&scale);
+        b.view_mut(&mut x).scalar(&n32).scalar(&scale);
         // SAFETY: parameters match softmax in kernels/ops.cu; length checked above.
         unsafe { b.launch(geometry::per_row("softmax", rows)?) }?;
         Ok(())
@@ -466,9 +602,9 @@ impl Gpu {
         &self,
         stream: &Stream,
         name: &'static str,
-        a: &DeviceBuffer<f32>,
-        b2: Option<&DeviceBuffer<f32>>,
-        y: &mut DeviceBuffer<f32>,
+        a: &In<'_>,
+        b2: Option<&In<'_>>,
+        y: &mut Out<'_>,
         extra: Option<i32>,
     ) -> Result<()> {
         let n = a.len();
@@ -481,11 +617,11 @@ impl Gpu {
         }
         let n64 = n as i64;
         let mut b = Args::new(self, stream, name);
-        b.ptr(&a.slice);
+        b.view(a);
         if let Some(b2) = b2 {
-            b.ptr(&b2.slice);
+            b.view(b2);
         }
-        b.ptr_mut(&mut y.slice).scalar(&n64);
+        b.view_mut(y).scalar(&n64);
         if let Some(e) = extra.as_ref() {
             b.scalar(e);
         }
@@ -494,50 +630,241 @@ impl Gpu {
         Ok(())
     }
 
-    /// `y = max(x, 0)`.
-    pub fn relu(
+    /// `y = max(x, 0)` (`y` may be `x`'s own buffer: the kernel reads each value before it
+    /// writes it).
+    pub fn relu<'x, 'y>(
         &self,
         stream: &Stream,
-        x: &DeviceBuffer<f32>,
-        y: &mut DeviceBuffer<f32>,
+        x: impl Into<In<'x>>,
+        y: impl Into<Out<'y>>,
     ) -> Result<()> {
-        self.elementwise(stream, "relu", x, None, y, None)
+        let (x, mut y) = (x.into(), y.into());
+        self.elementwise(stream, "relu", &x, None, &mut y, None)
+    }
+
+    /// `y = x` rounded to f16 and back (what the CPU kernels multiply F16 rows by).
+    pub fn round_f16<'x, 'y>(
+        &self,
+        stream: &Stream,
+        x: impl Into<In<'x>>,
+        y: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let (x, mut y) = (x.into(), y.into());
+        check_len("y", x.len(), y.len())?;
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as i64;
+        let mut b = Args::new(self, stream, "round_f16");
+        b.view(&x).scalar(&n64).view_mut(&mut y);
+        // SAFETY: parameters match round_f16 in kernels/matmul.cu; both hold n floats.
+        unsafe { b.launch(geometry::per_element("round_f16", n)?) }?;
+        Ok(())
+    }
+
+    /// `y = max(y, 0)` in place.
+    pub fn relu_in_place<'y>(&self, stream: &Stream, y: impl Into<Out<'y>>) -> Result<()> {
+        let mut y = y.into();
+        let n = y.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as i64;
+        let mut b = Args::new(self, stream, "relu_inplace");
+        b.view_mut(&mut y).scalar(&n64);
+        // SAFETY: parameters match relu_inplace in kernels/ops.cu; n = y's length.
+        unsafe { b.launch(geometry::per_element("relu_inplace", n)?) }?;
+        Ok(())
+    }
+
+    /// `y += x` (element-wise, equal lengths).
+    pub fn add_assign<'y, 'x>(
+        &self,
+        stream: &Stream,
+        y: impl Into<Out<'y>>,
+        x: impl Into<In<'x>>,
+    ) -> Result<()> {
+        let (mut y, x) = (y.into(), x.into());
+        let n = y.len();
+        check_len("x", n, x.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as i64;
+        let mut b = Args::new(self, stream, "add_inplace");
+        b.view_mut(&mut y).view(&x).scalar(&n64);
+        // SAFETY: parameters match add_inplace in kernels/ops.cu; both hold n floats.
+        unsafe { b.launch(geometry::per_element("add_inplace", n)?) }?;
+        Ok(())
+    }
+
+    /// `y[r] += bias` for every row `r` of `y` (rows of `bias.len()` values).
+    pub fn add_rows<'y, 'b>(
+        &self,
+        stream: &Stream,
+        y: impl Into<Out<'y>>,
+        bias: impl Into<In<'b>>,
+    ) -> Result<()> {
+        let (mut y, bias) = (y.into(), bias.into());
+        let (total, n) = (y.len(), bias.len());
+        if n == 0 || total % n != 0 {
+            return Err(CudaError::Shape(format!(
+                "a bias of {n} values over {total}"
+            )));
+        }
+        let (n32, t64) = (i32_arg("bias length", n)?, total as i64);
+        let mut b = Args::new(self, stream, "add_rows");
+        b.view_mut(&mut y).view(&bias).scalar(&n32).scalar(&t64);
+        // SAFETY: parameters match add_rows in kernels/ops.cu; y holds total floats, bias n,
+        // and the kernel reads bias[i % n].
+        unsafe { b.launch(geometry::per_element("add_rows", total)?) }?;
+        Ok(())
+    }
+
+    /// `y = x` (a copy on the stream, equal lengths).
+    pub fn copy<'x, 'y>(
+        &self,
+        stream: &Stream,
+        x: impl Into<In<'x>>,
+        y: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let (x, mut y) = (x.into(), y.into());
+        check_len("copy destination", x.len(), y.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        stream.inner.memcpy_dtod(&x.inner, &mut y.inner)?;
+        Ok(())
+    }
+
+    /// SwiGLU: `y = silu(g) * u`, SiLU in the CPU kernels' form.
+    pub fn silu_gate<'g, 'u, 'y>(
+        &self,
+        stream: &Stream,
+        g: impl Into<In<'g>>,
+        u: impl Into<In<'u>>,
+        y: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let (g, u, mut y) = (g.into(), u.into(), y.into());
+        self.elementwise(stream, "silu_gate", &g, Some(&u), &mut y, None)
+    }
+
+    /// Rows `rows[i] + offset` of `w` as floats into `y` (`rows.len() × cols`): token or
+    /// position embeddings.
+    pub fn get_rows<'r, 'y>(
+        &self,
+        stream: &Stream,
+        w: &DeviceTensor,
+        rows: impl Into<DeviceView<'r, i32>>,
+        offset: usize,
+        y: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let (rows, mut y) = (rows.into(), y.into());
+        let n = rows.len();
+        check_len("rows", n * w.cols(), y.len())?;
+        if n == 0 || w.cols() == 0 {
+            return Ok(());
+        }
+        let l = geometry::get_rows(w.ty(), w.cols(), n)?;
+        let (rb, cols, off) = (
+            w.row_bytes() as i64,
+            i32_arg("cols", w.cols())?,
+            i32_arg("offset", offset)?,
+        );
+        let mut b = Args::new(self, stream, l.kernel);
+        b.ptr(&w.data.slice)
+            .scalar(&rb)
+            .scalar(&cols)
+            .view(&rows)
+            .scalar(&off)
+            .view_mut(&mut y);
+        // SAFETY: parameters match get_rows_* in kernels/ops.cu; y holds n rows of cols; the
+        // row indices plus offset must be below w's rows: the caller's contract (the engine
+        // checks token ids and positions against the tables before a step).
+        unsafe { b.launch(l) }?;
+        Ok(())
+    }
+
+    /// `out[t]` = how many of a hot slice's rows token `t` computes (`p[t, bucket[j]] >=
+    /// theta`), as floats; `p`: t × N scores.
+    pub fn count_active<'p, 'o>(
+        &self,
+        stream: &Stream,
+        slice: &GpuSlice,
+        p: impl Into<In<'p>>,
+        theta: f32,
+        t: usize,
+        out: impl Into<Out<'o>>,
+    ) -> Result<()> {
+        let (p, mut out) = (p.into(), out.into());
+        let n = slice.n_neurons();
+        check_len("scores", t * n, p.len())?;
+        check_len("counts", t, out.len())?;
+        let Some(bucket) = slice.bucket.as_ref() else {
+            return Err(CudaError::Shape("a slice without a bucket".into()));
+        };
+        if t == 0 {
+            return Ok(());
+        }
+        let (k, n32) = (i32_arg("rows", slice.len())?, i32_arg("neurons", n)?);
+        let mut b = Args::new(self, stream, "count_active");
+        b.view(&p)
+            .ptr(&bucket.slice)
+            .scalar(&k)
+            .scalar(&n32)
+            .scalar(&theta)
+            .view_mut(&mut out);
+        // SAFETY: parameters match count_active in kernels/ops.cu; p holds t × N scores, the
+        // bucket k entries below N (validated when the slice was made), out t floats.
+        unsafe { b.launch(geometry::count_active(t)?) }?;
+        Ok(())
     }
 
     /// `y = a + b`.
-    pub fn add(
+    pub fn add<'a, 'b, 'y>(
         &self,
         stream: &Stream,
-        a: &DeviceBuffer<f32>,
-        b: &DeviceBuffer<f32>,
-        y: &mut DeviceBuffer<f32>,
+        a: impl Into<In<'a>>,
+        b: impl Into<In<'b>>,
+        y: impl Into<Out<'y>>,
     ) -> Result<()> {
-        self.elementwise(stream, "add", a, Some(b), y, None)
+        let (a, b, mut y) = (a.into(), b.into(), y.into());
+        self.elementwise(stream, "add", &a, Some(&b), &mut y, None)
     }
 
     /// ReLU gating: `y = max(g, 0) * u`, or `max(g, 0) * max(u, 0)` when `relu_u` (Bamboo).
-    pub fn relu_gate(
+    pub fn relu_gate<'g, 'u, 'y>(
         &self,
         stream: &Stream,
-        g: &DeviceBuffer<f32>,
-        u: &DeviceBuffer<f32>,
+        g: impl Into<In<'g>>,
+        u: impl Into<In<'u>>,
         relu_u: bool,
-        y: &mut DeviceBuffer<f32>,
+        y: impl Into<Out<'y>>,
     ) -> Result<()> {
-        self.elementwise(stream, "relu_gate", g, Some(u), y, Some(i32::from(relu_u)))
+        let (g, u, mut y) = (g.into(), u.into(), y.into());
+        self.elementwise(
+            stream,
+            "relu_gate",
+            &g,
+            Some(&u),
+            &mut y,
+            Some(i32::from(relu_u)),
+        )
     }
 
     /// Stores K and V of `t` tokens (`t * n_kv_head * head_dim` floats each, token-major) at
     /// positions `pos .. pos + t` of the cache, as f16.
-    pub fn kv_store(
+    pub fn kv_store<'k, 'v>(
         &self,
         stream: &Stream,
         cache: &mut KvCache,
-        k: &DeviceBuffer<f32>,
-        v: &DeviceBuffer<f32>,
+        k: impl Into<In<'k>>,
+        v: impl Into<In<'v>>,
         pos: usize,
         t: usize,
     ) -> Result<()> {
+        let (k, v) = (k.into(), v.into());
         let row = cache.n_kv_head * cache.head_dim;
         check_len("k", t * row, k.len())?;
         check_len("v", t * row, v.len())?;
@@ -555,8 +882,8 @@ impl Gpu {
         let offset = (pos * row) as i64;
         let n32 = i32_arg("n", n)?;
         let mut b = Args::new(self, stream, "kv_store");
-        b.ptr(&k.slice)
-            .ptr(&v.slice)
+        b.view(&k)
+            .view(&v)
             .ptr_mut(&mut cache.k.slice)
             .ptr_mut(&mut cache.v.slice)
             .scalar(&offset)
@@ -569,19 +896,21 @@ impl Gpu {
 
     /// Causal attention of the `t` query tokens at positions `len - t .. len` over positions
     /// `0..len` of the cache (token i sees `0 ..= len - t + i`), with grouped-query heads
-    /// (n_head a multiple of the cache's n_kv_head). `q`, `out`: t × n_head × head_dim.
-    /// Decoding is `t = 1`.
-    pub fn attention(
+    /// (n_head a multiple of the cache's n_kv_head). `q`, `out`: t × n_head × head_dim;
+    /// `scratch`: at least t × n_head × len floats. Decoding is `t = 1`.
+    pub fn attention<'q, 'o, 's>(
         &self,
         stream: &Stream,
-        q: &DeviceBuffer<f32>,
+        q: impl Into<In<'q>>,
         cache: &KvCache,
         n_head: usize,
         len: usize,
         t: usize,
         scale: f32,
-        out: &mut DeviceBuffer<f32>,
+        out: impl Into<Out<'o>>,
+        scratch: impl Into<Out<'s>>,
     ) -> Result<()> {
+        let (q, mut out, mut scratch) = (q.into(), out.into(), scratch.into());
         let hd = cache.head_dim;
         check_len("q", t * n_head * hd, q.len())?;
         check_len("out", t * n_head * hd, out.len())?;
@@ -598,10 +927,16 @@ impl Gpu {
                 len: cache.n_ctx,
             });
         }
+        if scratch.len() < t * n_head * len {
+            return Err(CudaError::Length {
+                what: "attention scratch",
+                expected: t * n_head * len,
+                got: scratch.len(),
+            });
+        }
         if n_head == 0 || hd == 0 || t == 0 {
             return Ok(());
         }
-        let mut scratch = self.alloc_zeros::<f32>(stream, t * n_head * len)?;
         let (h, kvh, d, l, t32) = (
             i32_arg("n_head", n_head)?,
             i32_arg("n_kv", cache.n_kv_head)?,
@@ -610,11 +945,11 @@ impl Gpu {
             i32_arg("tokens", t)?,
         );
         let mut b = Args::new(self, stream, "attention_f16kv");
-        b.ptr(&q.slice)
+        b.view(&q)
             .ptr(&cache.k.slice)
             .ptr(&cache.v.slice)
-            .ptr_mut(&mut out.slice)
-            .ptr_mut(&mut scratch.slice);
+            .view_mut(&mut out)
+            .view_mut(&mut scratch);
         b.scalar(&h)
             .scalar(&kvh)
             .scalar(&d)
@@ -622,26 +957,27 @@ impl Gpu {
             .scalar(&t32)
             .scalar(&scale);
         // SAFETY: parameters match attention_f16kv in kernels/ops.cu; t <= len <= n_ctx, scratch
-        // has t * n_head * len floats, q and out lengths checked above.
+        // has at least t * n_head * len floats, q and out lengths checked above.
         unsafe { b.launch(geometry::attention(n_head, t)?) }?;
         Ok(())
     }
 
     /// `mask[i] = p[i] >= theta` (1 or 0) for every score.
-    pub fn threshold_mask(
+    pub fn threshold_mask<'p>(
         &self,
         stream: &Stream,
-        p: &DeviceBuffer<f32>,
+        p: impl Into<In<'p>>,
         theta: f32,
         mask: &mut DeviceBuffer<u8>,
     ) -> Result<()> {
+        let p = p.into();
         check_len("mask", p.len(), mask.len())?;
         if p.is_empty() {
             return Ok(());
         }
         let n = p.len() as i64;
         let mut b = Args::new(self, stream, "threshold_mask");
-        b.ptr(&p.slice)
+        b.view(&p)
             .ptr_mut(&mut mask.slice)
             .scalar(&n)
             .scalar(&theta);
@@ -652,19 +988,20 @@ impl Gpu {
 
     /// The ascending indices i with `p[i] >= theta` of one token's scores: writes them to the
     /// front of `idx` (length ≥ p.len()) and their number to `count[0]`.
-    pub fn active_list(
+    pub fn active_list<'p>(
         &self,
         stream: &Stream,
-        p: &DeviceBuffer<f32>,
+        p: impl Into<In<'p>>,
         theta: f32,
         idx: &mut DeviceBuffer<u32>,
         count: &mut DeviceBuffer<u32>,
     ) -> Result<()> {
+        let p = p.into();
         check_len("index buffer", p.len(), idx.len())?;
         check_len("count", 1, count.len())?;
         let n = i32_arg("n", p.len())?;
         let mut b = Args::new(self, stream, "active_list");
-        b.ptr(&p.slice)
+        b.view(&p)
             .scalar(&n)
             .scalar(&theta)
             .ptr_mut(&mut idx.slice)
@@ -675,17 +1012,16 @@ impl Gpu {
     }
 
     /// The predictor MLP: `scores = fc2 · ReLU(fc1 · h)` for `t` tokens (`fc1`: hidden × d,
-    /// `fc2`: N × hidden, `h`: t × d, `scores`: t × N), then `mask = scores >= theta`.
-    pub fn predictor(
+    /// `fc2`: N × hidden, `h`: t × d, `hidden`: t × hidden scratch, `scores`: t × N).
+    pub fn predictor<'h, 'm, 's>(
         &self,
         stream: &Stream,
         fc1: &DeviceTensor,
         fc2: &DeviceTensor,
-        h: &DeviceBuffer<f32>,
+        h: impl Into<In<'h>>,
         t: usize,
-        theta: f32,
-        scores: &mut DeviceBuffer<f32>,
-        mask: &mut DeviceBuffer<u8>,
+        hidden: impl Into<Out<'m>>,
+        scores: impl Into<Out<'s>>,
     ) -> Result<()> {
         if fc2.cols() != fc1.rows() {
             return Err(CudaError::Shape(format!(
@@ -694,11 +1030,9 @@ impl Gpu {
                 fc1.rows()
             )));
         }
-        let mut hidden = self.alloc_zeros::<f32>(stream, t * fc1.rows())?;
-        self.matmul(stream, fc1, h, t, &mut hidden)?;
-        let mut relu = self.alloc_zeros::<f32>(stream, t * fc1.rows())?;
-        self.relu(stream, &hidden, &mut relu)?;
-        self.matmul(stream, fc2, &relu, t, scores)?;
-        self.threshold_mask(stream, scores, theta, mask)
+        let mut hidden = hidden.into();
+        self.matmul(stream, fc1, h, t, hidden.as_mut())?;
+        self.relu_in_place(stream, hidden.as_mut())?;
+        self.matmul(stream, fc2, hidden.as_view(), t, scores)
     }
 }

@@ -568,17 +568,73 @@ proptest! {
         let orig = xr.clone();
         let pos: Vec<i32> = (0..rows).map(|_| rng.below(4096) as i32).collect();
         let l = geometry::rope(rows, n_head, n_rot).unwrap();
-        type Rope = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const i32, i32, i32, i32, f32, i32);
+        type Rope = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const i32, i32, i32, i32, f32, f32, i32);
         let f: Rope = emu.sym("rope");
+        let freq_scale = if seed % 3 == 0 { 0.25 } else { 1.0 };
+        let theta_scale = powerinfer_kernels_cuda::ops::rope_theta_scale(10000.0, n_rot);
         {
             let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: xr holds rows × n_head × head_dim floats, pos holds rows positions.
-            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, xr.as_mut_ptr(), pos.as_ptr(), n_head as i32, head_dim as i32, n_rot as i32, 10000.0, i32::from(neox)) };
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, xr.as_mut_ptr(), pos.as_ptr(), n_head as i32, head_dim as i32, n_rot as i32, theta_scale, freq_scale, i32::from(neox)) };
         }
         let mode = if neox { powerinfer_kernels_cpu::ops::rope::RopeMode::NeoX } else { powerinfer_kernels_cpu::ops::rope::RopeMode::Normal };
         let per = n_head * head_dim;
-        let want: Vec<f64> = (0..rows).flat_map(|i| ro::rope(&orig[i * per..(i + 1) * per], n_head, head_dim, pos[i] as usize, n_rot, mode, 10000.0, 1.0)).collect();
-        close("rope", &xr, &want, &vec![1.0; want.len()])?;
+        // The CPU kernel's angles (ggml's repeated products): the same f32 operations, so the
+        // two agree to the rounding of cos and sin, tighter than either to the exact angles.
+        let params = powerinfer_kernels_cpu::ops::rope::RopeParams { n_dims: n_rot, mode, freq_base: 10000.0, freq_scale };
+        let mut cpu = orig.clone();
+        for (i, tok) in cpu.chunks_exact_mut(per).enumerate() {
+            powerinfer_kernels_cpu::ops::rope::rope(tok, n_head, head_dim, pos[i] as usize, &params).unwrap();
+        }
+        let want: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
+        close("rope", &xr, &want, &vec![0.02; want.len()])?;
+
+        // SwiGLU as the CPU kernel computes it.
+        let l = geometry::per_element("silu_gate", g.len()).unwrap();
+        type Silu = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut f32, i64);
+        let f: Silu = emu.sym("silu_gate");
+        let gs: Vec<f32> = g.iter().map(|v| 8.0 * v).collect();
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: gs, u, y hold the same number of floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, gs.as_ptr(), u.as_ptr(), y.as_mut_ptr(), gs.len() as i64) };
+        }
+        let mut cpu = gs.clone();
+        powerinfer_kernels_cpu::ops::activation::swiglu(&mut cpu, &u).unwrap();
+        let scale: Vec<f64> = cpu.iter().map(|v| 0.1 * v.abs() as f64).collect();
+        close("silu_gate", &y, &cpu.iter().map(|&v| v as f64).collect::<Vec<_>>(), &scale)?;
+
+        // A bias over rows, in place; an in-place add and ReLU.
+        let mut yb = x.clone();
+        let l = geometry::per_element("add_rows", yb.len()).unwrap();
+        type AddRows = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const f32, i32, i64);
+        let f: AddRows = emu.sym("add_rows");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: yb holds rows × n floats, w holds n.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, yb.as_mut_ptr(), w.as_ptr(), n as i32, yb.len() as i64) };
+        }
+        let want: Vec<f64> = x.iter().enumerate().map(|(i, &v)| (v + w[i % n]) as f64).collect();
+        close("add_rows", &yb, &want, &vec![0.0; want.len()])?;
+        type AddIn = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const f32, i64);
+        let f: AddIn = emu.sym("add_inplace");
+        let l = geometry::per_element("add_inplace", yb.len()).unwrap();
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: yb and x hold the same number of floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, yb.as_mut_ptr(), x.as_ptr(), yb.len() as i64) };
+        }
+        let want: Vec<f64> = x.iter().enumerate().map(|(i, &v)| ((v + w[i % n]) + v) as f64).collect();
+        close("add_inplace", &yb, &want, &vec![0.0; want.len()])?;
+        type ReluIn = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, i64);
+        let f: ReluIn = emu.sym("relu_inplace");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: yb holds its length of floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, yb.as_mut_ptr(), yb.len() as i64) };
+        }
+        let want: Vec<f64> = want.iter().map(|&v| ro::relu(v)).collect();
+        close("relu_inplace", &yb, &want, &vec![0.0; want.len()])?;
     }
 
     #[test]
@@ -652,6 +708,67 @@ proptest! {
         prop_assert_eq!(&idx[..want.len()], &want[..]);
         for i in 0..n {
             prop_assert_eq!(mask[i] == 1, p[i] >= theta);
+        }
+    }
+
+    /// Embedding rows of every type as the CPU dequantizes them; the per-token count of a hot
+    /// slice's computed rows; the f16 rounding of F16 products' activations.
+    #[test]
+    fn emulated_rows_counts_and_f16_rounding_are_exact(ti in 0usize..4, rows in 1usize..40, blocks in 1usize..6, n_ids in 1usize..9, offset in 0usize..3, k in 0usize..60, t in 1usize..4, seed in any::<u64>()) {
+        let Some(emu) = emu() else { return Ok(()); };
+        let mut rng = Rng::new(seed);
+        let ty = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0][ti];
+        let cols = 32 * blocks;
+        let (w, exact) = random_weight(&mut rng, ty, rows + offset, cols);
+        let rb = row_bytes(ty, cols).unwrap();
+        let ids: Vec<i32> = (0..n_ids).map(|_| rng.below(rows) as i32).collect();
+        let mut y = vec![f32::NAN; n_ids * cols];
+        let l = geometry::get_rows(ty, cols, n_ids).unwrap();
+        type Rows = unsafe extern "C" fn(u32, u32, u32, u32, *const u8, i64, i32, *const i32, i32, *mut f32);
+        let f: Rows = emu.sym(l.kernel);
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: w holds rows + offset rows of rb bytes, every id + offset is below that,
+            // y holds n_ids rows of cols floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, w.as_ptr(), rb as i64, cols as i32, ids.as_ptr(), offset as i32, y.as_mut_ptr()) };
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            let r = id as usize + offset;
+            for c in 0..cols {
+                prop_assert_eq!(y[i * cols + c] as f64, exact[r * cols + c], "row {} col {}", r, c);
+            }
+        }
+
+        let n = k + rng.below(20) + 1;
+        let bucket = random_bucket(&mut rng, n, 2);
+        let p = rng.vec(t * n);
+        let theta = 0.25;
+        let mut counts = vec![f32::NAN; t];
+        let l = geometry::count_active(t).unwrap();
+        type Count = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const u32, i32, i32, f32, *mut f32);
+        let f: Count = emu.sym("count_active");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: p holds t × n scores, bucket entries are below n, counts holds t floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, p.as_ptr(), bucket.as_ptr(), bucket.len() as i32, n as i32, theta, counts.as_mut_ptr()) };
+        }
+        for i in 0..t {
+            let want = bucket.iter().filter(|&&j| p[i * n + j as usize] >= theta).count();
+            prop_assert_eq!(counts[i], want as f32, "token {}", i);
+        }
+
+        let x: Vec<f32> = rng.vec(t * cols).iter().map(|v| v * 300.0).collect();
+        let mut r = vec![0.0f32; x.len()];
+        let l = geometry::per_element("round_f16", x.len()).unwrap();
+        type Round = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, i64, *mut f32);
+        let f: Round = emu.sym("round_f16");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: x and r hold the same number of floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, x.as_ptr(), x.len() as i64, r.as_mut_ptr()) };
+        }
+        for (i, (&a, &b)) in x.iter().zip(&r).enumerate() {
+            prop_assert_eq!(b.to_bits(), half::f16::from_f32(a).to_f32().to_bits(), "value {}", i);
         }
     }
 }

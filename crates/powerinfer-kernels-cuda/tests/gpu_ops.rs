@@ -68,15 +68,11 @@ fn check_dense_matmul_on(
     );
 }
 
-/// The activation values the GPU products multiply: for Q8_0/Q4_0 weights `x` quantized as the
-/// CPU kernels quantize it, otherwise `x` itself (the GPU's F16 products read the f32 values;
-/// the CPU kernels round them to f16 first, as ggml's CPU backend does).
+/// The activation values the GPU products multiply, those the CPU kernels multiply: for
+/// Q8_0/Q4_0 weights `x` quantized per block, for F16 weights `x` rounded to f16 (as ggml's CPU
+/// backend does), for F32 weights `x` itself.
 fn gpu_activation(ty: GgmlType, x: &[f32]) -> Vec<f64> {
-    if powerinfer_kernels_cuda::geometry::quantized_activation(ty) {
-        rm::quantize_activation(ty, x)
-    } else {
-        x.iter().map(|&v| v as f64).collect()
-    }
+    rm::quantize_activation(ty, x)
 }
 
 #[test]
@@ -188,7 +184,7 @@ proptest! {
         // theta_mode 3: no predictor (every row of the slice, dense fallback semantics).
         let (theta, p, ref_scores) = match theta_mode {
             3 => (0.0f32, None, vec![1.0f32; t * n]),
-            k => ([-2.0f32, 2.0, 0.0][k as usize], Some(&pd), scores.clone()),
+            k => ([-2.0f32, 2.0, 0.0][k as usize], Some((&pd).into()), scores.clone()),
         };
         gpu.sparse_axpy(s, &slice, &ad, p, theta, t, &mut y).unwrap();
         let got = y.to_host(s).unwrap();
@@ -210,14 +206,14 @@ proptest! {
         let w = rng.vec(n);
         let (xd, wd) = (gpu.upload(s, &x).unwrap(), gpu.upload(s, &w).unwrap());
         let mut y = gpu.alloc_zeros::<f32>(s, rows * n).unwrap();
-        gpu.rms_norm(s, &xd, Some(&wd), 1e-5, rows, n, &mut y).unwrap();
+        gpu.rms_norm(s, &xd, Some((&wd).into()), 1e-5, rows, n, &mut y).unwrap();
         let want = ro::rms_norm(&x, &w, 1e-5);
         let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs()).collect();
         assert_close("rms_norm", &y.to_host(s).unwrap(), &want, &scale);
 
         let bias = rng.vec(n);
         let bd = gpu.upload(s, &bias).unwrap();
-        gpu.layer_norm(s, &xd, Some(&wd), Some(&bd), 1e-5, rows, n, &mut y).unwrap();
+        gpu.layer_norm(s, &xd, Some((&wd).into()), Some((&bd).into()), 1e-5, rows, n, &mut y).unwrap();
         let want = ro::layer_norm(&x, &w, &bias, 1e-5);
         let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs() + 10.0).collect();
         assert_close("layer_norm", &y.to_host(s).unwrap(), &want, &scale);
@@ -256,11 +252,17 @@ proptest! {
         let mut xd = gpu.upload(s, &x).unwrap();
         let pd = gpu.upload(s, &pos).unwrap();
         let mode = if neox { RopeMode::Neox } else { RopeMode::Normal };
-        gpu.rope(s, &mut xd, &pd, t, n_head, head_dim, n_rot, 10000.0, mode).unwrap();
+        gpu.rope(s, &mut xd, &pd, t, n_head, head_dim, n_rot, 10000.0, 1.0, mode).unwrap();
         let cpu_mode = if neox { powerinfer_kernels_cpu::ops::rope::RopeMode::NeoX } else { powerinfer_kernels_cpu::ops::rope::RopeMode::Normal };
         let per = n_head * head_dim;
-        let want: Vec<f64> = (0..t).flat_map(|i| ro::rope(&x[i * per..(i + 1) * per], n_head, head_dim, pos[i] as usize, n_rot, cpu_mode, 10000.0, 1.0)).collect();
-        assert_close("rope", &xd.to_host(s).unwrap(), &want, &vec![1.0; want.len()]);
+        // The CPU kernel's angles: the same f32 operations, cos and sin within their rounding.
+        let params = powerinfer_kernels_cpu::ops::rope::RopeParams { n_dims: n_rot, mode: cpu_mode, freq_base: 10000.0, freq_scale: 1.0 };
+        let mut cpu = x.clone();
+        for (i, tok) in cpu.chunks_exact_mut(per).enumerate() {
+            powerinfer_kernels_cpu::ops::rope::rope(tok, n_head, head_dim, pos[i] as usize, &params).unwrap();
+        }
+        let want: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
+        assert_close("rope", &xd.to_host(s).unwrap(), &want, &vec![0.05; want.len()]);
     }
 
     #[test]
@@ -292,7 +294,8 @@ proptest! {
         let qd = gpu.upload(s, &q).unwrap();
         let mut out = gpu.alloc_zeros::<f32>(s, tq * n_head * head_dim).unwrap();
         let scale = 1.0 / (head_dim as f32).sqrt();
-        gpu.attention(s, &qd, &cache, n_head, len, tq, scale, &mut out).unwrap();
+        let mut scratch = gpu.alloc_zeros::<f32>(s, tq * n_head * len).unwrap();
+        gpu.attention(s, &qd, &cache, n_head, len, tq, scale, &mut out, &mut scratch).unwrap();
         let want = ro::attention_block(&q, &ks, &vs, tq, n_head, n_kv, head_dim, scale as f64);
         assert_close("attention", &out.to_host(s).unwrap(), &want, &vec![10.0; want.len()]);
     }
@@ -312,9 +315,13 @@ proptest! {
         let mut scores = gpu.alloc_zeros::<f32>(s, t * n).unwrap();
         let mut mask = gpu.alloc_zeros::<u8>(s, t * n).unwrap();
         let theta = [-1e30f32, 1e30, 0.0][theta_mode as usize];
-        gpu.predictor(s, &fc1, &fc2, &hd, t, theta, &mut scores, &mut mask).unwrap();
-        let h64: Vec<f64> = h.iter().map(|&v| v as f64).collect();
-        let mid: Vec<f64> = rm::gemm(&w1, hidden, d, &h64, t).into_iter().map(ro::relu).collect();
+        let mut hid = gpu.alloc_zeros::<f32>(s, t * hidden).unwrap();
+        gpu.predictor(s, &fc1, &fc2, &hd, t, &mut hid, &mut scores).unwrap();
+        gpu.threshold_mask(s, &scores, theta, &mut mask).unwrap();
+        // Both products multiply their activation as the CPU kernels do (f16-rounded for F16).
+        let h64 = gpu_activation(ty, &h);
+        let mid32: Vec<f32> = rm::gemm(&w1, hidden, d, &h64, t).into_iter().map(|v| ro::relu(v) as f32).collect();
+        let mid = gpu_activation(ty, &mid32);
         let want = rm::gemm(&w2, n, hidden, &mid, t);
         let mid_abs: Vec<f64> = abs_gemm(&w1, hidden, d, &h64, t);
         let scale = abs_gemm(&w2, n, hidden, &mid_abs, t);

@@ -94,7 +94,7 @@ fn decode(
     let tok = engine.tokenizer();
     let mut samplers = samplers(a);
     let seqs: Vec<SeqId> = (0..n)
-        .map(|_| cache.fork(prompt_seq))
+        .map(|_| engine.fork_sequence(cache, prompt_seq))
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -167,6 +167,8 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     let mut o = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut o)?;
+    // The prompt's sequence and its continuations keep their KV rows on a device together.
+    o.device.kv_sequences = a.parallel + 1;
     o.ctx_len = prompt.len() + a.n_predict + 1;
     let engine = Engine::load(&a.model, o).map_err(|e| format!("{}: {e}", a.model.display()))?;
     for line in super::device::describe(&engine) {

@@ -192,10 +192,12 @@ pub fn describe(engine: &Engine) -> Vec<String> {
     }
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     lines.push(format!(
-        "device: {}: budget {:.3} GiB; {} of {} dense matrices ({:.3} GiB), {} of {} FFN rows \
-         ({:.1}%); {}",
+        "device: {}: budget {:.3} GiB; {} of {} layers, {} of {} dense matrices ({:.3} GiB), {} \
+         of {} FFN rows ({:.1}%); {}",
         r.kind,
         gib(r.budget_bytes),
+        r.layers,
+        r.layers_total,
         r.dense_matrices,
         r.dense_total,
         gib(r.dense_bytes),
@@ -227,7 +229,43 @@ pub fn json(r: &DeviceReport) -> serde_json::Value {
         "active_share": r.active_share(),
         "overruns": r.overruns,
         "placement": r.placement,
+        "layers": r.layers,
+        "layers_total": r.layers_total,
+        "work_bytes": r.work_bytes,
+        "kv_bytes": r.kv_bytes,
+        "tokens": r.tokens,
+        "launches": r.launches,
+        "host_waits": r.host_waits,
+        "link_bytes": r.link_bytes,
+        "launches_per_token": r.launches_per_token(),
+        "syncs_per_token": r.syncs_per_token(),
+        "link_bytes_per_token": r.link_bytes_per_token(),
     })
+}
+
+/// What a device charged per token over a profile's evaluations: `(launches, host waits, link
+/// bytes)`; `None` without a device.
+pub fn traffic_per_token(p: &OpProfile) -> Option<(f64, f64, f64)> {
+    let d = &p.device;
+    if d.launches == 0 && d.syncs == 0 && d.link_bytes == 0 {
+        return None;
+    }
+    let t = p.tokens.max(1) as f64;
+    Some((
+        d.launches as f64 / t,
+        d.syncs as f64 / t,
+        d.link_bytes as f64 / t,
+    ))
+}
+
+/// [`traffic_per_token`] as JSON.
+pub fn traffic_json(p: &OpProfile) -> serde_json::Value {
+    match traffic_per_token(p) {
+        Some((l, s, b)) => serde_json::json!({
+            "launches_per_token": l, "syncs_per_token": s, "link_bytes_per_token": b,
+        }),
+        None => serde_json::Value::Null,
+    }
 }
 
 /// Per layer, per token: CPU, device, transfer, wait and idle time of a hybrid FFN

@@ -468,6 +468,13 @@ pub(crate) fn print_profile(p: &OpProfile, bandwidth: f64) {
             share * 100.0
         );
     }
+    if let Some((launches, syncs, bytes)) = super::device::traffic_per_token(p) {
+        eprintln!(
+            "device per token: {launches:.1} kernel launches, {syncs:.2} host waits, {:.1} KB \
+             over the link",
+            bytes / 1e3
+        );
+    }
 }
 
 /// The prompt's profile as a table on stderr: each operation's time and share (a prompt is
@@ -562,6 +569,7 @@ pub fn run(args: Args) -> Result<(), String> {
             (Some(p), Some(bw), Some(m)) => vec![
                 ("profile", profile_json(p, bw)),
                 ("hybrid_profile", super::device::split_json(p)),
+                ("device_traffic", super::device::traffic_json(p)),
                 ("weights_read_gbps", (m.read_bps / 1e9).into()),
                 ("weights_huge_page_share", m.huge_share.into()),
             ],

@@ -1,53 +1,32 @@
 //! The CUDA device: `powerinfer-kernels-cuda` on an NVIDIA GPU.
 //!
-//! Weights are uploaded once (`DeviceTensor`, and `GpuSlice` for a layer's hot neuron rows in
-//! bucket order); every buffer is held against the GPU's byte budget, which refuses before the
-//! driver is asked. A hot job queues its copies and kernels on the device's stream and returns;
-//! [`Device::finish`] waits for the stream and copies the output back.
+//! Everything lives on the GPU and runs on one stream: weights (`DeviceTensor`, and `GpuSlice`
+//! for a layer's hot neuron rows in bucket order), the engine's buffers, the KV stores, and the
+//! scratch the kernels need (reserved at load, so nothing is allocated while decoding). Each
+//! [`Op`] becomes one or a few kernel launches queued on the stream, and `enqueue` returns at
+//! once. Copies to the device go through pinned host buffers (`write`); copies to the host
+//! land in pinned buffers and are waited for by their event alone (`wait`): the host never
+//! synchronizes the whole device inside a step. Marks are timed events.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
+use half::f16;
 use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::ffn::FfnAct;
+use powerinfer_kernels_cpu::ops::rope::RopeMode as CpuRope;
 use powerinfer_kernels_cpu::Weights;
-use powerinfer_kernels_cuda::{CudaError, DeviceBuffer, DeviceTensor, Gpu, GpuSlice, NoGpu};
+use powerinfer_kernels_cuda::{
+    CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gpu, GpuSlice, KvCache,
+    NoGpu, PinnedBuffer, RopeMode, TimedEvent,
+};
 
-use super::{Device, HotDone, HotId, HotJob, HotSpec, HotSwap, MatId, Queue, Ticket, WorkShape};
+use super::{
+    launches_of, BufId, Device, HotId, HotSpec, HotSwap, KvId, MatId, Op, ReadId, RowsOf,
+    ScratchShape, Span, Traffic, TrafficCounters,
+};
 use crate::error::{EngineError, Result};
-use crate::model::FfnAct;
-
-/// A layer's hot rows on the GPU.
-struct CudaHot {
-    gate: Option<GpuSlice>,
-    up: GpuSlice,
-    down: GpuSlice,
-    /// Host copy of the bucket (device row `j` = neuron `bucket[j]`), to count active rows.
-    bucket: Vec<u32>,
-    /// `ffn_up.bias` of all neurons (gate-less FFNs).
-    up_bias: Option<Vec<f32>>,
-    act: FfnAct,
-}
-
-/// A queued hot job: its output and the inputs its kernels still read.
-struct Queued {
-    /// Per chunk of tokens: the output buffer and its token count.
-    outputs: Vec<DeviceBuffer<f32>>,
-    _inputs: Vec<DeviceBuffer<f32>>,
-    active: u64,
-    start: Instant,
-}
-
-/// An NVIDIA GPU through `powerinfer-kernels-cuda`.
-pub(crate) struct CudaDevice {
-    gpu: Gpu,
-    mats: RwLock<Vec<DeviceTensor>>,
-    /// `None`: freed.
-    hots: RwLock<Vec<Option<CudaHot>>>,
-    queued: Queue<Queued>,
-    next: AtomicU64,
-    t_max: AtomicU64,
-}
 
 fn cuda(e: CudaError) -> EngineError {
     match e {
@@ -58,6 +37,101 @@ fn cuda(e: CudaError) -> EngineError {
         },
         other => EngineError::Device(other.to_string()),
     }
+}
+
+/// A layer's hot rows on the GPU.
+struct CudaHot {
+    gate: Option<GpuSlice>,
+    up: GpuSlice,
+    down: GpuSlice,
+    /// Host copy of the bucket (device row `j` = neuron `bucket[j]`).
+    bucket: Vec<u32>,
+    /// Per neuron, 0 where the device computes it and `-inf` where it does not (added to the
+    /// scores; `None`: every held neuron).
+    mask: Option<DeviceBuffer<f32>>,
+    /// `ffn_up.bias` of every neuron (gate-less FFNs).
+    up_bias: Option<DeviceBuffer<f32>>,
+    act: FfnAct,
+}
+
+/// The kernels' own scratch, for steps of up to `t` tokens.
+struct Scratch {
+    t: usize,
+    /// The step's token ids and positions.
+    ids: DeviceBuffer<i32>,
+    pos: DeviceBuffer<i32>,
+    /// Attention scores (`t × n_head × ctx`).
+    attn: DeviceBuffer<f32>,
+    /// The hot FFN's masked scores, up and gate products and activations (`t × n_ff` each).
+    masked: DeviceBuffer<f32>,
+    up: DeviceBuffer<f32>,
+    gate: DeviceBuffer<f32>,
+    act: DeviceBuffer<f32>,
+}
+
+/// A copy to the host in flight: its pinned buffer.
+struct PendingRead {
+    buf: PinnedBuffer<f32>,
+}
+
+/// Everything on the device, behind one lock: operations queue under it.
+#[derive(Default)]
+struct State {
+    mats: Vec<DeviceTensor>,
+    /// `None` while an operation writes it.
+    bufs: Vec<Option<DeviceBuffer<f32>>>,
+    hots: Vec<Option<CudaHot>>,
+    /// Per store, per layer.
+    kvs: Vec<Vec<KvCache>>,
+    scratch: Option<Scratch>,
+    reads: HashMap<u64, PendingRead>,
+    next_read: u64,
+    /// Pinned buffers by length, free for the next copy (each waits for its last copy before
+    /// it is written or read again).
+    pinned: HashMap<usize, Vec<PinnedBuffer<f32>>>,
+    pinned_i32: HashMap<usize, Vec<PinnedBuffer<i32>>>,
+    /// Timed events of the marks.
+    marks: HashMap<usize, TimedEvent>,
+}
+
+/// An NVIDIA GPU through `powerinfer-kernels-cuda`.
+pub(crate) struct CudaDevice {
+    gpu: Gpu,
+    state: Mutex<State>,
+    traffic: TrafficCounters,
+}
+
+/// Buffer `id`.
+fn buf(bufs: &[Option<DeviceBuffer<f32>>], id: BufId) -> Result<&DeviceBuffer<f32>> {
+    bufs.get(id.0).and_then(Option::as_ref).ok_or_else(|| {
+        EngineError::Device(format!(
+            "device buffer {}: unknown, or an operation reads the buffer it writes",
+            id.0
+        ))
+    })
+}
+
+fn view(bufs: &[Option<DeviceBuffer<f32>>], s: Span) -> Result<DeviceView<'_, f32>> {
+    buf(bufs, s.buf)?.view(s.off, s.len).map_err(cuda)
+}
+
+/// Runs `f` with the buffers and a write view of `y`, whose buffer is taken out of the table
+/// meanwhile (so that `f` cannot read it through the table).
+fn with_out<R>(
+    bufs: &mut [Option<DeviceBuffer<f32>>],
+    y: Span,
+    f: impl FnOnce(&[Option<DeviceBuffer<f32>>], DeviceViewMut<'_, f32>) -> Result<R>,
+) -> Result<R> {
+    let mut out = bufs
+        .get_mut(y.buf.0)
+        .and_then(Option::take)
+        .ok_or_else(|| EngineError::Device(format!("unknown device buffer {}", y.buf.0)))?;
+    let r = out
+        .view_mut(y.off, y.len)
+        .map_err(cuda)
+        .and_then(|v| f(bufs, v));
+    bufs[y.buf.0] = Some(out);
+    r
 }
 
 impl CudaDevice {
@@ -72,17 +146,13 @@ impl CudaDevice {
         let gpu = Gpu::open(ordinal, Some(limit))?;
         Ok(CudaDevice {
             gpu,
-            mats: RwLock::new(Vec::new()),
-            hots: RwLock::new(Vec::new()),
-            queued: Queue::new(),
-            next: AtomicU64::new(0),
-            t_max: AtomicU64::new(64),
+            state: Mutex::new(State::default()),
+            traffic: TrafficCounters::default(),
         })
     }
 
-    fn chunks(&self, t: usize) -> Vec<std::ops::Range<usize>> {
-        let step = (self.t_max.load(Ordering::Relaxed) as usize).max(1);
-        (0..t).step_by(step).map(|a| a..(a + step).min(t)).collect()
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn slice(&self, w: &Weights<'_>, bucket: &[u32]) -> Result<GpuSlice> {
@@ -98,48 +168,337 @@ impl CudaDevice {
         .map_err(cuda)
     }
 
-    /// Queues the hot part of `n` tokens; returns the output buffer and the inputs to keep.
-    #[allow(clippy::too_many_arguments)]
-    fn queue_chunk(
-        &self,
-        h: &CudaHot,
-        x: &[f32],
-        scores: &[f32],
-        n: usize,
-        theta: f32,
-        keep: &mut Vec<DeviceBuffer<f32>>,
-    ) -> std::result::Result<DeviceBuffer<f32>, CudaError> {
-        let (gpu, s) = (&self.gpu, self.gpu.stream());
-        let nff = h.up.n_neurons();
-        let ne = h.down.weight().cols();
-        let x_d = gpu.upload(s, x)?;
-        let p_d = gpu.upload(s, scores)?;
-        let mut up = gpu.alloc_zeros::<f32>(s, n * nff)?;
-        gpu.sparse_matmul(s, &h.up, &x_d, &p_d, theta, n, &mut up)?;
-        let mut act = gpu.alloc_zeros::<f32>(s, n * nff)?;
-        match &h.gate {
-            Some(gate) => {
-                let mut g = gpu.alloc_zeros::<f32>(s, n * nff)?;
-                gpu.sparse_matmul(s, gate, &x_d, &p_d, theta, n, &mut g)?;
-                gpu.relu_gate(s, &g, &up, h.act == FfnAct::Drelu, &mut act)?;
-                keep.push(g);
-            }
-            None => match &h.up_bias {
-                Some(b) => {
-                    let rep: Vec<f32> = (0..n).flat_map(|_| b.iter().copied()).collect();
-                    let b_d = gpu.upload(s, &rep)?;
-                    let mut sum = gpu.alloc_zeros::<f32>(s, n * nff)?;
-                    gpu.add(s, &up, &b_d, &mut sum)?;
-                    gpu.relu(s, &sum, &mut act)?;
-                    keep.extend([b_d, sum]);
-                }
-                None => gpu.relu(s, &up, &mut act)?,
-            },
+    fn pinned(&self, st: &mut State, len: usize) -> Result<PinnedBuffer<f32>> {
+        match st.pinned.get_mut(&len).and_then(Vec::pop) {
+            Some(b) => Ok(b),
+            None => self.gpu.alloc_pinned::<f32>(len).map_err(cuda),
         }
-        let mut y = gpu.alloc_zeros::<f32>(s, n * ne)?;
-        gpu.sparse_axpy(s, &h.down, &act, Some(&p_d), theta, n, &mut y)?;
-        keep.extend([x_d, p_d, up, act]);
-        Ok(y)
+    }
+
+    /// Queues one operation.
+    fn op(&self, st: &mut State, op: &Op) -> Result<()> {
+        let s = self.gpu.stream();
+        let g = &self.gpu;
+        let State {
+            mats,
+            bufs,
+            hots,
+            kvs,
+            scratch,
+            marks,
+            ..
+        } = st;
+        let mat = |m: MatId| {
+            mats.get(m.0)
+                .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", m.0)))
+        };
+        let no_scratch = || EngineError::Device("no scratch reserved".into());
+        match op {
+            Op::MatMul { m, x, y, t } => with_out(bufs, *y, |b, yv| {
+                g.matmul(s, mat(*m)?, view(b, *x)?, *t, yv).map_err(cuda)
+            }),
+            Op::GetRows {
+                m,
+                rows,
+                from,
+                n,
+                y,
+            } => {
+                let sc = scratch.as_ref().ok_or_else(no_scratch)?;
+                let (src, offset) = match rows {
+                    RowsOf::Ids => (&sc.ids, 0),
+                    RowsOf::Positions(off) => (&sc.pos, *off),
+                };
+                let r = src.view(*from, *n).map_err(cuda)?;
+                with_out(bufs, *y, |_, yv| {
+                    g.get_rows(s, mat(*m)?, r, offset, yv).map_err(cuda)
+                })
+            }
+            Op::Norm { x, w, b, eps, y } => with_out(bufs, *y, |bf, yv| {
+                let wb = buf(bf, *w)?;
+                let n = wb.len();
+                let rows = x.len.checked_div(n).unwrap_or(0);
+                let wv = wb.view(0, n).map_err(cuda)?;
+                let xv = view(bf, *x)?;
+                match b {
+                    None => g.rms_norm(s, xv, Some(wv), *eps, rows, n, yv),
+                    Some(b) => {
+                        let bv = buf(bf, *b)?.view(0, n).map_err(cuda)?;
+                        g.layer_norm(s, xv, Some(wv), Some(bv), *eps, rows, n, yv)
+                    }
+                }
+                .map_err(cuda)
+            }),
+            Op::AddRows { y, b } => with_out(bufs, *y, |bf, yv| {
+                g.add_rows(s, yv, buf(bf, *b)?).map_err(cuda)
+            }),
+            Op::Add { y, x } => with_out(bufs, *y, |bf, yv| {
+                g.add_assign(s, yv, view(bf, *x)?).map_err(cuda)
+            }),
+            Op::Copy { x, y } => with_out(bufs, *y, |bf, yv| {
+                g.copy(s, view(bf, *x)?, yv).map_err(cuda)
+            }),
+            Op::Rope {
+                x,
+                n_head,
+                head_dim,
+                from,
+                n,
+                params,
+            } => {
+                let sc = scratch.as_ref().ok_or_else(no_scratch)?;
+                let mode = match params.mode {
+                    CpuRope::Normal => RopeMode::Normal,
+                    CpuRope::NeoX => RopeMode::Neox,
+                };
+                let pos = sc.pos.view(*from, *n).map_err(cuda)?;
+                with_out(bufs, *x, |_, xv| {
+                    g.rope(
+                        s,
+                        xv,
+                        pos,
+                        *n,
+                        *n_head,
+                        *head_dim,
+                        params.n_dims,
+                        params.freq_base,
+                        params.freq_scale,
+                        mode,
+                    )
+                    .map_err(cuda)
+                })
+            }
+            Op::KvStore {
+                kv,
+                layer,
+                k,
+                v,
+                pos,
+                n,
+            } => {
+                let cache = kvs
+                    .get_mut(kv.0)
+                    .and_then(|l| l.get_mut(*layer))
+                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+                g.kv_store(s, cache, view(bufs, *k)?, view(bufs, *v)?, *pos, *n)
+                    .map_err(cuda)
+            }
+            Op::Attention {
+                kv,
+                layer,
+                q,
+                out,
+                n,
+                len,
+                params,
+            } => {
+                let cache = kvs
+                    .get(kv.0)
+                    .and_then(|l| l.get(*layer))
+                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+                let sc = scratch.as_mut().ok_or_else(no_scratch)?;
+                let need = n * params.n_head * len;
+                let sv = sc.attn.view_mut(0, need).map_err(cuda)?;
+                with_out(bufs, *out, |bf, ov| {
+                    g.attention(
+                        s,
+                        view(bf, *q)?,
+                        cache,
+                        params.n_head,
+                        *len,
+                        *n,
+                        params.scale,
+                        ov,
+                        sv,
+                    )
+                    .map_err(cuda)
+                })
+            }
+            Op::Predictor {
+                fc1,
+                fc2,
+                x,
+                hidden,
+                scores,
+                t,
+            } => {
+                let (a, b) = (mat(*fc1)?, mat(*fc2)?);
+                // hidden and scores: two written buffers, each taken out of the table.
+                let mut hid = bufs
+                    .get_mut(hidden.buf.0)
+                    .and_then(Option::take)
+                    .ok_or_else(|| EngineError::Device("unknown predictor buffer".into()))?;
+                let r = hid
+                    .view_mut(hidden.off, hidden.len)
+                    .map_err(cuda)
+                    .and_then(|hv| {
+                        with_out(bufs, *scores, |bf, sv| {
+                            g.predictor(s, a, b, view(bf, *x)?, *t, hv, sv)
+                                .map_err(cuda)
+                        })
+                    });
+                bufs[hidden.buf.0] = Some(hid);
+                r
+            }
+            Op::HotFfn {
+                hot,
+                x,
+                scores,
+                threshold,
+                t,
+                y,
+                count,
+            } => {
+                let h = hots
+                    .get(hot.0)
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+                let sc = scratch.as_mut().ok_or_else(no_scratch)?;
+                self.hot_ffn(bufs, h, sc, *x, *scores, *threshold, *t, *y, *count)
+            }
+            Op::Activate { act, gate, up } => {
+                if *act == FfnAct::Relu {
+                    return with_out(bufs, *gate, |_, gv| g.relu_in_place(s, gv).map_err(cuda));
+                }
+                let sc = scratch.as_mut().ok_or_else(no_scratch)?;
+                {
+                    let tmp = sc.act.view_mut(0, gate.len).map_err(cuda)?;
+                    let (gv, uv) = (view(bufs, *gate)?, view(bufs, *up)?);
+                    match act {
+                        FfnAct::Swiglu => g.silu_gate(s, gv, uv, tmp),
+                        _ => g.relu_gate(s, gv, uv, *act == FfnAct::Drelu, tmp),
+                    }
+                    .map_err(cuda)?;
+                }
+                let back = sc.act.view(0, gate.len).map_err(cuda)?;
+                with_out(bufs, *gate, |_, gv| g.copy(s, back, gv).map_err(cuda))
+            }
+            Op::Mark { slot } => {
+                let e = match marks.get(slot) {
+                    Some(e) => e,
+                    None => {
+                        let e = g.timed_event().map_err(cuda)?;
+                        marks.entry(*slot).or_insert(e)
+                    }
+                };
+                s.record(e).map_err(cuda)
+            }
+        }
+    }
+
+    /// The hot part of a sparse FFN (see [`Op::HotFfn`]).
+    #[allow(clippy::too_many_arguments)]
+    fn hot_ffn(
+        &self,
+        bufs: &mut [Option<DeviceBuffer<f32>>],
+        h: &CudaHot,
+        sc: &mut Scratch,
+        x: Span,
+        scores: Span,
+        theta: f32,
+        t: usize,
+        y: Span,
+        count: Option<Span>,
+    ) -> Result<()> {
+        let (g, s) = (&self.gpu, self.gpu.stream());
+        let n = h.up.n_neurons();
+        if t > sc.t || scores.len != t * n {
+            return Err(EngineError::Device(format!(
+                "a hot FFN of {t} tokens and {} scores (scratch for {}, {n} neurons)",
+                scores.len, sc.t
+            )));
+        }
+        let tn = t * n;
+        // The scores of the neurons the device computes (the others below any threshold),
+        // in the kernels' own scratch.
+        g.copy(
+            s,
+            view(bufs, scores)?,
+            sc.masked.view_mut(0, tn).map_err(cuda)?,
+        )
+        .map_err(cuda)?;
+        if let Some(mask) = &h.mask {
+            g.add_rows(s, sc.masked.view_mut(0, tn).map_err(cuda)?, mask)
+                .map_err(cuda)?;
+        }
+        let Scratch {
+            masked,
+            up,
+            gate,
+            act,
+            ..
+        } = sc;
+        let p = masked.view(0, tn).map_err(cuda)?;
+        let xv = view(bufs, x)?;
+        g.sparse_matmul(
+            s,
+            &h.up,
+            xv.reborrow(),
+            p.reborrow(),
+            theta,
+            t,
+            up.view_mut(0, tn).map_err(cuda)?,
+        )
+        .map_err(cuda)?;
+        match &h.gate {
+            Some(gs) => {
+                g.sparse_matmul(
+                    s,
+                    gs,
+                    xv.reborrow(),
+                    p.reborrow(),
+                    theta,
+                    t,
+                    gate.view_mut(0, tn).map_err(cuda)?,
+                )
+                .map_err(cuda)?;
+                let (gv, uv) = (
+                    gate.view(0, tn).map_err(cuda)?,
+                    up.view(0, tn).map_err(cuda)?,
+                );
+                let av = act.view_mut(0, tn).map_err(cuda)?;
+                match h.act {
+                    FfnAct::Swiglu => g.silu_gate(s, gv, uv, av),
+                    a => g.relu_gate(s, gv, uv, a == FfnAct::Drelu, av),
+                }
+                .map_err(cuda)?;
+            }
+            None => {
+                if let Some(b) = &h.up_bias {
+                    g.add_rows(s, up.view_mut(0, tn).map_err(cuda)?, b)
+                        .map_err(cuda)?;
+                }
+                g.relu(
+                    s,
+                    up.view(0, tn).map_err(cuda)?,
+                    act.view_mut(0, tn).map_err(cuda)?,
+                )
+                .map_err(cuda)?;
+            }
+        }
+        // F16 rows multiply activations rounded to f16, as the CPU's axpy does.
+        let coeff = if h.down.weight().ty() == GgmlType::F16 {
+            g.round_f16(
+                s,
+                act.view(0, tn).map_err(cuda)?,
+                gate.view_mut(0, tn).map_err(cuda)?,
+            )
+            .map_err(cuda)?;
+            gate.view(0, tn).map_err(cuda)?
+        } else {
+            act.view(0, tn).map_err(cuda)?
+        };
+        let pp = p.reborrow();
+        with_out(bufs, y, |_, yv| {
+            g.sparse_axpy(s, &h.down, coeff, Some(pp), theta, t, yv)
+                .map_err(cuda)
+        })?;
+        if let Some(c) = count {
+            with_out(bufs, c, |_, cv| {
+                g.count_active(s, &h.up, p, theta, t, cv).map_err(cuda)
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -158,32 +517,31 @@ impl Device for CudaDevice {
         powerinfer_kernels_cuda::tensor::SUPPORTED_TYPES.contains(&ty)
     }
 
-    fn work_bytes(&self, s: &WorkShape) -> u64 {
-        // Per chunk: inputs and scores, gate/up/activation over all neurons, the output; the
-        // quantized activation and the predictor's hidden layers; products' outputs.
-        let t = s.t_max.max(1) as u64;
-        let f = 4u64;
-        t * f
-            * (s.max_cols.max(s.n_embd) as u64
-                + s.max_rows as u64
-                + 2 * s.n_embd as u64
-                + 5 * s.n_ff as u64
-                + 2 * s.rank as u64)
-            + t * s.n_ff as u64
-            + (64 << 10)
+    fn traffic(&self) -> Traffic {
+        self.traffic.get()
     }
 
-    fn reserve_work(&self, s: &WorkShape) -> Result<()> {
-        self.t_max.store(s.t_max.max(1) as u64, Ordering::Relaxed);
-        let need = self.work_bytes(s);
-        let free = self.gpu.budget().available();
-        if need > free {
-            return Err(EngineError::DeviceMemory {
-                requested: need,
-                used: self.gpu.budget().used(),
-                limit: self.gpu.budget().limit(),
-            });
-        }
+    fn scratch_bytes(&self, sh: &ScratchShape) -> u64 {
+        let t = sh.t.max(1) as u64;
+        4 * (2 * t + t * (sh.n_head * sh.ctx) as u64 + 4 * t * sh.n_ff as u64 + t * sh.cols as u64)
+    }
+
+    fn reserve_scratch(&self, sh: &ScratchShape) -> Result<()> {
+        let (g, s) = (&self.gpu, self.gpu.stream());
+        let t = sh.t.max(1);
+        let f = |n: usize| g.alloc_zeros::<f32>(s, n).map_err(cuda);
+        let scratch = Scratch {
+            t,
+            ids: g.alloc_zeros::<i32>(s, t).map_err(cuda)?,
+            pos: g.alloc_zeros::<i32>(s, t).map_err(cuda)?,
+            attn: f(t * sh.n_head * sh.ctx)?,
+            masked: f(t * sh.n_ff)?,
+            up: f(t * sh.n_ff)?,
+            gate: f(t * sh.n_ff)?,
+            act: f(t * sh.n_ff)?,
+        };
+        g.reserve_activation(s, t * sh.cols).map_err(cuda)?;
+        self.state().scratch = Some(scratch);
         Ok(())
     }
 
@@ -197,12 +555,30 @@ impl Device for CudaDevice {
             w.data(),
         )
         .map_err(cuda)?;
-        let mut mats = self.mats.write().unwrap_or_else(|e| e.into_inner());
-        mats.push(t);
-        Ok(MatId(mats.len() - 1))
+        let mut st = self.state();
+        st.mats.push(t);
+        Ok(MatId(st.mats.len() - 1))
+    }
+
+    fn upload_vec(&self, v: &[f32]) -> Result<BufId> {
+        let b = self.gpu.upload(self.gpu.stream(), v).map_err(cuda)?;
+        let mut st = self.state();
+        st.bufs.push(Some(b));
+        Ok(BufId(st.bufs.len() - 1))
+    }
+
+    fn alloc(&self, len: usize) -> Result<BufId> {
+        let b = self
+            .gpu
+            .alloc_zeros::<f32>(self.gpu.stream(), len)
+            .map_err(cuda)?;
+        let mut st = self.state();
+        st.bufs.push(Some(b));
+        Ok(BufId(st.bufs.len() - 1))
     }
 
     fn upload_hot(&self, spec: &HotSpec<'_>) -> Result<HotId> {
+        let s = self.gpu.stream();
         let hot = CudaHot {
             gate: spec
                 .gate
@@ -212,19 +588,25 @@ impl Device for CudaDevice {
             up: self.slice(&spec.up, spec.bucket)?,
             down: self.slice(&spec.down_t, spec.bucket)?,
             bucket: spec.bucket.to_vec(),
-            up_bias: spec.up_bias.map(<[f32]>::to_vec),
+            mask: None,
+            up_bias: spec
+                .up_bias
+                .map(|b| self.gpu.upload(s, b))
+                .transpose()
+                .map_err(cuda)?,
             act: spec.act,
         };
-        let mut hots = self.hots.write().unwrap_or_else(|e| e.into_inner());
-        hots.push(Some(hot));
-        Ok(HotId(hots.len() - 1))
+        let mut st = self.state();
+        st.hots.push(Some(hot));
+        Ok(HotId(st.hots.len() - 1))
     }
 
-    fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<std::time::Duration> {
+    fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<Duration> {
         let (slots, neurons, spec) = (swap.slots(), swap.neurons(), swap.spec);
         let start = Instant::now();
-        let mut hots = self.hots.write().unwrap_or_else(|e| e.into_inner());
-        let h = hots
+        let mut st = self.state();
+        let h = st
+            .hots
             .get_mut(hot.0)
             .and_then(Option::as_mut)
             .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
@@ -239,22 +621,70 @@ impl Device for CudaDevice {
             *slot = n;
         }
         let s = self.gpu.stream();
+        let mut bytes = 4 * slots.len() as u64;
         if let (Some(g), Some(w)) = (h.gate.as_mut(), spec.gate.as_ref()) {
             g.replace_rows(s, w.data(), slots, &bucket).map_err(cuda)?;
+            bytes += (slots.len() * w.row_bytes()) as u64;
         }
         h.up.replace_rows(s, spec.up.data(), slots, &bucket)
             .map_err(cuda)?;
         h.down
             .replace_rows(s, spec.down_t.data(), slots, &bucket)
             .map_err(cuda)?;
-        s.synchronize().map_err(cuda)?;
+        bytes += (slots.len() * (spec.up.row_bytes() + spec.down_t.row_bytes())) as u64;
         h.bucket = bucket;
+        // The new rows are computed (their neurons' mask entries opened); the old neurons'
+        // entries no longer matter (the bucket does not hold them).
+        if let Some(m) = h.mask.as_mut() {
+            let mut host = m.to_host(s).map_err(cuda)?;
+            for &n in neurons {
+                host[n as usize] = 0.0;
+            }
+            m.copy_from(s, &host).map_err(cuda)?;
+        }
+        // The copies are waited for: the measured time prices the next migrations.
+        s.synchronize().map_err(cuda)?;
+        self.traffic.waited();
+        self.traffic.moved(bytes);
         Ok(start.elapsed())
     }
 
+    fn set_enabled(&self, hot: HotId, enabled: Option<&[bool]>) -> Result<()> {
+        let s = self.gpu.stream();
+        let mut st = self.state();
+        let h = st
+            .hots
+            .get_mut(hot.0)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+        let Some(e) = enabled else {
+            h.mask = None;
+            return Ok(());
+        };
+        if e.len() != h.bucket.len() {
+            return Err(EngineError::Device(format!(
+                "{} enabled flags for {} slots",
+                e.len(),
+                h.bucket.len()
+            )));
+        }
+        let mut host = vec![0f32; h.up.n_neurons()];
+        for (&n, &on) in h.bucket.iter().zip(e) {
+            if !on {
+                host[n as usize] = f32::NEG_INFINITY;
+            }
+        }
+        match h.mask.as_mut() {
+            Some(m) => m.copy_from(s, &host).map_err(cuda)?,
+            None => h.mask = Some(self.gpu.upload(s, &host).map_err(cuda)?),
+        }
+        self.traffic.moved(4 * host.len() as u64);
+        Ok(())
+    }
+
     fn drop_hot(&self, hot: HotId) -> Result<()> {
-        let mut hots = self.hots.write().unwrap_or_else(|e| e.into_inner());
-        match hots.get_mut(hot.0) {
+        let mut st = self.state();
+        match st.hots.get_mut(hot.0) {
             Some(h @ Some(_)) => {
                 *h = None;
                 Ok(())
@@ -263,130 +693,201 @@ impl Device for CudaDevice {
         }
     }
 
-    fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()> {
-        let mats = self.mats.read().unwrap_or_else(|e| e.into_inner());
-        let w = mats
-            .get(m.0)
-            .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", m.0)))?;
-        let (rows, cols) = (w.rows(), w.cols());
-        if x.len() != t * cols || y.len() != t * rows {
-            return Err(EngineError::Device(format!(
-                "product of {t} tokens: {} inputs, {} outputs for a {rows}×{cols} matrix",
-                x.len(),
-                y.len()
-            )));
-        }
-        let (gpu, s) = (&self.gpu, self.gpu.stream());
-        for c in self.chunks(t) {
-            let n = c.len();
-            let run = || -> std::result::Result<Vec<f32>, CudaError> {
-                let x_d = gpu.upload(s, &x[c.start * cols..c.end * cols])?;
-                let mut y_d = gpu.alloc_zeros::<f32>(s, n * rows)?;
-                gpu.matmul(s, w, &x_d, n, &mut y_d)?;
-                y_d.to_host(s)
-            };
-            y[c.start * rows..c.end * rows].copy_from_slice(&run().map_err(cuda)?);
-        }
-        Ok(())
-    }
-
-    fn scores(&self, fc1: MatId, fc2: MatId, h: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
-        let mats = self.mats.read().unwrap_or_else(|e| e.into_inner());
-        let get = |id: MatId| {
-            mats.get(id.0)
-                .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", id.0)))
-        };
-        let (a, b) = (get(fc1)?, get(fc2)?);
-        let (ne, nff) = (a.cols(), b.rows());
-        if h.len() != t * ne || out.len() != t * nff {
-            return Err(EngineError::Device(format!(
-                "predictor of {t} tokens: {} inputs, {} scores",
-                h.len(),
-                out.len()
-            )));
-        }
-        let (gpu, s) = (&self.gpu, self.gpu.stream());
-        for c in self.chunks(t) {
-            let n = c.len();
-            let run = || -> std::result::Result<Vec<f32>, CudaError> {
-                let h_d = gpu.upload(s, &h[c.start * ne..c.end * ne])?;
-                let mut p = gpu.alloc_zeros::<f32>(s, n * nff)?;
-                let mut mask = gpu.alloc_zeros::<u8>(s, n * nff)?;
-                gpu.predictor(s, a, b, &h_d, n, 0.0, &mut p, &mut mask)?;
-                p.to_host(s)
-            };
-            out[c.start * nff..c.end * nff].copy_from_slice(&run().map_err(cuda)?);
-        }
-        Ok(())
-    }
-
-    fn submit(&self, job: &HotJob<'_>) -> Result<Ticket> {
-        let hots = self.hots.read().unwrap_or_else(|e| e.into_inner());
-        let h = hots
-            .get(job.hot.0)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", job.hot.0)))?;
-        let nff = h.up.n_neurons();
-        let ne = h.down.weight().cols();
-        let t = job.t;
-        if job.x.len() != t * ne || job.scores.len() != t * nff {
-            return Err(EngineError::Device(format!(
-                "hot job of {t} tokens: {} inputs, {} scores",
-                job.x.len(),
-                job.scores.len()
-            )));
-        }
-        let start = Instant::now();
-        let active = (0..t)
-            .map(|i| {
-                let sc = &job.scores[i * nff..][..nff];
-                h.bucket
-                    .iter()
-                    .filter(|&&j| sc[j as usize] >= job.threshold)
-                    .count() as u64
-            })
-            .sum();
-        let mut outputs = Vec::new();
-        let mut keep = Vec::new();
-        for c in self.chunks(t) {
-            let y = self
-                .queue_chunk(
-                    h,
-                    &job.x[c.start * ne..c.end * ne],
-                    &job.scores[c.start * nff..c.end * nff],
-                    c.len(),
-                    job.threshold,
-                    &mut keep,
-                )
-                .map_err(cuda)?;
-            outputs.push(y);
-        }
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let queued = Queued {
-            outputs,
-            _inputs: keep,
-            active,
-            start,
-        };
-        Ok(self.queued.push(id, queued))
-    }
-
-    fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone> {
-        let q = self.queued.take(ticket, "device job")?;
+    fn alloc_kv(
+        &self,
+        layers: usize,
+        positions: usize,
+        n_kv_head: usize,
+        head_dim: usize,
+    ) -> Result<KvId> {
         let s = self.gpu.stream();
-        let mut at = 0;
-        for y in &q.outputs {
-            let host = y.to_host(s).map_err(cuda)?;
-            let dst = out.get_mut(at..at + host.len()).ok_or_else(|| {
-                EngineError::Device("the device's output is longer than the FFN's".into())
-            })?;
-            dst.iter_mut().zip(&host).for_each(|(o, d)| *o += d);
-            at += host.len();
+        let store = (0..layers)
+            .map(|_| KvCache::new(&self.gpu, s, positions, n_kv_head, head_dim))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(cuda)?;
+        let mut st = self.state();
+        st.kvs.push(store);
+        Ok(KvId(st.kvs.len() - 1))
+    }
+
+    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()> {
+        let mut st = self.state();
+        let cache = st
+            .kvs
+            .get_mut(kv.0)
+            .and_then(|l| l.get_mut(layer))
+            .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+        let bits = |x: &[f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
+        cache
+            .write(self.gpu.stream(), start, &bits(k), &bits(v))
+            .map_err(cuda)?;
+        self.traffic.moved(4 * k.len() as u64);
+        Ok(())
+    }
+
+    fn read_kv(
+        &self,
+        kv: KvId,
+        layer: usize,
+        start: usize,
+        n: usize,
+    ) -> Result<(Vec<f16>, Vec<f16>)> {
+        let st = self.state();
+        let cache = st
+            .kvs
+            .get(kv.0)
+            .and_then(|l| l.get(layer))
+            .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+        let (k, v) = cache.read(self.gpu.stream(), start, n).map_err(cuda)?;
+        self.traffic.waited();
+        self.traffic.moved(4 * k.len() as u64);
+        let half = |x: Vec<u16>| x.into_iter().map(f16::from_bits).collect::<Vec<f16>>();
+        Ok((half(k), half(v)))
+    }
+
+    fn copy_kv(&self, from: KvId, to: KvId, n: usize) -> Result<()> {
+        let mut st = self.state();
+        if from == to || from.0 >= st.kvs.len() || to.0 >= st.kvs.len() {
+            return Err(EngineError::Device("unknown KV store".into()));
         }
-        Ok(HotDone {
-            active: q.active,
-            busy: q.start.elapsed(),
-            transfer: std::time::Duration::ZERO,
-        })
+        let (a, b) = if from.0 < to.0 {
+            let (x, y) = st.kvs.split_at_mut(to.0);
+            (&x[from.0], &mut y[0])
+        } else {
+            let (x, y) = st.kvs.split_at_mut(from.0);
+            (&y[0], &mut x[to.0])
+        };
+        for (src, dst) in a.iter().zip(b.iter_mut()) {
+            src.copy_prefix(self.gpu.stream(), dst, n).map_err(cuda)?;
+        }
+        self.traffic.launched(2 * a.len() as u64);
+        Ok(())
+    }
+
+    fn set_step(&self, ids: &[u32], positions: &[u32]) -> Result<()> {
+        let s = self.gpu.stream();
+        let mut st = self.state();
+        let t = ids.len();
+        let State {
+            scratch,
+            pinned_i32,
+            ..
+        } = &mut *st;
+        let sc = scratch
+            .as_mut()
+            .ok_or_else(|| EngineError::Device("no scratch reserved".into()))?;
+        if t > sc.t || positions.len() != t {
+            return Err(EngineError::Device(format!(
+                "a step of {t} tokens ({} positions) for scratch of {}",
+                positions.len(),
+                sc.t
+            )));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        for (src, dst) in [(ids, &mut sc.ids), (positions, &mut sc.pos)] {
+            let mut p = match pinned_i32.get_mut(&t).and_then(Vec::pop) {
+                Some(b) => b,
+                None => self.gpu.alloc_pinned::<i32>(t).map_err(cuda)?,
+            };
+            for (d, &v) in p.as_mut_slice().map_err(cuda)?.iter_mut().zip(src) {
+                *d = v as i32;
+            }
+            dst.view_mut(0, t)
+                .map_err(cuda)?
+                .copy_from_pinned(s, &p)
+                .map_err(cuda)?;
+            pinned_i32.entry(t).or_default().push(p);
+        }
+        self.traffic.moved(8 * t as u64);
+        Ok(())
+    }
+
+    fn enqueue(&self, ops: &[Op]) -> Result<()> {
+        let mut st = self.state();
+        let mut launches = 0;
+        for op in ops {
+            launches += launches_of(op, |m| {
+                st.mats.get(m.0).is_some_and(|d| {
+                    matches!(d.ty(), GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::F16)
+                })
+            });
+            self.op(&mut st, op)?;
+        }
+        self.traffic.launched(launches);
+        Ok(())
+    }
+
+    fn write(&self, dst: Span, src: &[f32]) -> Result<()> {
+        if src.len() != dst.len {
+            return Err(EngineError::Device(format!(
+                "a write of {} values into a span of {}",
+                src.len(),
+                dst.len
+            )));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let mut st = self.state();
+        let mut p = self.pinned(&mut st, src.len())?;
+        // Waits for the buffer's previous copy (long done: one per layer and step).
+        p.as_mut_slice().map_err(cuda)?.copy_from_slice(src);
+        let s = self.gpu.stream();
+        with_out(&mut st.bufs, dst, |_, mut v| {
+            v.copy_from_pinned(s, &p).map_err(cuda)
+        })?;
+        st.pinned.entry(src.len()).or_default().push(p);
+        self.traffic.moved(4 * src.len() as u64);
+        Ok(())
+    }
+
+    fn read(&self, src: Span) -> Result<ReadId> {
+        let mut st = self.state();
+        let mut p = self.pinned(&mut st, src.len.max(1))?;
+        if src.len > 0 {
+            view(&st.bufs, src)?
+                .copy_to_pinned(self.gpu.stream(), &mut p)
+                .map_err(cuda)?;
+        }
+        let id = st.next_read;
+        st.next_read += 1;
+        st.reads.insert(id, PendingRead { buf: p });
+        self.traffic.moved(4 * src.len as u64);
+        Ok(ReadId(id))
+    }
+
+    fn wait(&self, read: ReadId, dst: &mut [f32]) -> Result<()> {
+        let r = self
+            .state()
+            .reads
+            .remove(&read.0)
+            .ok_or_else(|| EngineError::Device(format!("unknown read {}", read.0)))?;
+        // The pinned buffer's own event: the host waits for this copy (and what the stream
+        // queued before it), not for the whole device.
+        let got = r.buf.as_slice().map_err(cuda)?;
+        self.traffic.waited();
+        if dst.len() > got.len() {
+            return Err(EngineError::Device(format!(
+                "a read of {} values into {}",
+                got.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(&got[..dst.len()]);
+        let len = r.buf.len();
+        self.state().pinned.entry(len).or_default().push(r.buf);
+        Ok(())
+    }
+
+    fn elapsed(&self, from: usize, to: usize) -> Result<Duration> {
+        let st = self.state();
+        match (st.marks.get(&from), st.marks.get(&to)) {
+            (Some(a), Some(b)) => a.elapsed(b).map_err(cuda),
+            _ => Err(EngineError::Device(format!(
+                "marks {from} and {to} were not both recorded"
+            ))),
+        }
     }
 }

@@ -1,22 +1,23 @@
 //! Compute devices beside the CPU: where the hot part of each layer runs.
 //!
-//! A device (the crate-private `Device` trait) holds weights in its own memory, under a byte
-//! budget that refuses an allocation before anything is allocated, and runs two kinds of work
-//! on them:
+//! A device (the crate-private `Device` trait) holds weights, work buffers and KV stores in its
+//! own memory, under a byte budget that refuses an allocation before anything is allocated, and
+//! runs **programs**: `Op`s on its own buffers, queued in order on one stream and returning
+//! at once. Nothing comes back to the host but what the engine reads on purpose
+//! (`Device::read`, then `Device::wait`, the only host wait); inputs go in by
+//! `Device::write`. So a layer whose attention and dense matrices the device holds keeps its
+//! hidden state there from the attention norm to the FFN's residual add, and a token costs the
+//! link only what the CPU's share of the FFN needs.
 //!
-//! - dense products `y = W x` of matrices it holds (attention, predictor, output head, the
-//!   layers `-ngl` offloads): synchronous, activations copied in and results out;
-//! - the hot part of a sparse FFN: the rows of the layer's hottest neurons, held in bucket order
-//!   (device row `j` is neuron `bucket[j]`). Submitting copies the inputs and returns at once;
-//!   the CPU computes the cold neurons meanwhile; finishing waits and adds the device's partial
-//!   sum into the output.
-//!
-//! Implementations: `sim::SimDevice`, a simulated GPU (own memory arena, own worker threads,
-//! explicit copies, optional speed model: [`SimSpeed`]) that runs on every machine, and
-//! `cuda::CudaDevice` on an NVIDIA GPU through `powerinfer-kernels-cuda`. What goes where is
-//! decided at load by the scheduling policy ([`crate::schedule`]), which reads what a device
-//! can do from `Device::supports` and `Device::attention` and never the reverse: this module knows nothing of placement or
-//! balancing. [`DeviceChoice`] and [`SimOptions`] choose; [`DeviceReport`] tells.
+//! Every device counts what a GPU would charge (`Device::traffic`): kernel launches, host
+//! waits and bytes over the link. Implementations: `sim::SimDevice`, a simulated GPU (own memory
+//! arena, own worker thread and kernel pool, an optional speed model [`SimSpeed`] that charges
+//! launches, host waits and link transfers) that runs on every machine, and `cuda::CudaDevice`
+//! on an NVIDIA GPU through `powerinfer-kernels-cuda`. What goes where is decided at load by the
+//! scheduling policy ([`crate::schedule`]), which reads what a device can do from
+//! `Device::supports` and `Device::attention` and never the reverse: this module knows nothing
+//! of placement or balancing. [`DeviceChoice`] and [`SimOptions`] choose; [`DeviceReport`]
+//! tells.
 
 pub(crate) mod cuda;
 pub(crate) mod sim;
@@ -27,11 +28,12 @@ use std::time::Duration;
 
 use half::f16;
 use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::ffn::FfnAct;
 use powerinfer_kernels_cpu::ops::attention::{AttentionParams, AttentionPart};
+use powerinfer_kernels_cpu::ops::rope::RopeParams;
 use powerinfer_kernels_cpu::Weights;
 
 use crate::error::{EngineError, Result};
-use crate::model::FfnAct;
 use crate::profile::ratio;
 
 /// Which device runs the hot part of each layer.
@@ -71,6 +73,9 @@ impl std::str::FromStr for DeviceChoice {
 /// A speed to play for the simulated device: each piece of work takes at least the time
 /// these figures give it (the work itself runs for real on the device's threads; when that
 /// takes longer, the device is slower than asked and [`DeviceReport::overruns`] counts it).
+/// It charges what a GPU charges: every kernel launch, every copy over the host link (a
+/// latency and the bytes at the link's bandwidth, on the device's stream), and every time the
+/// host waits for the device.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct SimSpeed {
@@ -80,17 +85,43 @@ pub struct SimSpeed {
     pub launch: Duration,
     /// Bytes per second of a copy between host and device.
     pub link_bandwidth: f64,
+    /// Time of one copy between host and device before its bytes move.
+    pub link_latency: Duration,
+    /// Time the host loses each time it waits for the device (the wake-up after a
+    /// synchronization).
+    pub host_wait: Duration,
 }
 
 impl SimSpeed {
     /// A device reading `bandwidth` bytes/s, with `launch` per kernel and a host link of
-    /// `link_bandwidth` bytes/s.
+    /// `link_bandwidth` bytes/s (the link latency and the host's wait as [`SimSpeed::h200`]).
     pub fn new(bandwidth: f64, launch: Duration, link_bandwidth: f64) -> SimSpeed {
         SimSpeed {
             bandwidth,
             launch,
             link_bandwidth,
+            ..SimSpeed::h200()
         }
+    }
+
+    /// The figures of one H200 as the project measured it (`docs/tuning.md`, "The simulated
+    /// GPU's speed model"): 4.3 TB/s of memory, 5 µs per launch, a host link of 25 GB/s with
+    /// 10 µs per copy, 10 µs per host wait.
+    pub fn h200() -> SimSpeed {
+        SimSpeed {
+            bandwidth: 4.3e12,
+            launch: Duration::from_micros(5),
+            link_bandwidth: 25e9,
+            link_latency: Duration::from_micros(10),
+            host_wait: Duration::from_micros(10),
+        }
+    }
+
+    /// This speed with `link_latency` per copy and `host_wait` per wait of the host.
+    pub fn with_latencies(mut self, link_latency: Duration, host_wait: Duration) -> SimSpeed {
+        self.link_latency = link_latency;
+        self.host_wait = host_wait;
+        self
     }
 }
 
@@ -126,6 +157,15 @@ pub struct DeviceReport {
     pub budget_bytes: u64,
     /// The most device memory held at once.
     pub peak_bytes: u64,
+    /// Bytes of the device's work buffers (the activations of a device step).
+    pub work_bytes: u64,
+    /// Bytes of the sequences' KV stores of the layers the device runs.
+    pub kv_bytes: u64,
+    /// Layers the device runs whole (attention, and the FFN where it holds it), of
+    /// `layers_total`.
+    pub layers: usize,
+    /// Layers of the model.
+    pub layers_total: usize,
     /// Dense matrices held on the device, and bytes.
     pub dense_matrices: usize,
     /// Their bytes.
@@ -144,6 +184,16 @@ pub struct DeviceReport {
     pub active_cpu: u64,
     /// Pieces of work the simulated device finished later than its speed model asked.
     pub overruns: u64,
+    /// Tokens evaluated with the device (all evaluations), the denominator of the per-token
+    /// figures below.
+    pub tokens: u64,
+    /// Kernels launched on the device so far.
+    pub launches: u64,
+    /// Times the host waited for the device so far.
+    pub host_waits: u64,
+    /// Bytes copied between host and device so far after loading (inputs, outputs, KV
+    /// copies, parameters of the steps).
+    pub link_bytes: u64,
 }
 
 impl DeviceReport {
@@ -156,32 +206,270 @@ impl DeviceReport {
     pub fn active_share(&self) -> f64 {
         ratio(self.active_device, self.active_device + self.active_cpu)
     }
+
+    /// Kernel launches per token evaluated.
+    pub fn launches_per_token(&self) -> f64 {
+        per_token(self.launches, self.tokens)
+    }
+
+    /// Host waits (synchronizations) per token evaluated.
+    pub fn syncs_per_token(&self) -> f64 {
+        per_token(self.host_waits, self.tokens)
+    }
+
+    /// Bytes over the host link per token evaluated.
+    pub fn link_bytes_per_token(&self) -> f64 {
+        per_token(self.link_bytes, self.tokens)
+    }
 }
 
-/// What a device's work buffers must hold: up to `t_max` tokens of a model of these widths.
+fn per_token(n: u64, tokens: u64) -> f64 {
+    if tokens == 0 {
+        0.0
+    } else {
+        n as f64 / tokens as f64
+    }
+}
+
+/// What a device's program reads and writes: f32 values `off .. off + len` of buffer `buf`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct WorkShape {
-    /// Tokens per chunk.
-    pub(crate) t_max: usize,
-    /// Residual width.
-    pub(crate) n_embd: usize,
-    /// Widest FFN.
+pub(crate) struct Span {
+    /// The buffer.
+    pub(crate) buf: BufId,
+    /// First value.
+    pub(crate) off: usize,
+    /// Values.
+    pub(crate) len: usize,
+}
+
+impl Span {
+    /// Values `off .. off + len` of this span (`off + len` must not exceed its length; the
+    /// device checks every span against its buffer).
+    pub(crate) fn part(self, off: usize, len: usize) -> Span {
+        Span {
+            buf: self.buf,
+            off: self.off + off,
+            len,
+        }
+    }
+}
+
+/// The widths of a device step, for the scratch a device's kernels need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ScratchShape {
+    /// Most tokens of a step.
+    pub(crate) t: usize,
+    /// Widest input of a product.
+    pub(crate) cols: usize,
+    /// Query heads.
+    pub(crate) n_head: usize,
+    /// Most positions attended.
+    pub(crate) ctx: usize,
+    /// FFN neurons.
     pub(crate) n_ff: usize,
-    /// Widest predictor hidden layer.
-    pub(crate) rank: usize,
-    /// Most rows of a matrix the device may hold (the output head's vocabulary).
-    pub(crate) max_rows: usize,
-    /// Most columns of such a matrix (`ffn_down`'s `n_ff`).
-    pub(crate) max_cols: usize,
 }
 
-/// A matrix held by a device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A weight matrix held by a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct MatId(pub(crate) usize);
 
 /// A layer's hot FFN slice held by a device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct HotId(pub(crate) usize);
+
+/// An f32 buffer in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BufId(pub(crate) usize);
+
+impl BufId {
+    /// Values `off .. off + len` of the buffer.
+    pub(crate) fn span(self, off: usize, len: usize) -> Span {
+        Span {
+            buf: self,
+            off,
+            len,
+        }
+    }
+}
+
+/// One sequence's keys and values in device memory, for some layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct KvId(pub(crate) usize);
+
+/// A copy to the host in flight ([`Device::read`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct ReadId(pub(crate) u64);
+
+/// Which rows of a table [`Op::GetRows`] takes, from the step's parameters
+/// ([`Device::set_step`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowsOf {
+    /// The tokens' ids.
+    Ids,
+    /// The tokens' positions plus an offset (OPT's learned position embeddings).
+    Positions(usize),
+}
+
+/// One operation of a device program. Each runs after the ones queued before it, on the
+/// device's buffers; none returns anything to the host. Token ranges (`from`, `n`) index the
+/// tokens of the step's parameters ([`Device::set_step`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Op {
+    /// `y = W x` for `t` tokens (`x`: `t × cols`, `y`: `t × rows`).
+    MatMul {
+        m: MatId,
+        x: Span,
+        y: Span,
+        t: usize,
+    },
+    /// Rows of a held matrix as f32 (`y`: `n × cols`), one per token `from .. from + n`.
+    GetRows {
+        m: MatId,
+        rows: RowsOf,
+        from: usize,
+        n: usize,
+        y: Span,
+    },
+    /// RMSNorm (no bias) or LayerNorm (with bias) of the rows of `x` into `y`; `w` (and `b`)
+    /// of the rows' width.
+    Norm {
+        x: Span,
+        w: BufId,
+        b: Option<BufId>,
+        eps: f32,
+        y: Span,
+    },
+    /// Adds `b` to every row of `y` (a bias; rows of `b`'s width).
+    AddRows { y: Span, b: BufId },
+    /// `y += x`.
+    Add { y: Span, x: Span },
+    /// `y = x`.
+    Copy { x: Span, y: Span },
+    /// RoPE in place over `n` tokens of `n_head` heads (tokens `from ..` of the step).
+    Rope {
+        x: Span,
+        n_head: usize,
+        head_dim: usize,
+        from: usize,
+        n: usize,
+        params: RopeParams,
+    },
+    /// Stores K and V of `n` tokens at positions `pos .. pos + n` of layer `layer` of `kv`.
+    KvStore {
+        kv: KvId,
+        layer: usize,
+        k: Span,
+        v: Span,
+        pos: usize,
+        n: usize,
+    },
+    /// Causal attention of `n` query tokens, the last of positions `0 .. len` of layer `layer`
+    /// of `kv` (token `i` sees positions `0 ..= len - n + i`).
+    Attention {
+        kv: KvId,
+        layer: usize,
+        q: Span,
+        out: Span,
+        n: usize,
+        len: usize,
+        params: AttentionParams,
+    },
+    /// Predictor scores `fc2 · ReLU(fc1 · x)` of `t` tokens (`hidden`: `t × rank` scratch).
+    Predictor {
+        fc1: MatId,
+        fc2: MatId,
+        x: Span,
+        hidden: Span,
+        scores: Span,
+        t: usize,
+    },
+    /// The hot part of a sparse FFN for `t` tokens: `y` (`t × n_embd`, overwritten) becomes
+    /// the sum over the slice's enabled neurons with `score ≥ threshold` of
+    /// `act(gate·x, up·x (+ bias)) · down`; `count` (`t` values), if given, gets how many
+    /// neurons each token computed.
+    HotFfn {
+        hot: HotId,
+        x: Span,
+        scores: Span,
+        threshold: f32,
+        t: usize,
+        y: Span,
+        count: Option<Span>,
+    },
+    /// `gate = act(gate, up)` element-wise (a dense FFN's activation; `Relu` reads no `up`).
+    Activate { act: FfnAct, gate: Span, up: Span },
+    /// Records the time the stream reaches this point in mark `slot` ([`Device::elapsed`]).
+    Mark { slot: usize },
+}
+
+/// Kernel launches of `op` on a GPU with this project's kernels: what every device counts.
+pub(crate) fn launches_of(op: &Op, quantized: impl Fn(MatId) -> bool) -> u64 {
+    let mm = |m: MatId| 1 + u64::from(quantized(m));
+    match op {
+        Op::MatMul { m, .. } => mm(*m),
+        Op::Predictor { fc1, fc2, .. } => mm(*fc1) + 1 + mm(*fc2),
+        // The scores copied (and masked), up (and gate) products with their quantized
+        // activation, the activation, the axpy, the count: what the CUDA device launches.
+        Op::HotFfn { count, .. } => 8 + u64::from(count.is_some()),
+        Op::Mark { .. } => 0,
+        _ => 1,
+    }
+}
+
+/// What a device has charged since it started: kernel launches, host waits and bytes over the
+/// host link.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Traffic {
+    pub(crate) launches: u64,
+    pub(crate) waits: u64,
+    pub(crate) link_bytes: u64,
+}
+
+impl std::ops::Sub for Traffic {
+    type Output = Traffic;
+
+    fn sub(self, o: Traffic) -> Traffic {
+        Traffic {
+            launches: self.launches - o.launches,
+            waits: self.waits - o.waits,
+            link_bytes: self.link_bytes - o.link_bytes,
+        }
+    }
+}
+
+/// The counters of [`Traffic`], shared by a device's threads.
+#[derive(Debug, Default)]
+pub(crate) struct TrafficCounters {
+    launches: std::sync::atomic::AtomicU64,
+    waits: std::sync::atomic::AtomicU64,
+    link_bytes: std::sync::atomic::AtomicU64,
+}
+
+impl TrafficCounters {
+    pub(crate) fn launched(&self, n: u64) {
+        self.launches
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn waited(&self) {
+        self.waits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn moved(&self, bytes: u64) {
+        self.link_bytes
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn get(&self) -> Traffic {
+        let o = std::sync::atomic::Ordering::Relaxed;
+        Traffic {
+            launches: self.launches.load(o),
+            waits: self.waits.load(o),
+            link_bytes: self.link_bytes.load(o),
+        }
+    }
+}
 
 /// The rows of a layer's hot neurons to upload, in bucket order.
 #[derive(Clone, Copy)]
@@ -198,20 +486,6 @@ pub(crate) struct HotSpec<'a> {
     pub(crate) up_bias: Option<&'a [f32]>,
     /// The activation.
     pub(crate) act: FfnAct,
-}
-
-/// The hot part of one layer's sparse FFN for a block of tokens.
-pub(crate) struct HotJob<'a> {
-    /// The layer's slice.
-    pub(crate) hot: HotId,
-    /// The FFN input, `t × n_embd`.
-    pub(crate) x: &'a [f32],
-    /// The predictor scores, `t × n_ff`.
-    pub(crate) scores: &'a [f32],
-    /// Tokens.
-    pub(crate) t: usize,
-    /// Active means `score ≥ threshold`.
-    pub(crate) threshold: f32,
 }
 
 /// Rows a [`Device::replace_hot`] call overwrites: device rows `slots` of a hot slice get the
@@ -267,7 +541,7 @@ pub(crate) struct AttentionJob<'a> {
     pub(crate) params: &'a AttentionParams,
 }
 
-/// A submitted [`HotJob`] or [`AttentionJob`].
+/// A submitted [`AttentionJob`].
 #[derive(Debug)]
 pub(crate) struct Ticket(pub(crate) u64);
 
@@ -299,17 +573,6 @@ impl<T> Queue<T> {
     }
 }
 
-/// What a finished hot job did.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct HotDone {
-    /// Active neurons it computed (over its tokens).
-    pub(crate) active: u64,
-    /// Its time on the device, transfers included.
-    pub(crate) busy: Duration,
-    /// Of which copies between host and device.
-    pub(crate) transfer: Duration,
-}
-
 /// A compute device beside the CPU (see the [module docs](self)).
 pub(crate) trait Device: Send + Sync {
     /// `sim`, `cuda:0 (NVIDIA H200)`, ...
@@ -323,37 +586,81 @@ pub(crate) trait Device: Send + Sync {
     fn memory(&self) -> (u64, u64, u64);
     /// Whether its kernels take weights of type `ty`.
     fn supports(&self, ty: GgmlType) -> bool;
-    /// Bytes of the work buffers the device holds for `shape` (reserved by
-    /// [`reserve_work`](Device::reserve_work)); longer batches run in chunks of them.
-    fn work_bytes(&self, shape: &WorkShape) -> u64;
-    /// Allocates the work buffers of [`work_bytes`](Device::work_bytes).
-    fn reserve_work(&self, shape: &WorkShape) -> Result<()>;
-    /// Copies a whole matrix into device memory.
-    fn upload(&self, w: &Weights<'_>) -> Result<MatId>;
-    /// Copies a layer's hot neuron rows into device memory.
-    fn upload_hot(&self, spec: &HotSpec<'_>) -> Result<HotId>;
-    /// `y = W x` for `t` tokens of a held matrix; returns when `y` is on the host.
-    fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()>;
-    /// Predictor scores `fc2 · ReLU(fc1 · h)` of `t` tokens of held matrices, into `out`.
-    fn scores(&self, fc1: MatId, fc2: MatId, h: &[f32], t: usize, out: &mut [f32]) -> Result<()>;
-    /// Overwrites rows of a hot slice as `swap` says: a dynamic neuron cache moving neurons in
-    /// and out of the slice without allocating. Returns the time the copies took.
-    fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<Duration>;
-    /// Frees a hot slice: its memory goes back to the budget and its id becomes unknown.
-    fn drop_hot(&self, hot: HotId) -> Result<()>;
-    /// Copies a hot job's inputs to the device and queues it; returns at once.
-    fn submit(&self, job: &HotJob<'_>) -> Result<Ticket>;
-    /// Waits for a submitted job and adds its output (`t × n_embd`) into `out`.
-    fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone>;
-    /// The attention split's side of the device, when it runs attention (a capability the
-    /// scheduling policy reads before it reserves anything).
-    fn attention(&self) -> Option<&dyn AttentionDevice> {
-        None
-    }
-
+    /// What it has charged so far.
+    fn traffic(&self) -> Traffic;
     /// Pieces of work finished later than a speed model asked (0 for real devices).
     fn overruns(&self) -> u64 {
         0
+    }
+
+    /// Bytes the device's own kernels need beside the engine's buffers for steps of `s`
+    /// (scratch the placement counts before anything else).
+    fn scratch_bytes(&self, s: &ScratchShape) -> u64 {
+        let _ = s;
+        0
+    }
+    /// Allocates that scratch.
+    fn reserve_scratch(&self, s: &ScratchShape) -> Result<()> {
+        let _ = s;
+        Ok(())
+    }
+
+    /// Copies a whole matrix into device memory.
+    fn upload(&self, w: &Weights<'_>) -> Result<MatId>;
+    /// Copies a vector (a norm's weights, a bias) into a new buffer.
+    fn upload_vec(&self, v: &[f32]) -> Result<BufId>;
+    /// A new buffer of `len` values (zeros).
+    fn alloc(&self, len: usize) -> Result<BufId>;
+    /// Copies a layer's hot neuron rows into device memory (every slot enabled).
+    fn upload_hot(&self, spec: &HotSpec<'_>) -> Result<HotId>;
+    /// Overwrites rows of a hot slice as `swap` says: a dynamic neuron cache moving neurons in
+    /// and out of the slice without allocating; the new slots are enabled. Returns the time
+    /// the copies took (it waits for them).
+    fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<Duration>;
+    /// Which slots of a hot slice the device computes (`None`: all), from the next program on.
+    fn set_enabled(&self, hot: HotId, enabled: Option<&[bool]>) -> Result<()>;
+    /// Frees a hot slice: its memory goes back to the budget and its id becomes unknown.
+    fn drop_hot(&self, hot: HotId) -> Result<()>;
+
+    /// A KV store for one sequence: `layers` layers of `positions` K and V rows of `n_kv_head`
+    /// heads of `head_dim` F16 values each.
+    fn alloc_kv(
+        &self,
+        layers: usize,
+        positions: usize,
+        n_kv_head: usize,
+        head_dim: usize,
+    ) -> Result<KvId>;
+    /// Copies host rows into layer `layer` of `kv` from position `start` (queued).
+    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()>;
+    /// Copies rows `start .. start + n` of layer `layer` of `kv` to the host (waits).
+    fn read_kv(
+        &self,
+        kv: KvId,
+        layer: usize,
+        start: usize,
+        n: usize,
+    ) -> Result<(Vec<f16>, Vec<f16>)>;
+    /// Copies the first `n` positions of every layer of `from` into `to` (queued).
+    fn copy_kv(&self, from: KvId, to: KvId, n: usize) -> Result<()>;
+
+    /// The step's parameters: each token's id and position (one copy to the device).
+    fn set_step(&self, ids: &[u32], positions: &[u32]) -> Result<()>;
+    /// Queues `ops`; returns at once.
+    fn enqueue(&self, ops: &[Op]) -> Result<()>;
+    /// Queues a copy of `src` into `dst` (the host may reuse `src` at once).
+    fn write(&self, dst: Span, src: &[f32]) -> Result<()>;
+    /// Queues a copy of `src` to the host; [`Device::wait`] takes it.
+    fn read(&self, src: Span) -> Result<ReadId>;
+    /// Waits for a read (and so for everything queued before it) and copies it into `dst`.
+    fn wait(&self, read: ReadId, dst: &mut [f32]) -> Result<()>;
+    /// The device time from mark `from` to mark `to` ([`Op::Mark`]), once a wait covered both.
+    fn elapsed(&self, from: usize, to: usize) -> Result<Duration>;
+
+    /// The attention split's side of the device, when it runs attention over a mirror of the
+    /// host's KV rows (a capability the scheduling policy reads before it reserves anything).
+    fn attention(&self) -> Option<&dyn AttentionDevice> {
+        None
     }
 }
 
@@ -365,7 +672,7 @@ pub(crate) trait AttentionDevice {
     fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()>;
     /// Copies K and V rows (whole rows) into layer `layer`'s mirror from position `start`;
     /// returns the copy's time.
-    fn write_kv(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration>;
+    fn write_mirror(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration>;
     /// Queues one token's attention part.
     fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket>;
     /// Waits for a queued attention part; returns it and the device's busy time.

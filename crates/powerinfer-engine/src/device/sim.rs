@@ -3,20 +3,24 @@
 //!
 //! It behaves as a discrete GPU does, on the CPU:
 //!
-//! - **its own memory**: every matrix, hot slice and work buffer is a separate allocation
+//! - **its own memory**: every matrix, hot slice, buffer and KV store is a separate allocation
 //!   held against a [`MemoryBudget`] (the VRAM budget), which refuses before anything is
 //!   allocated;
-//! - **explicit transfers**: weights are copied in at upload, a job's inputs are copied into
-//!   the device's work buffers and its output is copied back; the CPU never reads device
-//!   memory, the device never reads host memory;
+//! - **explicit transfers**: weights are copied in at upload; a program's inputs come in by
+//!   `write`, its outputs go out by `read` and `wait`; the CPU never reads device memory, the
+//!   device never reads host memory;
 //! - **its own threads**: one worker thread executes commands in order (a stream) with its
 //!   own kernel thread pool, beside the CPU side's pool;
-//! - **an optional speed model** ([`SimSpeed`]): each command takes at least
-//!   `launches · launch + bytes read / bandwidth + bytes copied / link bandwidth`, so that a
-//!   slower or faster device can be played.
+//! - **what a GPU charges**: every device counts kernel launches ([`super::launches_of`]),
+//!   host waits and link bytes; with a speed model ([`SimSpeed`]) each command also takes at
+//!   least `launches · launch + bytes read / bandwidth`, each copy over the link
+//!   `latency + bytes / link bandwidth`, and each host wait costs the host `host_wait`, so that
+//!   a schedule that waits on the device per operation is slow here as it is on a real card.
 //!
-//! The arithmetic is that of the CPU kernels (`powerinfer-kernels-cpu`) on the device's copies.
+//! The arithmetic is that of the CPU kernels (`powerinfer-kernels-cpu`) on the device's copies,
+//! so a layer computed here gives the CPU's bits.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, RwLock};
@@ -24,19 +28,24 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use powerinfer_gguf::GgmlType;
-use powerinfer_kernels_cpu::ops::attention::{attention_part, AttentionParams, AttentionPart};
+use powerinfer_kernels_cpu::ffn::{activate, token_ffn, FfnAct, NeuronRows, TokenBufs};
+use powerinfer_kernels_cpu::ops::activation::{add, relu};
+use powerinfer_kernels_cpu::ops::attention::{
+    attention_block, attention_part, AttentionParams, AttentionPart,
+};
+use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
+use powerinfer_kernels_cpu::ops::rope::rope_block;
 use powerinfer_kernels_cpu::{MatMul, ThreadPool, Weights};
 use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::{
-    AttentionDevice, AttentionJob, Device, HotDone, HotId, HotJob, HotSpec, HotSwap, MatId, Queue,
-    SimOptions, SimSpeed, Ticket, WorkShape,
+    launches_of, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap, KvId,
+    MatId, Op, Queue, ReadId, RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
-use crate::model::FfnAct;
-use powerinfer_kernels_cpu::ffn::{token_ffn, NeuronRows, TokenBufs};
 
 /// A matrix in device memory.
 struct DevMat {
@@ -59,82 +68,77 @@ struct DevHot {
     up: DevMat,
     down: DevMat,
     bucket: Vec<u32>,
+    /// Per slot, whether the device computes it (`None`: every slot).
+    enabled: Option<Vec<bool>>,
     up_bias: Option<Vec<f32>>,
     act: FfnAct,
     _held: Reservation,
 }
 
-/// The mirror of one sequence's first KV rows, per layer (the attention split's share).
+/// One sequence's K and V rows, per layer.
 struct DevKv {
     positions: usize,
-    kv_row: usize,
-    /// Per layer, `positions · kv_row` keys, then values.
+    row: usize,
     k: Vec<Vec<f16>>,
     v: Vec<Vec<f16>>,
     _held: Reservation,
 }
 
-/// The device's memory: what was uploaded.
+/// The mirror of one sequence's first KV rows, per layer (the attention split's share).
+struct Mirror {
+    kv: DevKv,
+}
+
+/// A buffer in device memory.
+struct DevBuf {
+    data: Vec<f32>,
+    _held: Reservation,
+}
+
+/// The device's memory: what was uploaded and allocated.
 #[derive(Default)]
 struct Memory {
     mats: Vec<DevMat>,
     /// `None`: freed.
     hots: Vec<Option<DevHot>>,
-    kv: Option<DevKv>,
-}
-
-/// Work buffers in device memory (inputs copied in, outputs before they are copied out).
-struct Work {
-    /// Tokens per chunk.
-    t_max: usize,
-    x: Vec<f32>,
-    out: Vec<f32>,
-    scores: Vec<f32>,
-    g: Vec<f32>,
-    u: Vec<f32>,
-    y: Vec<f32>,
-    hidden: Vec<f32>,
-    list: Vec<u32>,
-    fired: Vec<u32>,
-    _held: Option<Reservation>,
-}
-
-impl Work {
-    fn empty() -> Work {
-        Work {
-            t_max: 0,
-            x: Vec::new(),
-            out: Vec::new(),
-            scores: Vec::new(),
-            g: Vec::new(),
-            u: Vec::new(),
-            y: Vec::new(),
-            hidden: Vec::new(),
-            list: Vec::new(),
-            fired: Vec::new(),
-            _held: None,
-        }
-    }
+    bufs: Vec<DevBuf>,
+    kvs: Vec<DevKv>,
+    mirror: Option<Mirror>,
 }
 
 /// A command of the device's stream. Inputs are the host's copies in flight.
 enum Cmd {
-    Work {
-        shape: WorkShape,
-        reply: Sender<Result<()>>,
+    Ops(Vec<Op>),
+    Step {
+        ids: Vec<u32>,
+        positions: Vec<usize>,
     },
-    Product {
-        m: MatId,
-        x: Vec<f32>,
-        t: usize,
+    Write {
+        dst: Span,
+        data: Vec<f32>,
+    },
+    Read {
+        src: Span,
         reply: Sender<Result<Vec<f32>>>,
     },
-    Scores {
-        fc1: MatId,
-        fc2: MatId,
-        h: Vec<f32>,
-        t: usize,
-        reply: Sender<Result<Vec<f32>>>,
+    KvWrite {
+        kv: KvId,
+        layer: usize,
+        start: usize,
+        k: Vec<f16>,
+        v: Vec<f16>,
+    },
+    KvRead {
+        kv: KvId,
+        layer: usize,
+        start: usize,
+        n: usize,
+        reply: Sender<Result<(Vec<f16>, Vec<f16>)>>,
+    },
+    KvCopy {
+        from: KvId,
+        to: KvId,
+        n: usize,
     },
     Replace {
         hot: HotId,
@@ -142,15 +146,11 @@ enum Cmd {
         rows: NewRows,
         reply: Sender<Result<Duration>>,
     },
-    Hot {
+    Enabled {
         hot: HotId,
-        x: Vec<f32>,
-        scores: Vec<f32>,
-        t: usize,
-        threshold: f32,
-        reply: Sender<Result<(Vec<f32>, HotDone)>>,
+        enabled: Option<Vec<bool>>,
     },
-    KvWrite {
+    MirrorWrite {
         layer: usize,
         start: usize,
         k: Vec<f16>,
@@ -166,9 +166,6 @@ enum Cmd {
     },
 }
 
-/// Where an attention part and the device's time arrive.
-type AttentionReply = Receiver<Result<(AttentionPart, Duration)>>;
-
 /// Neurons' rows staged in host memory for a copy into a hot slice.
 struct NewRows {
     neurons: Vec<u32>,
@@ -178,8 +175,11 @@ struct NewRows {
     up_bias: Option<Vec<f32>>,
 }
 
-/// Where a hot job's output and report arrive.
-type HotReply = Receiver<Result<(Vec<f32>, HotDone)>>;
+/// Where an attention part and the device's time arrive.
+type AttentionReply = Receiver<Result<(AttentionPart, Duration)>>;
+
+/// Where a read's values arrive.
+type ReadReply = Receiver<Result<Vec<f32>>>;
 
 /// The simulated GPU (see the [module docs](self)).
 pub(crate) struct SimDevice {
@@ -187,10 +187,14 @@ pub(crate) struct SimDevice {
     memory: Arc<RwLock<Memory>>,
     stream: Mutex<Sender<Cmd>>,
     worker: Option<JoinHandle<()>>,
-    pending: Queue<HotReply>,
+    reads: Mutex<HashMap<u64, ReadReply>>,
     pending_attention: Queue<AttentionReply>,
     next: AtomicU64,
     overruns: Arc<AtomicU64>,
+    traffic: Arc<TrafficCounters>,
+    marks: Arc<Mutex<Vec<Option<Instant>>>>,
+    /// Error of a command the worker could not run, reported at the next wait.
+    failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
     speed: Option<SimSpeed>,
 }
@@ -200,24 +204,16 @@ fn bytes_of<T>(n: usize) -> u64 {
     (n * std::mem::size_of::<T>()) as u64
 }
 
-/// Values of the products' output buffer: `t_max` tokens of a layer's widest product, and at
-/// least one token of the largest matrix (the output head; its products run in chunks).
-fn out_len(s: &WorkShape) -> usize {
-    (s.t_max.max(1) * s.n_ff.max(s.n_embd)).max(s.max_rows)
+fn budget_error(e: powerinfer_kernels_cuda::BudgetError) -> EngineError {
+    EngineError::DeviceMemory {
+        requested: e.requested,
+        used: e.used,
+        limit: e.limit,
+    }
 }
 
-/// Bytes of the work buffers for `s`: inputs (`x`), outputs of products (`out`), FFN outputs
-/// (`y`), scores, a token's gate/up values, the predictor's hidden layer, row lists.
-fn work_bytes(s: &WorkShape) -> u64 {
-    let t = s.t_max.max(1);
-    bytes_of::<f32>(
-        t * s.max_cols.max(s.n_embd)
-            + out_len(s)
-            + t * s.n_embd
-            + t * s.n_ff
-            + 2 * s.n_ff
-            + t * s.rank,
-    ) + bytes_of::<u32>(2 * s.n_ff)
+fn stopped<E>(_: E) -> EngineError {
+    EngineError::Device("the simulated GPU's worker has stopped".into())
 }
 
 impl SimDevice {
@@ -226,12 +222,17 @@ impl SimDevice {
         let budget = MemoryBudget::new(budget);
         let memory = Arc::new(RwLock::new(Memory::default()));
         let overruns = Arc::new(AtomicU64::new(0));
+        let traffic = Arc::new(TrafficCounters::default());
+        let marks = Arc::new(Mutex::new(Vec::new()));
+        let failed = Arc::new(Mutex::new(None));
         let (tx, rx) = channel::<Cmd>();
         let stream = Stream {
             memory: memory.clone(),
-            budget: budget.clone(),
             speed: opts.speed,
             overruns: overruns.clone(),
+            traffic: traffic.clone(),
+            marks: marks.clone(),
+            failed: failed.clone(),
             threads: opts.threads.max(1),
         };
         let worker = std::thread::Builder::new()
@@ -243,10 +244,13 @@ impl SimDevice {
             memory,
             stream: Mutex::new(tx),
             worker: Some(worker),
-            pending: Queue::new(),
+            reads: Mutex::new(HashMap::new()),
             pending_attention: Queue::new(),
             next: AtomicU64::new(0),
             overruns,
+            traffic,
+            marks,
+            failed,
             threads: opts.threads.max(1),
             speed: opts.speed,
         })
@@ -257,7 +261,20 @@ impl SimDevice {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .send(cmd)
-            .map_err(|_| EngineError::Device("the simulated GPU's worker has stopped".into()))
+            .map_err(stopped)
+    }
+
+    /// The host's side of a wait: counted, charged by the speed model, and the first error
+    /// of the stream (if any) reported.
+    fn host_waited(&self) -> Result<()> {
+        self.traffic.waited();
+        if let Some(s) = self.speed {
+            spin_until(Instant::now() + s.host_wait);
+        }
+        match self.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// A copy of `w`'s rows `rows` (all when `None`) in device memory.
@@ -270,20 +287,7 @@ impl SimDevice {
             .map_err(budget_error)?;
         let bytes = match rows {
             None => w.data().to_vec(),
-            Some(rows) => {
-                let mut out = Vec::with_capacity(n * rb);
-                for &r in rows {
-                    let r = r as usize;
-                    if r >= w.rows() {
-                        return Err(EngineError::Device(format!(
-                            "neuron {r} outside the matrix's {} rows",
-                            w.rows()
-                        )));
-                    }
-                    out.extend_from_slice(&w.data()[r * rb..][..rb]);
-                }
-                out
-            }
+            Some(rows) => gather(w, rows)?,
         };
         Ok(DevMat {
             ty: w.ty(),
@@ -293,14 +297,33 @@ impl SimDevice {
             _held: held,
         })
     }
+
+    fn new_buffer(&self, data: Vec<f32>) -> Result<BufId> {
+        let held = self
+            .budget
+            .try_reserve(bytes_of::<f32>(data.len()))
+            .map_err(budget_error)?;
+        let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        mem.bufs.push(DevBuf { data, _held: held });
+        Ok(BufId(mem.bufs.len() - 1))
+    }
 }
 
-fn budget_error(e: powerinfer_kernels_cuda::BudgetError) -> EngineError {
-    EngineError::DeviceMemory {
-        requested: e.requested,
-        used: e.used,
-        limit: e.limit,
+/// The rows `rows` of `w`, concatenated.
+fn gather(w: &Weights<'_>, rows: &[u32]) -> Result<Vec<u8>> {
+    let rb = w.row_bytes();
+    let mut out = Vec::with_capacity(rows.len() * rb);
+    for &r in rows {
+        let r = r as usize;
+        if r >= w.rows() {
+            return Err(EngineError::Device(format!(
+                "neuron {r} outside the matrix's {} rows",
+                w.rows()
+            )));
+        }
+        out.extend_from_slice(&w.data()[r * rb..][..rb]);
     }
+    Ok(out)
 }
 
 impl Drop for SimDevice {
@@ -326,11 +349,13 @@ impl Device for SimDevice {
     fn identity(&self) -> String {
         match self.speed {
             Some(s) => format!(
-                "{} at {} B/s, launch {:?}, link {} B/s",
+                "{} at {} B/s, launch {:?}, link {} B/s + {:?}, wait {:?}",
                 self.name(),
                 s.bandwidth,
                 s.launch,
-                s.link_bandwidth
+                s.link_bandwidth,
+                s.link_latency,
+                s.host_wait
             ),
             None => self.name(),
         }
@@ -344,17 +369,12 @@ impl Device for SimDevice {
         powerinfer_kernels_cpu::matmul::is_supported(ty)
     }
 
-    fn work_bytes(&self, shape: &WorkShape) -> u64 {
-        work_bytes(shape)
+    fn traffic(&self) -> Traffic {
+        self.traffic.get()
     }
 
-    fn reserve_work(&self, shape: &WorkShape) -> Result<()> {
-        let (reply, answer) = channel();
-        self.send(Cmd::Work {
-            shape: *shape,
-            reply,
-        })?;
-        answer.recv().map_err(stopped)?
+    fn overruns(&self) -> u64 {
+        self.overruns.load(Ordering::Relaxed)
     }
 
     fn upload(&self, w: &Weights<'_>) -> Result<MatId> {
@@ -362,6 +382,14 @@ impl Device for SimDevice {
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
         mem.mats.push(m);
         Ok(MatId(mem.mats.len() - 1))
+    }
+
+    fn upload_vec(&self, v: &[f32]) -> Result<BufId> {
+        self.new_buffer(v.to_vec())
+    }
+
+    fn alloc(&self, len: usize) -> Result<BufId> {
+        self.new_buffer(vec![0.0; len])
     }
 
     fn upload_hot(&self, spec: &HotSpec<'_>) -> Result<HotId> {
@@ -384,6 +412,7 @@ impl Device for SimDevice {
             up,
             down,
             bucket: spec.bucket.to_vec(),
+            enabled: None,
             up_bias,
             act: spec.act,
             _held: held,
@@ -395,26 +424,11 @@ impl Device for SimDevice {
 
     fn replace_hot(&self, hot: HotId, swap: &HotSwap<'_>) -> Result<Duration> {
         let (slots, neurons, spec) = (swap.slots(), swap.neurons(), swap.spec);
-        let gather = |w: &Weights<'_>| -> Result<Vec<u8>> {
-            let rb = w.row_bytes();
-            let mut out = Vec::with_capacity(neurons.len() * rb);
-            for &n in neurons {
-                let n = n as usize;
-                if n >= w.rows() {
-                    return Err(EngineError::Device(format!(
-                        "neuron {n} outside the matrix's {} rows",
-                        w.rows()
-                    )));
-                }
-                out.extend_from_slice(&w.data()[n * rb..][..rb]);
-            }
-            Ok(out)
-        };
         let rows = NewRows {
             neurons: neurons.to_vec(),
-            gate: spec.gate.as_ref().map(gather).transpose()?,
-            up: gather(&spec.up)?,
-            down: gather(&spec.down_t)?,
+            gate: spec.gate.as_ref().map(|g| gather(g, neurons)).transpose()?,
+            up: gather(&spec.up, neurons)?,
+            down: gather(&spec.down_t, neurons)?,
             up_bias: spec
                 .up_bias
                 .map(|b| neurons.iter().map(|&j| b[j as usize]).collect()),
@@ -426,7 +440,18 @@ impl Device for SimDevice {
             rows,
             reply,
         })?;
-        wait(&answer, REPLY_SPIN).map_err(stopped)?
+        let took = wait(&answer, REPLY_SPIN).map_err(stopped)??;
+        self.host_waited()?;
+        Ok(took)
+    }
+
+    fn set_enabled(&self, hot: HotId, enabled: Option<&[bool]>) -> Result<()> {
+        self.traffic
+            .moved(enabled.map_or(0, |e| e.len().div_ceil(8) as u64));
+        self.send(Cmd::Enabled {
+            hot,
+            enabled: enabled.map(<[bool]>::to_vec),
+        })
     }
 
     fn drop_hot(&self, hot: HotId) -> Result<()> {
@@ -440,103 +465,171 @@ impl Device for SimDevice {
         }
     }
 
-    fn product(&self, m: MatId, x: &[f32], t: usize, y: &mut [f32]) -> Result<()> {
-        let (reply, answer) = channel();
-        self.send(Cmd::Product {
-            m,
-            x: x.to_vec(),
-            t,
-            reply,
-        })?;
-        let out = wait(&answer, REPLY_SPIN).map_err(stopped)??;
-        copy_out(&out, y)
+    fn alloc_kv(
+        &self,
+        layers: usize,
+        positions: usize,
+        n_kv_head: usize,
+        head_dim: usize,
+    ) -> Result<KvId> {
+        let kv = new_kv(&self.budget, layers, positions, n_kv_head * head_dim)?;
+        let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        mem.kvs.push(kv);
+        Ok(KvId(mem.kvs.len() - 1))
     }
 
-    fn scores(&self, fc1: MatId, fc2: MatId, h: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
-        let (reply, answer) = channel();
-        self.send(Cmd::Scores {
-            fc1,
-            fc2,
-            h: h.to_vec(),
-            t,
-            reply,
-        })?;
-        let scores = wait(&answer, REPLY_SPIN).map_err(stopped)??;
-        copy_out(&scores, out)
+    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()> {
+        self.traffic.moved(2 * bytes_of::<f16>(k.len()));
+        self.send(Cmd::KvWrite {
+            kv,
+            layer,
+            start,
+            k: k.to_vec(),
+            v: v.to_vec(),
+        })
     }
 
-    fn submit(&self, job: &HotJob<'_>) -> Result<Ticket> {
+    fn read_kv(
+        &self,
+        kv: KvId,
+        layer: usize,
+        start: usize,
+        n: usize,
+    ) -> Result<(Vec<f16>, Vec<f16>)> {
         let (reply, answer) = channel();
-        self.send(Cmd::Hot {
-            hot: job.hot,
-            x: job.x.to_vec(),
-            scores: job.scores.to_vec(),
-            t: job.t,
-            threshold: job.threshold,
+        self.send(Cmd::KvRead {
+            kv,
+            layer,
+            start,
+            n,
             reply,
         })?;
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        Ok(self.pending.push(id, answer))
+        let (k, v) = wait(&answer, REPLY_SPIN).map_err(stopped)??;
+        self.traffic.moved(2 * bytes_of::<f16>(k.len()));
+        self.host_waited()?;
+        Ok((k, v))
     }
 
-    fn finish(&self, ticket: Ticket, out: &mut [f32]) -> Result<HotDone> {
-        let answer = self.pending.take(ticket, "device job")?;
-        let (y, done) = wait(&answer, REPLY_SPIN).map_err(stopped)??;
-        if y.len() != out.len() {
+    fn copy_kv(&self, from: KvId, to: KvId, n: usize) -> Result<()> {
+        self.traffic.launched(1);
+        self.send(Cmd::KvCopy { from, to, n })
+    }
+
+    fn set_step(&self, ids: &[u32], positions: &[u32]) -> Result<()> {
+        self.traffic
+            .moved(bytes_of::<u32>(ids.len() + positions.len()));
+        self.send(Cmd::Step {
+            ids: ids.to_vec(),
+            positions: positions.iter().map(|&p| p as usize).collect(),
+        })
+    }
+
+    fn enqueue(&self, ops: &[Op]) -> Result<()> {
+        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
+        let quantized = |m: MatId| {
+            mem.mats
+                .get(m.0)
+                .is_some_and(|d| matches!(d.ty, GgmlType::Q4_0 | GgmlType::Q8_0))
+        };
+        let launches: u64 = ops.iter().map(|op| launches_of(op, quantized)).sum();
+        drop(mem);
+        self.traffic.launched(launches);
+        self.send(Cmd::Ops(ops.to_vec()))
+    }
+
+    fn write(&self, dst: Span, src: &[f32]) -> Result<()> {
+        if src.len() != dst.len {
             return Err(EngineError::Device(format!(
-                "device output of {} values for {}",
-                y.len(),
-                out.len()
+                "a write of {} values into a span of {}",
+                src.len(),
+                dst.len
             )));
         }
-        out.iter_mut().zip(&y).for_each(|(o, d)| *o += d);
-        Ok(done)
+        self.traffic.moved(bytes_of::<f32>(src.len()));
+        self.send(Cmd::Write {
+            dst,
+            data: src.to_vec(),
+        })
+    }
+
+    fn read(&self, src: Span) -> Result<ReadId> {
+        self.traffic.moved(bytes_of::<f32>(src.len));
+        let (reply, answer) = channel();
+        self.send(Cmd::Read { src, reply })?;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, answer);
+        Ok(ReadId(id))
+    }
+
+    fn wait(&self, read: ReadId, dst: &mut [f32]) -> Result<()> {
+        let answer = self
+            .reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&read.0)
+            .ok_or_else(|| EngineError::Device(format!("unknown read {}", read.0)))?;
+        let got = wait(&answer, REPLY_SPIN).map_err(stopped)?;
+        self.host_waited()?;
+        let got = got?;
+        if got.len() != dst.len() {
+            return Err(EngineError::Device(format!(
+                "a read of {} values into {}",
+                got.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(&got);
+        Ok(())
+    }
+
+    fn elapsed(&self, from: usize, to: usize) -> Result<Duration> {
+        let marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        match (
+            marks.get(from).copied().flatten(),
+            marks.get(to).copied().flatten(),
+        ) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a)),
+            _ => Err(EngineError::Device(format!(
+                "marks {from} and {to} were not both reached"
+            ))),
+        }
     }
 
     fn attention(&self) -> Option<&dyn AttentionDevice> {
         Some(self)
-    }
-
-    fn overruns(&self) -> u64 {
-        self.overruns.load(Ordering::Relaxed)
     }
 }
 
 impl AttentionDevice for SimDevice {
     fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()> {
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
-        mem.kv = None;
-        let values = n_layer
-            .checked_mul(positions)
-            .and_then(|v| v.checked_mul(kv_row))
-            .ok_or_else(|| EngineError::Device("KV mirror size overflows".into()))?;
-        let held = self
-            .budget
-            .try_reserve(2 * bytes_of::<f16>(values))
-            .map_err(budget_error)?;
-        mem.kv = Some(DevKv {
-            positions,
-            kv_row,
-            k: vec![vec![f16::ZERO; positions * kv_row]; n_layer],
-            v: vec![vec![f16::ZERO; positions * kv_row]; n_layer],
-            _held: held,
-        });
+        mem.mirror = None;
+        let kv = new_kv(&self.budget, n_layer, positions, kv_row)?;
+        mem.mirror = Some(Mirror { kv });
         Ok(())
     }
 
-    fn write_kv(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration> {
+    fn write_mirror(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration> {
+        self.traffic.moved(2 * bytes_of::<f16>(k.len()));
         let (reply, answer) = channel();
-        self.send(Cmd::KvWrite {
+        self.send(Cmd::MirrorWrite {
             layer,
             start,
             k: k.to_vec(),
             v: v.to_vec(),
             reply,
         })?;
-        wait(&answer, REPLY_SPIN).map_err(stopped)?
+        let took = wait(&answer, REPLY_SPIN).map_err(stopped)??;
+        self.host_waited()?;
+        Ok(took)
     }
 
     fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket> {
+        self.traffic.launched(1);
+        self.traffic.moved(bytes_of::<f32>(job.q.len()));
         let (reply, answer) = channel();
         self.send(Cmd::Attend {
             layer: job.layer,
@@ -551,8 +644,31 @@ impl AttentionDevice for SimDevice {
 
     fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)> {
         let answer = self.pending_attention.take(ticket, "attention job")?;
-        wait(&answer, REPLY_SPIN).map_err(stopped)?
+        let (part, took) = wait(&answer, REPLY_SPIN).map_err(stopped)??;
+        self.traffic.moved(bytes_of::<f32>(
+            part.max.len() + part.sum.len() + part.acc.len(),
+        ));
+        self.host_waited()?;
+        Ok((part, took))
     }
+}
+
+/// A zeroed KV store held against `budget`.
+fn new_kv(budget: &MemoryBudget, layers: usize, positions: usize, row: usize) -> Result<DevKv> {
+    let values = layers
+        .checked_mul(positions)
+        .and_then(|v| v.checked_mul(row))
+        .ok_or_else(|| EngineError::Device("KV store size overflows".into()))?;
+    let held = budget
+        .try_reserve(2 * bytes_of::<f16>(values))
+        .map_err(budget_error)?;
+    Ok(DevKv {
+        positions,
+        row,
+        k: vec![vec![f16::ZERO; positions * row]; layers],
+        v: vec![vec![f16::ZERO; positions * row]; layers],
+        _held: held,
+    })
 }
 
 /// How long the worker polls for the next command before it sleeps: a layer's commands come
@@ -575,374 +691,525 @@ fn wait<T>(rx: &Receiver<T>, spin: Duration) -> std::result::Result<T, RecvError
     }
 }
 
-fn stopped<E>(_: E) -> EngineError {
-    EngineError::Device("the simulated GPU's worker has stopped".into())
-}
-
-fn copy_out(src: &[f32], dst: &mut [f32]) -> Result<()> {
-    if src.len() != dst.len() {
-        return Err(EngineError::Device(format!(
-            "device output of {} values for {}",
-            src.len(),
-            dst.len()
-        )));
+/// Returns at `deadline`: sleeps most of the wait, then yields (sleep alone overshoots).
+fn spin_until(deadline: Instant) {
+    let now = Instant::now();
+    if deadline <= now {
+        return;
     }
-    dst.copy_from_slice(src);
-    Ok(())
+    let left = deadline - now;
+    if left > Duration::from_micros(300) {
+        std::thread::sleep(left - Duration::from_micros(150));
+    }
+    while Instant::now() < deadline {
+        std::thread::yield_now();
+    }
 }
 
 /// The worker: executes commands in order on the device's memory with its own threads.
 struct Stream {
     memory: Arc<RwLock<Memory>>,
-    budget: MemoryBudget,
     speed: Option<SimSpeed>,
     overruns: Arc<AtomicU64>,
+    traffic: Arc<TrafficCounters>,
+    marks: Arc<Mutex<Vec<Option<Instant>>>>,
+    failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
 }
 
 /// What a command cost in the speed model's terms.
 #[derive(Default)]
 struct Cost {
-    launches: u32,
+    launches: u64,
     read: u64,
+    /// Bytes over the link, and copies (each paying the link's latency).
     copied: u64,
+    copies: u32,
+}
+
+/// The worker's state between commands: the step's parameters and scratch.
+struct StepState {
+    ids: Vec<u32>,
+    positions: Vec<usize>,
+    list: Vec<u32>,
+    fired: Vec<u32>,
+    u: Vec<f32>,
 }
 
 impl Stream {
     fn run(self, rx: Receiver<Cmd>) {
         let pool = ThreadPool::new(self.threads);
         let mm = MatMul::new(&pool);
-        let mut work = Work::empty();
+        let mut st = StepState {
+            ids: Vec::new(),
+            positions: Vec::new(),
+            list: Vec::new(),
+            fired: Vec::new(),
+            u: Vec::new(),
+        };
         while let Ok(cmd) = wait(&rx, COMMAND_SPIN) {
             let start = Instant::now();
-            match cmd {
-                Cmd::Work { shape, reply } => {
-                    let r = self.alloc_work(&mut work, &shape);
-                    let _ = reply.send(r);
+            let cost = self.execute(&mm, &mut st, cmd, start);
+            match cost {
+                Ok(c) => {
+                    self.pace(start, &c);
                 }
-                Cmd::Product { m, x, t, reply } => {
-                    let r = self.product(&mm, &mut work, m, &x, t);
-                    let r = r.map(|(y, cost)| {
-                        self.pace(start, &cost);
-                        y
-                    });
-                    let _ = reply.send(r);
-                }
-                Cmd::Scores {
-                    fc1,
-                    fc2,
-                    h,
-                    t,
-                    reply,
-                } => {
-                    let r = self.scores(&mm, &mut work, fc1, fc2, &h, t);
-                    let r = r.map(|(s, cost)| {
-                        self.pace(start, &cost);
-                        s
-                    });
-                    let _ = reply.send(r);
-                }
-                Cmd::Replace {
-                    hot,
-                    slots,
-                    rows,
-                    reply,
-                } => {
-                    let r = self.replace(hot, &slots, rows).map(|cost| {
-                        self.pace(start, &cost);
-                        start.elapsed()
-                    });
-                    let _ = reply.send(r);
-                }
-                Cmd::Hot {
-                    hot,
-                    x,
-                    scores,
-                    t,
-                    threshold,
-                    reply,
-                } => {
-                    let r = self.hot(&mm, &mut work, hot, &x, &scores, t, threshold);
-                    let r = r.map(|(y, active, cost)| {
-                        let transfer = self.pace(start, &cost);
-                        let done = HotDone {
-                            active,
-                            busy: start.elapsed(),
-                            transfer,
-                        };
-                        (y, done)
-                    });
-                    let _ = reply.send(r);
-                }
-                Cmd::KvWrite {
-                    layer,
-                    start: from,
-                    k,
-                    v,
-                    reply,
-                } => {
-                    let r = self.write_kv(layer, from, &k, &v).map(|cost| {
-                        self.pace(start, &cost);
-                        start.elapsed()
-                    });
-                    let _ = reply.send(r);
-                }
-                Cmd::Attend {
-                    layer,
-                    q,
-                    n,
-                    params,
-                    reply,
-                } => {
-                    let r = self.attend(layer, &q, n, &params).map(|(part, cost)| {
-                        self.pace(start, &cost);
-                        (part, start.elapsed())
-                    });
-                    let _ = reply.send(r);
+                Err(e) => {
+                    let mut f = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+                    f.get_or_insert(e);
                 }
             }
         }
     }
 
-    /// Copies whole K and V rows into the mirror of `layer` from position `from`.
-    fn write_kv(&self, layer: usize, from: usize, k: &[f16], v: &[f16]) -> Result<Cost> {
+    /// Runs one command; replies go out here (after pacing for the commands that answer).
+    fn execute(
+        &self,
+        mm: &MatMul<'_>,
+        st: &mut StepState,
+        cmd: Cmd,
+        start: Instant,
+    ) -> Result<Cost> {
+        match cmd {
+            Cmd::Ops(ops) => {
+                let mut cost = Cost::default();
+                for op in &ops {
+                    if let Op::Mark { slot } = op {
+                        // The marks of the speed model's time, not the host's.
+                        self.pace(start, &cost);
+                        let mut marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+                        if marks.len() <= *slot {
+                            marks.resize(slot + 1, None);
+                        }
+                        marks[*slot] = Some(Instant::now());
+                        continue;
+                    }
+                    let c = self.op(mm, st, op)?;
+                    cost.launches += c.launches;
+                    cost.read += c.read;
+                }
+                Ok(cost)
+            }
+            Cmd::Step { ids, positions } => {
+                let n = (ids.len() + positions.len()) as u64;
+                st.ids = ids;
+                st.positions = positions;
+                Ok(Cost {
+                    copied: 4 * n,
+                    copies: 1,
+                    ..Cost::default()
+                })
+            }
+            Cmd::Write { dst, data } => {
+                let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+                span_mut(&mut mem.bufs, dst)?.copy_from_slice(&data);
+                Ok(Cost {
+                    copied: bytes_of::<f32>(data.len()),
+                    copies: 1,
+                    ..Cost::default()
+                })
+            }
+            Cmd::Read { src, reply } => {
+                let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
+                let got = span(&mem.bufs, src).map(<[f32]>::to_vec);
+                drop(mem);
+                let cost = Cost {
+                    copied: bytes_of::<f32>(src.len),
+                    copies: 1,
+                    ..Cost::default()
+                };
+                self.pace(start, &cost);
+                let _ = reply.send(got);
+                Ok(Cost::default())
+            }
+            Cmd::KvWrite {
+                kv,
+                layer,
+                start: from,
+                k,
+                v,
+            } => {
+                let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+                let store = mem
+                    .kvs
+                    .get_mut(kv.0)
+                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+                put_rows(store, layer, from, &k, &v)?;
+                Ok(Cost {
+                    copied: 2 * bytes_of::<f16>(k.len()),
+                    copies: 1,
+                    ..Cost::default()
+                })
+            }
+            Cmd::KvRead {
+                kv,
+                layer,
+                start: from,
+                n,
+                reply,
+            } => {
+                let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
+                let got = mem
+                    .kvs
+                    .get(kv.0)
+                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))
+                    .and_then(|s| take_rows(s, layer, from, n));
+                drop(mem);
+                let bytes = got
+                    .as_ref()
+                    .map_or(0, |(k, _)| 2 * bytes_of::<f16>(k.len()));
+                let cost = Cost {
+                    copied: bytes,
+                    copies: 1,
+                    ..Cost::default()
+                };
+                self.pace(start, &cost);
+                let _ = reply.send(got);
+                Ok(Cost::default())
+            }
+            Cmd::KvCopy { from, to, n } => {
+                let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+                if from.0 >= mem.kvs.len() || to.0 >= mem.kvs.len() {
+                    return Err(EngineError::Device("unknown KV store".into()));
+                }
+                let layers = mem.kvs[from.0].k.len();
+                let mut read = 0;
+                for l in 0..layers {
+                    let (k, v) = take_rows(&mem.kvs[from.0], l, 0, n)?;
+                    read += 2 * bytes_of::<f16>(k.len());
+                    put_rows(&mut mem.kvs[to.0], l, 0, &k, &v)?;
+                }
+                Ok(Cost {
+                    launches: 1,
+                    read,
+                    ..Cost::default()
+                })
+            }
+            Cmd::Replace {
+                hot,
+                slots,
+                rows,
+                reply,
+            } => {
+                let r = self.replace(hot, &slots, rows);
+                let took = r.map(|cost| {
+                    self.pace(start, &cost);
+                    start.elapsed()
+                });
+                let _ = reply.send(took);
+                Ok(Cost::default())
+            }
+            Cmd::Enabled { hot, enabled } => {
+                let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+                let h = hot_mut(&mut mem, hot)?;
+                if let Some(e) = &enabled {
+                    if e.len() != h.bucket.len() {
+                        return Err(EngineError::Device(format!(
+                            "{} enabled flags for {} slots",
+                            e.len(),
+                            h.bucket.len()
+                        )));
+                    }
+                }
+                let bytes = enabled.as_ref().map_or(0, |e| e.len().div_ceil(8) as u64);
+                h.enabled = enabled;
+                Ok(Cost {
+                    copied: bytes,
+                    copies: 1,
+                    ..Cost::default()
+                })
+            }
+            Cmd::MirrorWrite {
+                layer,
+                start: from,
+                k,
+                v,
+                reply,
+            } => {
+                let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+                let r = match mem.mirror.as_mut() {
+                    Some(m) => put_rows(&mut m.kv, layer, from, &k, &v),
+                    None => Err(EngineError::Device("no KV mirror reserved".into())),
+                };
+                drop(mem);
+                let r = r.map(|()| {
+                    self.pace(
+                        start,
+                        &Cost {
+                            copied: 2 * bytes_of::<f16>(k.len()),
+                            copies: 1,
+                            ..Cost::default()
+                        },
+                    );
+                    start.elapsed()
+                });
+                let _ = reply.send(r);
+                Ok(Cost::default())
+            }
+            Cmd::Attend {
+                layer,
+                q,
+                n,
+                params,
+                reply,
+            } => {
+                let r = self.attend(layer, &q, n, &params).map(|(part, cost)| {
+                    self.pace(start, &cost);
+                    (part, start.elapsed())
+                });
+                let _ = reply.send(r);
+                Ok(Cost::default())
+            }
+        }
+    }
+
+    /// One operation of a program.
+    fn op(&self, mm: &MatMul<'_>, st: &mut StepState, op: &Op) -> Result<Cost> {
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
-        let kv = mem
-            .kv
-            .as_mut()
-            .ok_or_else(|| EngineError::Device("no KV mirror reserved".into()))?;
-        let row = kv.kv_row;
-        if k.len() != v.len() || k.len() % row != 0 {
-            return Err(EngineError::Device(format!(
-                "KV rows of {} and {} values for rows of {row}",
-                k.len(),
-                v.len()
-            )));
-        }
-        let rows = k.len() / row;
-        if layer >= kv.k.len() || from + rows > kv.positions {
-            return Err(EngineError::Device(format!(
-                "KV rows {from}..{} of layer {layer} outside the mirror ({} layers, {} positions)",
-                from + rows,
-                kv.k.len(),
-                kv.positions
-            )));
-        }
-        kv.k[layer][from * row..][..k.len()].copy_from_slice(k);
-        kv.v[layer][from * row..][..v.len()].copy_from_slice(v);
-        Ok(Cost {
-            launches: 0,
-            read: 0,
-            copied: 2 * bytes_of::<f16>(k.len()),
-        })
-    }
-
-    /// One token's attention part over the first `n` mirrored positions of `layer`.
-    fn attend(
-        &self,
-        layer: usize,
-        q: &[f32],
-        n: usize,
-        params: &AttentionParams,
-    ) -> Result<(AttentionPart, Cost)> {
-        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        let kv = mem
-            .kv
-            .as_ref()
-            .ok_or_else(|| EngineError::Device("no KV mirror reserved".into()))?;
-        let row = kv.kv_row;
-        if layer >= kv.k.len() || n > kv.positions || row != params.kv_row_len() {
-            return Err(EngineError::Device(format!(
-                "attention over {n} positions of layer {layer}: the mirror has {} layers of {} \
-                 positions of {row} values",
-                kv.k.len(),
-                kv.positions
-            )));
-        }
-        let mut part = AttentionPart::default();
-        attention_part(
-            q,
-            &kv.k[layer][..n * row],
-            &kv.v[layer][..n * row],
-            params,
-            &mut part,
-        )?;
-        let out = part.max.len() + part.sum.len() + part.acc.len();
-        Ok((
-            part,
-            Cost {
-                launches: 1,
-                read: 2 * bytes_of::<f16>(n * row),
-                copied: bytes_of::<f32>(q.len() + out),
-            },
-        ))
-    }
-
-    /// Waits until the speed model's time for `cost` has passed since `start` (counting an
-    /// overrun when the work itself took longer); returns the copies' share of the time.
-    fn pace(&self, start: Instant, cost: &Cost) -> Duration {
-        let Some(s) = self.speed else {
-            return Duration::ZERO;
+        let mem = &mut *mem;
+        let one = |read: u64| Cost {
+            launches: 1,
+            read,
+            ..Cost::default()
         };
-        let secs = |bytes: u64, bps: f64| {
-            if bps > 0.0 {
-                Duration::from_secs_f64(bytes as f64 / bps)
-            } else {
-                Duration::ZERO
+        match op {
+            Op::MatMul { m, x, y, t } => {
+                let dm = mat(&mem.mats, *m)?;
+                let w = dm.view()?;
+                let (ins, out) = io(&mut mem.bufs, &[*x], *y)?;
+                mm.gemm(&w, ins[0], *t, out)?;
+                Ok(one(dm.bytes.len() as u64))
             }
-        };
-        let transfer = secs(cost.copied, s.link_bandwidth);
-        let modeled = s.launch * cost.launches + secs(cost.read, s.bandwidth) + transfer;
-        let deadline = start + modeled;
-        let now = Instant::now();
-        if now > deadline {
-            self.overruns.fetch_add(1, Ordering::Relaxed);
-            return transfer;
+            Op::GetRows {
+                m,
+                rows,
+                from,
+                n,
+                y,
+            } => {
+                let dm = mat(&mem.mats, *m)?;
+                let out = span_mut(&mut mem.bufs, *y)?;
+                let rb = dm.bytes.len() / dm.rows.max(1);
+                if out.len() != n * dm.cols || from + n > st.ids.len() {
+                    return Err(EngineError::Device(format!(
+                        "rows of {n} tokens from {from} into {} values",
+                        out.len()
+                    )));
+                }
+                for (i, o) in out.chunks_exact_mut(dm.cols).enumerate() {
+                    let r = match rows {
+                        RowsOf::Ids => st.ids[from + i] as usize,
+                        RowsOf::Positions(off) => st.positions[from + i] + off,
+                    };
+                    if r >= dm.rows {
+                        return Err(EngineError::Device(format!(
+                            "row {r} of a table of {}",
+                            dm.rows
+                        )));
+                    }
+                    powerinfer_gguf::quants::dequantize(dm.ty, &dm.bytes[r * rb..][..rb], o)?;
+                }
+                Ok(one((n * rb) as u64))
+            }
+            Op::Norm { x, w, b, eps, y } => {
+                let wv = buf(&mem.bufs, *w)?.to_vec();
+                let bv = b
+                    .map(|b| buf(&mem.bufs, b).map(<[f32]>::to_vec))
+                    .transpose()?;
+                let (ins, out) = io(&mut mem.bufs, &[*x], *y)?;
+                match &bv {
+                    None => rms_norm(ins[0], &wv, *eps, out)?,
+                    Some(bv) => layer_norm(ins[0], &wv, bv, *eps, out)?,
+                }
+                Ok(one(8 * x.len as u64))
+            }
+            Op::AddRows { y, b } => {
+                let bv = buf(&mem.bufs, *b)?.to_vec();
+                let out = span_mut(&mut mem.bufs, *y)?;
+                if bv.is_empty() || out.len() % bv.len() != 0 {
+                    return Err(EngineError::Device(format!(
+                        "a bias of {} values over {}",
+                        bv.len(),
+                        out.len()
+                    )));
+                }
+                for r in out.chunks_exact_mut(bv.len()) {
+                    add(r, &bv)?;
+                }
+                Ok(one(8 * y.len as u64))
+            }
+            Op::Add { y, x } => {
+                let (ins, out) = io(&mut mem.bufs, &[*x], *y)?;
+                add(out, ins[0])?;
+                Ok(one(8 * y.len as u64))
+            }
+            Op::Copy { x, y } => {
+                let (ins, out) = io(&mut mem.bufs, &[*x], *y)?;
+                if ins[0].len() != out.len() {
+                    return Err(EngineError::Device(format!(
+                        "a copy of {} values into {}",
+                        ins[0].len(),
+                        out.len()
+                    )));
+                }
+                out.copy_from_slice(ins[0]);
+                Ok(one(8 * y.len as u64))
+            }
+            Op::Rope {
+                x,
+                n_head,
+                head_dim,
+                from,
+                n,
+                params,
+            } => {
+                let pos = st
+                    .positions
+                    .get(*from..from + n)
+                    .ok_or_else(|| EngineError::Device("RoPE of tokens outside the step".into()))?;
+                let out = span_mut(&mut mem.bufs, *x)?;
+                rope_block(out, *n_head, *head_dim, pos, params)?;
+                Ok(one(8 * x.len as u64))
+            }
+            Op::KvStore {
+                kv,
+                layer,
+                k,
+                v,
+                pos,
+                n,
+            } => {
+                let kf = span(&mem.bufs, *k)?;
+                let vf = span(&mem.bufs, *v)?;
+                let store = mem
+                    .kvs
+                    .get_mut(kv.0)
+                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+                let row = store.row;
+                if kf.len() != n * row || vf.len() != n * row {
+                    return Err(EngineError::Device(format!(
+                        "KV rows of {} values for {n} rows of {row}",
+                        kf.len()
+                    )));
+                }
+                let mut kh = vec![f16::ZERO; kf.len()];
+                let mut vh = vec![f16::ZERO; vf.len()];
+                kh.convert_from_f32_slice(kf);
+                vh.convert_from_f32_slice(vf);
+                put_rows(store, *layer, *pos, &kh, &vh)?;
+                Ok(one(4 * (n * row) as u64))
+            }
+            Op::Attention {
+                kv,
+                layer,
+                q,
+                out,
+                n,
+                len,
+                params,
+            } => {
+                let pool = mm.pool();
+                let qv = span(&mem.bufs, *q)?.to_vec();
+                let store = mem
+                    .kvs
+                    .get(kv.0)
+                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+                let row = store.row;
+                if *layer >= store.k.len() || *len > store.positions || n > len {
+                    return Err(EngineError::Device(format!(
+                        "attention over {len} positions of layer {layer} of a store of {} \
+                         layers and {} positions",
+                        store.k.len(),
+                        store.positions
+                    )));
+                }
+                let (kc, vc) = (&store.k[*layer][..len * row], &store.v[*layer][..len * row]);
+                let read = 4 * (len * row) as u64;
+                let o = span_mut(&mut mem.bufs, *out)?;
+                attention_block(pool, &qv, kc, vc, *n, params, o)?;
+                Ok(one(read))
+            }
+            Op::Predictor {
+                fc1,
+                fc2,
+                x,
+                hidden,
+                scores,
+                t,
+            } => {
+                let (a, b) = (mat(&mem.mats, *fc1)?, mat(&mem.mats, *fc2)?);
+                let p = Predictor::new(a.view()?, b.view()?)?;
+                let xv = span(&mem.bufs, *x)?.to_vec();
+                let mut h = std::mem::take(span_vec(&mut mem.bufs, *hidden)?);
+                let out = span_mut(&mut mem.bufs, *scores)?;
+                let r = p.scores_with(mm, &xv, *t, &mut h, out);
+                *span_vec(&mut mem.bufs, *hidden)? = h;
+                r?;
+                Ok(Cost {
+                    launches: 3,
+                    read: (a.bytes.len() + b.bytes.len()) as u64,
+                    ..Cost::default()
+                })
+            }
+            Op::HotFfn {
+                hot,
+                x,
+                scores,
+                threshold,
+                t,
+                y,
+                count,
+            } => {
+                let h = mem
+                    .hots
+                    .get(hot.0)
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+                let xv = span(&mem.bufs, *x)?.to_vec();
+                let sv = span(&mem.bufs, *scores)?.to_vec();
+                let (ys, read, counts) = hot_ffn(mm, st, h, &xv, &sv, *threshold, *t)?;
+                let out = span_mut(&mut mem.bufs, *y)?;
+                if out.len() != ys.len() {
+                    return Err(EngineError::Device(format!(
+                        "a hot FFN of {} values into {}",
+                        ys.len(),
+                        out.len()
+                    )));
+                }
+                out.copy_from_slice(&ys);
+                if let Some(c) = count {
+                    let out = span_mut(&mut mem.bufs, *c)?;
+                    if out.len() != counts.len() {
+                        return Err(EngineError::Device("a count span of the wrong size".into()));
+                    }
+                    for (o, &n) in out.iter_mut().zip(&counts) {
+                        *o = n as f32;
+                    }
+                }
+                Ok(Cost {
+                    launches: 5,
+                    read,
+                    ..Cost::default()
+                })
+            }
+            Op::Activate { act, gate, up } => {
+                if *act == FfnAct::Relu {
+                    relu(span_mut(&mut mem.bufs, *gate)?);
+                } else {
+                    let (ins, out) = io(&mut mem.bufs, &[*up], *gate)?;
+                    activate(*act, out, ins[0])?;
+                }
+                Ok(one(12 * gate.len as u64))
+            }
+            Op::Mark { .. } => Ok(Cost::default()),
         }
-        // Sleep most of the wait, then yield to the deadline (sleep alone overshoots).
-        let left = deadline - now;
-        if left > Duration::from_micros(300) {
-            std::thread::sleep(left - Duration::from_micros(150));
-        }
-        while Instant::now() < deadline {
-            std::thread::yield_now();
-        }
-        transfer
-    }
-
-    fn alloc_work(&self, work: &mut Work, s: &WorkShape) -> Result<()> {
-        work._held = None;
-        let held = self
-            .budget
-            .try_reserve(work_bytes(s))
-            .map_err(budget_error)?;
-        let t = s.t_max.max(1);
-        *work = Work {
-            t_max: t,
-            x: vec![0.0; t * s.max_cols.max(s.n_embd)],
-            out: vec![0.0; out_len(s)],
-            y: vec![0.0; t * s.n_embd],
-            scores: vec![0.0; t * s.n_ff],
-            g: vec![0.0; s.n_ff],
-            u: vec![0.0; s.n_ff],
-            hidden: vec![0.0; t * s.rank],
-            list: Vec::with_capacity(s.n_ff),
-            fired: Vec::with_capacity(s.n_ff),
-            _held: Some(held),
-        };
-        Ok(())
-    }
-
-    /// Copies `src` into the work buffer `dst` (inputs beyond the reserved work size are
-    /// refused, as a real device's buffers would be).
-    fn copy_to<'w>(dst: &'w mut [f32], src: &[f32], what: &str) -> Result<&'w mut [f32]> {
-        if src.len() > dst.len() {
-            return Err(EngineError::Device(format!(
-                "{what}: {} values do not fit the device's work buffer of {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        let d = &mut dst[..src.len()];
-        d.copy_from_slice(src);
-        Ok(d)
-    }
-
-    /// The token ranges of `t` tokens in chunks of at most `per` tokens (what the work
-    /// buffers hold).
-    fn chunks(per: usize, t: usize) -> Result<Vec<std::ops::Range<usize>>> {
-        if per == 0 {
-            return Err(EngineError::Device(
-                "the device's work buffers cannot hold one token".into(),
-            ));
-        }
-        Ok((0..t).step_by(per).map(|a| a..(a + per).min(t)).collect())
-    }
-
-    fn mat(mem: &Memory, id: MatId) -> Result<&DevMat> {
-        mem.mats
-            .get(id.0)
-            .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", id.0)))
-    }
-
-    fn product(
-        &self,
-        mm: &MatMul<'_>,
-        work: &mut Work,
-        m: MatId,
-        x: &[f32],
-        t: usize,
-    ) -> Result<(Vec<f32>, Cost)> {
-        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        let dm = Stream::mat(&mem, m)?;
-        let w = dm.view()?;
-        let (rows, cols) = (w.rows(), w.cols());
-        if x.len() != t * cols {
-            return Err(EngineError::Device(format!(
-                "product input of {} values for {t} tokens of {cols}",
-                x.len()
-            )));
-        }
-        let mut y = vec![0f32; t * rows];
-        let mut cost = Cost::default();
-        let per = work.t_max.min(work.out.len() / rows.max(1));
-        for c in Stream::chunks(per, t)? {
-            let n = c.len();
-            let xs = Stream::copy_to(&mut work.x, &x[c.start * cols..c.end * cols], "input")?;
-            let out = &mut work.out[..n * rows];
-            mm.gemm(&w, xs, n, out)?;
-            y[c.start * rows..c.end * rows].copy_from_slice(out);
-            cost.launches += 1;
-            cost.read += dm.bytes.len() as u64;
-            cost.copied += bytes_of::<f32>(n * (cols + rows));
-        }
-        Ok((y, cost))
-    }
-
-    fn scores(
-        &self,
-        mm: &MatMul<'_>,
-        work: &mut Work,
-        fc1: MatId,
-        fc2: MatId,
-        h: &[f32],
-        t: usize,
-    ) -> Result<(Vec<f32>, Cost)> {
-        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        let (a, b) = (Stream::mat(&mem, fc1)?, Stream::mat(&mem, fc2)?);
-        let p = Predictor::new(a.view()?, b.view()?)?;
-        let (ne, nff) = (p.n_embd(), p.n_ff());
-        if h.len() != t * ne {
-            return Err(EngineError::Device(format!(
-                "predictor input of {} values for {t} tokens of {ne}",
-                h.len()
-            )));
-        }
-        let mut scores = vec![0f32; t * nff];
-        let mut cost = Cost::default();
-        let per = work.t_max.min(work.scores.len() / nff.max(1));
-        for c in Stream::chunks(per, t)? {
-            let n = c.len();
-            let hs = Stream::copy_to(&mut work.x, &h[c.start * ne..c.end * ne], "input")?;
-            let out = &mut work.scores[..n * nff];
-            p.scores_with(mm, hs, n, &mut work.hidden, out)?;
-            scores[c.start * nff..c.end * nff].copy_from_slice(out);
-            cost.launches += 3;
-            cost.read += (a.bytes.len() + b.bytes.len()) as u64;
-            cost.copied += bytes_of::<f32>(n * (ne + nff));
-        }
-        Ok((scores, cost))
     }
 
     /// Copies staged rows into slots of a hot slice (the bucket stays unique: a neuron the
-    /// slice holds in another slot is refused).
+    /// slice holds in another slot is refused); the new slots are enabled.
     fn replace(&self, hot: HotId, slots: &[u32], rows: NewRows) -> Result<Cost> {
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
-        let h = mem
-            .hots
-            .get_mut(hot.0)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+        let h = hot_mut(&mut mem, hot)?;
         let k = h.bucket.len();
         let mut bucket = h.bucket.clone();
         for (&s, &n) in slots.iter().zip(&rows.neurons) {
@@ -990,93 +1257,299 @@ impl Stream {
                 b[s as usize] = v;
             }
         }
+        if let Some(e) = h.enabled.as_mut() {
+            for &s in slots {
+                e[s as usize] = true;
+            }
+        }
         h.bucket = bucket;
+        let copied = copied + bytes_of::<u32>(slots.len());
+        self.traffic.moved(copied);
         Ok(Cost {
             launches: 1,
-            read: 0,
-            copied: copied + bytes_of::<u32>(slots.len()),
+            copied,
+            copies: 1,
+            ..Cost::default()
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn hot(
+    /// One token's attention part over the first `n` mirrored positions of `layer`.
+    fn attend(
         &self,
-        mm: &MatMul<'_>,
-        work: &mut Work,
-        hot: HotId,
-        x: &[f32],
-        scores: &[f32],
-        t: usize,
-        threshold: f32,
-    ) -> Result<(Vec<f32>, u64, Cost)> {
+        layer: usize,
+        q: &[f32],
+        n: usize,
+        params: &AttentionParams,
+    ) -> Result<(AttentionPart, Cost)> {
         let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        let h = mem
-            .hots
-            .get(hot.0)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
-        let (up, down) = (h.up.view()?, h.down.view()?);
-        let gate = h.gate.as_ref().map(DevMat::view).transpose()?;
-        let ne = down.cols();
-        let k = h.bucket.len();
-        let nff = scores.len().checked_div(t).unwrap_or(0);
-        if x.len() != t * ne || scores.len() != t * nff {
+        let kv = &mem
+            .mirror
+            .as_ref()
+            .ok_or_else(|| EngineError::Device("no KV mirror reserved".into()))?
+            .kv;
+        let row = kv.row;
+        if layer >= kv.k.len() || n > kv.positions || row != params.kv_row_len() {
             return Err(EngineError::Device(format!(
-                "hot job: {} inputs and {} scores for {t} tokens of width {ne}",
-                x.len(),
-                scores.len()
+                "attention over {n} positions of layer {layer}: the mirror has {} layers of {} \
+                 positions of {row} values",
+                kv.k.len(),
+                kv.positions
             )));
         }
-        if work.g.len() < k || h.bucket.iter().any(|&j| j as usize >= nff) {
+        let mut part = AttentionPart::default();
+        attention_part(
+            q,
+            &kv.k[layer][..n * row],
+            &kv.v[layer][..n * row],
+            params,
+            &mut part,
+        )?;
+        let out = part.max.len() + part.sum.len() + part.acc.len();
+        Ok((
+            part,
+            Cost {
+                launches: 1,
+                read: 2 * bytes_of::<f16>(n * row),
+                copied: bytes_of::<f32>(q.len() + out),
+                copies: 2,
+            },
+        ))
+    }
+
+    /// Waits until the speed model's time for `cost` has passed since `start` (counting an
+    /// overrun when the work itself took longer).
+    fn pace(&self, start: Instant, cost: &Cost) {
+        let Some(s) = self.speed else {
+            return;
+        };
+        let secs = |bytes: u64, bps: f64| {
+            if bps > 0.0 {
+                Duration::from_secs_f64(bytes as f64 / bps)
+            } else {
+                Duration::ZERO
+            }
+        };
+        let launches = u32::try_from(cost.launches).unwrap_or(u32::MAX);
+        let modeled = s.launch * launches
+            + secs(cost.read, s.bandwidth)
+            + s.link_latency * cost.copies
+            + secs(cost.copied, s.link_bandwidth);
+        let deadline = start + modeled;
+        if Instant::now() > deadline && cost.read > 0 {
+            self.overruns.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        spin_until(deadline);
+    }
+}
+
+/// The hot part of a sparse FFN over `t` tokens: per token the enabled slots whose neuron's
+/// score is at least `threshold`, through [`token_ffn`]. Returns the outputs (`t × n_embd`),
+/// the bytes read and each token's count of computed neurons.
+#[allow(clippy::too_many_arguments)]
+fn hot_ffn(
+    mm: &MatMul<'_>,
+    st: &mut StepState,
+    h: &DevHot,
+    x: &[f32],
+    scores: &[f32],
+    threshold: f32,
+    t: usize,
+) -> Result<(Vec<f32>, u64, Vec<u32>)> {
+    let (up, down) = (h.up.view()?, h.down.view()?);
+    let gate = h.gate.as_ref().map(DevMat::view).transpose()?;
+    let ne = down.cols();
+    let k = h.bucket.len();
+    let nff = scores.len().checked_div(t).unwrap_or(0);
+    if x.len() != t * ne || scores.len() != t * nff {
+        return Err(EngineError::Device(format!(
+            "hot FFN: {} inputs and {} scores for {t} tokens of width {ne}",
+            x.len(),
+            scores.len()
+        )));
+    }
+    if h.bucket.iter().any(|&j| j as usize >= nff) {
+        return Err(EngineError::Device(
+            "the hot slice holds neurons outside the scores".into(),
+        ));
+    }
+    let rows = NeuronRows {
+        gate: gate.as_ref(),
+        up: &up,
+        down: &down,
+        up_bias: h.up_bias.as_deref(),
+        act: h.act,
+    };
+    let per_row = |m: &DevMat| (m.bytes.len() / k.max(1)) as u64;
+    let gate_row = h.gate.as_ref().map_or(0, per_row);
+    let (up_row, down_row) = (per_row(&h.up), per_row(&h.down));
+    st.u.resize(k, 0.0);
+    let mut g = vec![0f32; k];
+    let mut y = vec![0f32; t * ne];
+    let mut read = 0u64;
+    let mut counts = Vec::with_capacity(t);
+    for i in 0..t {
+        let sc = &scores[i * nff..][..nff];
+        st.list.clear();
+        st.list.extend((0..k as u32).filter(|&j| {
+            h.enabled.as_ref().is_none_or(|e| e[j as usize])
+                && sc[h.bucket[j as usize] as usize] >= threshold
+        }));
+        let mut bufs = TokenBufs {
+            g: &mut g,
+            u: &mut st.u[..k],
+            fired: &mut st.fired,
+        };
+        let yi = &mut y[i * ne..][..ne];
+        let n_up = token_ffn(mm, &rows, &x[i * ne..][..ne], &st.list, &mut bufs, yi)?;
+        let a = st.list.len() as u64;
+        counts.push(a as u32);
+        read += a * (gate_row + down_row) + n_up as u64 * up_row;
+    }
+    Ok((y, read, counts))
+}
+
+fn mat(mats: &[DevMat], id: MatId) -> Result<&DevMat> {
+    mats.get(id.0)
+        .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", id.0)))
+}
+
+fn hot_mut(mem: &mut Memory, hot: HotId) -> Result<&mut DevHot> {
+    mem.hots
+        .get_mut(hot.0)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))
+}
+
+fn buf(bufs: &[DevBuf], id: BufId) -> Result<&[f32]> {
+    bufs.get(id.0)
+        .map(|b| b.data.as_slice())
+        .ok_or_else(|| EngineError::Device(format!("unknown device buffer {}", id.0)))
+}
+
+fn bad_span(s: Span, len: usize) -> EngineError {
+    EngineError::Device(format!(
+        "values {}..{} of buffer {} of {len}",
+        s.off,
+        s.off + s.len,
+        s.buf.0
+    ))
+}
+
+fn span(bufs: &[DevBuf], s: Span) -> Result<&[f32]> {
+    let b = buf(bufs, s.buf)?;
+    b.get(s.off..s.off + s.len)
+        .ok_or_else(|| bad_span(s, b.len()))
+}
+
+fn span_vec(bufs: &mut [DevBuf], s: Span) -> Result<&mut Vec<f32>> {
+    bufs.get_mut(s.buf.0)
+        .map(|b| &mut b.data)
+        .ok_or_else(|| EngineError::Device(format!("unknown device buffer {}", s.buf.0)))
+}
+
+fn span_mut(bufs: &mut [DevBuf], s: Span) -> Result<&mut [f32]> {
+    let b = span_vec(bufs, s)?;
+    let len = b.len();
+    b.get_mut(s.off..s.off + s.len)
+        .ok_or_else(|| bad_span(s, len))
+}
+
+/// The inputs `ins` and the output `out` of an operation, borrowed together: inputs in other
+/// buffers than the output are borrowed, those in the output's buffer must not overlap it.
+fn io<'b>(
+    bufs: &'b mut [DevBuf],
+    ins: &[Span],
+    out: Span,
+) -> Result<(Vec<&'b [f32]>, &'b mut [f32])> {
+    if out.buf.0 >= bufs.len() {
+        return Err(EngineError::Device(format!(
+            "unknown device buffer {}",
+            out.buf.0
+        )));
+    }
+    for s in ins {
+        if s.buf == out.buf && s.off < out.off + out.len && out.off < s.off + s.len {
             return Err(EngineError::Device(
-                "the hot slice does not fit the device's work buffers or the scores".into(),
+                "an operation reads the values it writes".into(),
             ));
         }
-        let rows = NeuronRows {
-            gate: gate.as_ref(),
-            up: &up,
-            down: &down,
-            up_bias: h.up_bias.as_deref(),
-            act: h.act,
-        };
-        let per_row = |m: &DevMat| (m.bytes.len() / k.max(1)) as u64;
-        let gate_row = h.gate.as_ref().map_or(0, per_row);
-        let (up_row, down_row) = (per_row(&h.up), per_row(&h.down));
-        let mut y_all = vec![0f32; t * ne];
-        let mut active = 0u64;
-        let mut cost = Cost::default();
-        let per = work.t_max.min(work.scores.len() / nff.max(1));
-        for c in Stream::chunks(per, t)? {
-            let n = c.len();
-            Stream::copy_to(&mut work.x, &x[c.start * ne..c.end * ne], "FFN input")?;
-            Stream::copy_to(
-                &mut work.scores,
-                &scores[c.start * nff..c.end * nff],
-                "scores",
-            )?;
-            for i in 0..n {
-                let sc = &work.scores[i * nff..][..nff];
-                work.list.clear();
-                work.list.extend(
-                    (0..k as u32).filter(|&j| sc[h.bucket[j as usize] as usize] >= threshold),
-                );
-                let y = &mut work.y[i * ne..][..ne];
-                y.fill(0.0);
-                let mut bufs = TokenBufs {
-                    g: &mut work.g[..k],
-                    u: &mut work.u[..k],
-                    fired: &mut work.fired,
-                };
-                let xi = &work.x[i * ne..][..ne];
-                let n_up = token_ffn(mm, &rows, xi, &work.list, &mut bufs, y)?;
-                let a = work.list.len() as u64;
-                active += a;
-                cost.read += a * (gate_row + down_row) + n_up as u64 * up_row;
-            }
-            y_all[c.start * ne..c.end * ne].copy_from_slice(&work.y[..n * ne]);
-            cost.launches += 4;
-            cost.copied += bytes_of::<f32>(n * (2 * ne + nff));
-        }
-        Ok((y_all, active, cost))
     }
+    // Split the table around the output's buffer.
+    let (before, rest) = bufs.split_at_mut(out.buf.0);
+    let (target, after) = rest.split_first_mut().expect("index checked above");
+    let tlen = target.data.len();
+    if out.off + out.len > tlen {
+        return Err(bad_span(out, tlen));
+    }
+    // Inputs in the output's buffer lie outside the output span.
+    let (lo, hi_all) = target.data.split_at_mut(out.off);
+    let (o, hi) = hi_all.split_at_mut(out.len);
+    let mut got = Vec::with_capacity(ins.len());
+    for s in ins {
+        let slice: &[f32] = if s.buf == out.buf {
+            if s.off + s.len <= out.off {
+                &lo[s.off..s.off + s.len]
+            } else {
+                let start = s.off - (out.off + out.len);
+                hi.get(start..start + s.len)
+                    .ok_or_else(|| bad_span(*s, tlen))?
+            }
+        } else if s.buf.0 < out.buf.0 {
+            let b = &before[s.buf.0].data;
+            b.get(s.off..s.off + s.len)
+                .ok_or_else(|| bad_span(*s, b.len()))?
+        } else {
+            let i = s.buf.0 - out.buf.0 - 1;
+            let b = &after
+                .get(i)
+                .ok_or_else(|| EngineError::Device(format!("unknown device buffer {}", s.buf.0)))?
+                .data;
+            b.get(s.off..s.off + s.len)
+                .ok_or_else(|| bad_span(*s, b.len()))?
+        };
+        got.push(slice);
+    }
+    Ok((got, o))
+}
+
+/// Writes K and V rows (whole rows) into layer `layer` of `kv` from position `from`.
+fn put_rows(kv: &mut DevKv, layer: usize, from: usize, k: &[f16], v: &[f16]) -> Result<()> {
+    let row = kv.row;
+    if k.len() != v.len() || row == 0 || k.len() % row != 0 {
+        return Err(EngineError::Device(format!(
+            "KV rows of {} and {} values for rows of {row}",
+            k.len(),
+            v.len()
+        )));
+    }
+    let rows = k.len() / row;
+    if layer >= kv.k.len() || from + rows > kv.positions {
+        return Err(EngineError::Device(format!(
+            "KV rows {from}..{} of layer {layer} outside the store ({} layers, {} positions)",
+            from + rows,
+            kv.k.len(),
+            kv.positions
+        )));
+    }
+    kv.k[layer][from * row..][..k.len()].copy_from_slice(k);
+    kv.v[layer][from * row..][..v.len()].copy_from_slice(v);
+    Ok(())
+}
+
+/// Rows `from .. from + n` of layer `layer` of `kv`.
+fn take_rows(kv: &DevKv, layer: usize, from: usize, n: usize) -> Result<(Vec<f16>, Vec<f16>)> {
+    let row = kv.row;
+    if layer >= kv.k.len() || from + n > kv.positions {
+        return Err(EngineError::Device(format!(
+            "KV rows {from}..{} of layer {layer} outside the store ({} layers, {} positions)",
+            from + n,
+            kv.k.len(),
+            kv.positions
+        )));
+    }
+    Ok((
+        kv.k[layer][from * row..(from + n) * row].to_vec(),
+        kv.v[layer][from * row..(from + n) * row].to_vec(),
+    ))
 }

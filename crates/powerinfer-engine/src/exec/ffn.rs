@@ -20,11 +20,9 @@ use powerinfer_predictor::predictor::Predictor;
 use super::fused::{run_threads, FusedSplit};
 use super::step::{add_bias, for_row_parts, FfnScratch, LayerRun, Step};
 use super::weights::{product, products, FfnMats};
-use crate::device::{HotJob, HotSpec, MatId};
 use crate::error::Result;
 use crate::model::{FfnAct, Layer};
-use crate::profile::{BatchDensity, LayerSplit, Op};
-use crate::schedule::balance::{Balance, Measured, DECODE_MAX_TOKENS};
+use crate::profile::{BatchDensity, Op};
 
 /// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
 /// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
@@ -68,23 +66,11 @@ pub(crate) fn forward(
             }
             FfnMats::Dense { .. } => None,
         };
-        let d = step.device;
         let (g, u) = (&mut s.gate, &mut s.up);
-        hidden_dense(
-            step.mm,
-            d,
-            step.act,
-            step.opts.fuse,
-            layer,
-            mats,
-            cur,
-            t,
-            g,
-            u,
-        )?;
+        hidden_dense(step.mm, step.act, step.opts.fuse, layer, mats, cur, t, g, u)?;
         obs.observe(index, t, h, &s.gate, scores);
         laps.lap(Op::FfnUpGate, || mats.gate_up_bytes());
-        down_dense(step.mm, d, layer, mats, nff, &mut s.gate, t, out)?;
+        down_dense(step.mm, layer, mats, nff, &mut s.gate, t, out)?;
         laps.lap(Op::FfnDown, || mats.down_bytes());
         step.density.iter_mut().for_each(|d| *d += 1.0);
         return Ok(());
@@ -95,7 +81,6 @@ pub(crate) fn forward(
             up,
             down_t,
             predictor,
-            predictor_dev,
         } if !step.opts.dense => {
             let w = SparseMats {
                 rows: NeuronRows {
@@ -106,26 +91,14 @@ pub(crate) fn forward(
                     act: step.act,
                 },
                 predictor,
-                predictor_dev: *predictor_dev,
             };
-            sparse(step, index, layer, &w, run.split, h, cur, out)
+            sparse(step, index, layer, &w, run.split, h, cur, out, None).map(|_| ())
         }
         _ => {
-            let (mm, d, act, fuse) = (step.mm, step.device, step.act, step.opts.fuse);
-            hidden_dense(
-                mm,
-                d,
-                act,
-                fuse,
-                layer,
-                mats,
-                cur,
-                t,
-                &mut s.gate,
-                &mut s.up,
-            )?;
+            let (mm, act, fuse) = (step.mm, step.act, step.opts.fuse);
+            hidden_dense(mm, act, fuse, layer, mats, cur, t, &mut s.gate, &mut s.up)?;
             laps.lap(Op::FfnUpGate, || mats.gate_up_bytes());
-            down_dense(mm, d, layer, mats, nff, &mut s.gate, t, out)?;
+            down_dense(mm, layer, mats, nff, &mut s.gate, t, out)?;
             laps.lap(Op::FfnDown, || mats.down_bytes());
             step.density.iter_mut().for_each(|d| *d += 1.0);
             Ok(())
@@ -133,11 +106,55 @@ pub(crate) fn forward(
     }
 }
 
-/// A sparse layer's matrices, and what of it the device holds.
+/// A sparse layer's matrices.
 struct SparseMats<'a, 'm> {
     rows: NeuronRows<'a>,
     predictor: &'a Predictor<'m>,
-    predictor_dev: Option<(MatId, MatId)>,
+}
+
+/// The CPU's share of a sparse FFN whose scores a device computed: the active neurons of
+/// `scores` (`t × n_ff`) that `skip` does not mark (the device computes those), into `out`
+/// (overwritten; no down bias: the device adds it once). Returns the active neurons computed.
+pub(crate) fn cold_part(
+    step: &mut Step<'_>,
+    run: &LayerRun<'_, '_>,
+    cur: &[f32],
+    scores: &[f32],
+    skip: Option<&[bool]>,
+    out: &mut [f32],
+) -> Result<u64> {
+    let FfnMats::Sparse {
+        gate,
+        up,
+        down_t,
+        predictor,
+    } = &run.mats.ffn
+    else {
+        return Err(crate::error::EngineError::Device(
+            "a device's scores for a dense FFN".into(),
+        ));
+    };
+    let w = SparseMats {
+        rows: NeuronRows {
+            gate: gate.as_ref(),
+            up,
+            down: down_t,
+            up_bias: run.layer.up_b.as_deref(),
+            act: step.act,
+        },
+        predictor,
+    };
+    sparse(
+        step,
+        run.index,
+        run.layer,
+        &w,
+        run.split,
+        &[],
+        cur,
+        out,
+        Some((scores, skip)),
+    )
 }
 
 /// How the fused one-token dispatch gets the scores.
@@ -149,11 +166,10 @@ enum Scores<'a> {
     Given,
 }
 
-/// The sparse FFN of one layer: the one place where its neurons are divided between the
-/// devices that compute them. The device's hot neurons (if it holds any) run there while the
-/// CPU computes the other active neurons, and the two partial sums are added; only
-/// activations cross. On the CPU, one token runs in one fused dispatch
-/// ([`sparse_hidden_fused`]), a block token by token over each token's active list.
+/// The sparse FFN of one layer on the CPU: predictor scores (unless `given`, with the neurons
+/// a device computes marked to skip), then the active neurons: one token in one fused dispatch
+/// ([`sparse_hidden_fused`]), a block token by token over each token's active list. Returns
+/// the active neurons computed; adds the down bias unless the scores were given.
 #[allow(clippy::too_many_arguments)]
 fn sparse(
     step: &mut Step<'_>,
@@ -164,11 +180,11 @@ fn sparse(
     h: &[f32],
     cur: &[f32],
     out: &mut [f32],
-) -> Result<()> {
+    given: Option<(&[f32], Option<&[bool]>)>,
+) -> Result<u64> {
     let (t, mm, theta) = (step.t, step.mm, step.opts.threshold);
     let nff = step.hp.n_ff;
     let ne = step.hp.n_embd;
-    let device = step.device;
     let s = &mut step.buf.ffn;
     let laps = &mut step.laps;
     let gate_row = w.rows.gate.map_or(0, |g| g.row_bytes() as u64);
@@ -177,38 +193,34 @@ fn sparse(
     let fc1_bytes = w.predictor.fc1().data().len() as u64;
     let fc2_bytes = w.predictor.fc2().data().len() as u64;
     let fuse = t == 1 && step.opts.fuse;
-    // The layer's run-time split: which neurons the device holds and computes.
-    let (bal_opts, bal) = match step.balance.as_deref_mut() {
-        Some(Balance {
-            options, layers, ..
-        }) => (
-            Some(&*options),
-            layers.get_mut(index).and_then(Option::as_mut),
-        ),
-        None => (None, None),
-    };
-    // 1. Scores: on the device when it holds the predictor, else on the CPU (for one token
-    //    the CPU computes `fc2` inside the fused dispatch, unless a device needs the scores).
-    let dev_part = device.filter(|_| bal.is_some());
-    let scores_ready = match (w.predictor_dev, device) {
-        (Some((fc1, fc2)), Some(d)) => {
-            resize(&mut s.scores, t * nff);
-            d.scores(fc1, fc2, h, t, &mut s.scores)?;
+    // 1. Scores: given by a device, or on the CPU (for one token the CPU computes `fc2`
+    //    inside the fused dispatch).
+    let skip = given.and_then(|g| g.1);
+    let scores_ready = match given {
+        Some((sc, _)) => {
+            if sc.len() != t * nff {
+                return Err(crate::error::EngineError::Device(format!(
+                    "{} scores for {t} tokens of {nff} neurons",
+                    sc.len()
+                )));
+            }
+            fit_overwritten(&mut s.scores, t * nff);
+            s.scores.copy_from_slice(sc);
             true
         }
-        _ if !fuse || dev_part.is_some() => {
+        None if !fuse => {
             resize(&mut s.scores, t * nff);
             w.predictor
                 .scores_with(mm, h, t, &mut s.hidden, &mut s.scores)?;
             true
         }
-        _ => {
+        None => {
             w.predictor.hidden(mm, h, 1, &mut s.hidden)?;
             false
         }
     };
     laps.lap(Op::Predictor, || {
-        if w.predictor_dev.is_some() {
+        if given.is_some() {
             0
         } else if scores_ready {
             fc1_bytes + fc2_bytes
@@ -216,28 +228,6 @@ fn sparse(
             fc1_bytes
         }
     });
-    // 2. The device's hot neurons, queued; the CPU goes on at once. The held neurons the
-    //    device does not compute now are hidden from it (and computed below).
-    let queued = match (dev_part, bal.as_deref()) {
-        (Some(d), Some(b)) => {
-            let scores: &[f32] = if b.needs_mask() {
-                b.device_scores(&s.scores, t, &mut s.dev_scores);
-                &s.dev_scores
-            } else {
-                &s.scores
-            };
-            let job = HotJob {
-                hot: b.hot,
-                x: cur,
-                scores,
-                t,
-                threshold: theta,
-            };
-            Some((d, d.submit(&job)?, Instant::now()))
-        }
-        _ => None,
-    };
-    let skip = bal.as_deref().map(|b| &b.on_device[..]);
     // 3. The CPU's active neurons.
     let mut cpu_active = 0u64;
     if fuse {
@@ -324,63 +314,11 @@ fn sparse(
     if fuse {
         step.density[0] += cpu_active as f32 / nff as f32;
     }
-    // 4. The device's part added to the CPU's.
-    if let Some((d, ticket, since)) = queued {
-        let cpu_time = since.elapsed();
-        let waited = Instant::now();
-        let done = d.finish(ticket, out)?;
-        let wait = waited.elapsed();
-        laps.lap(Op::DeviceWait, || 0);
-        let per_token = done.active as f32 / (t * nff) as f32;
-        step.density.iter_mut().for_each(|x| *x += per_token);
-        if let Some(c) = step.counters {
-            c.0.fetch_add(done.active, Ordering::Relaxed);
-            c.1.fetch_add(cpu_active, Ordering::Relaxed);
-        }
-        laps.split(
-            index,
-            LayerSplit {
-                calls: 1,
-                tokens: t as u64,
-                cpu: cpu_time,
-                wait,
-                device: done.busy,
-                transfer: done.transfer,
-                active_cpu: cpu_active,
-                active_device: done.active,
-            },
-        );
-        if let (Some(b), Some(o)) = (bal, bal_opts) {
-            // Decode-sized batches move the split and the cache; prompts are only recorded.
-            let decode = t <= DECODE_MAX_TOKENS;
-            b.observe(&s.scores, t, theta);
-            let m = Measured {
-                t,
-                cpu: cpu_time,
-                device: done.busy,
-                active_cpu: cpu_active,
-                active_device: done.active,
-            };
-            b.measured(m, o, decode);
-            if decode {
-                let spec = HotSpec {
-                    gate: w.rows.gate.copied(),
-                    up: *w.rows.up,
-                    down_t: *w.rows.down,
-                    bucket: &[],
-                    up_bias: w.rows.up_bias,
-                    act: w.rows.act,
-                };
-                b.maybe_migrate(d, &spec, t, o)?;
-            }
-            laps.lap(Op::Other, || 0);
-        }
-    } else if let Some(c) = step.counters {
-        c.1.fetch_add(cpu_active, Ordering::Relaxed);
+    if given.is_none() {
+        add_bias(out, layer.down_b.as_deref())?;
     }
-    add_bias(out, layer.down_b.as_deref())?;
     laps.lap(Op::Other, || 0);
-    Ok(())
+    Ok(cpu_active)
 }
 
 /// The FFN hidden values of every neuron into `s.gate`: `act(gate·x, up·x)` for a gated FFN,
@@ -388,7 +326,6 @@ fn sparse(
 #[allow(clippy::too_many_arguments)]
 fn hidden_dense(
     mm: &MatMul<'_>,
-    device: Option<&dyn crate::device::Device>,
     act: FfnAct,
     fuse: bool,
     layer: &Layer,
@@ -411,10 +348,10 @@ fn hidden_dense(
         } => {
             fit_overwritten(up, t * n);
             if fuse {
-                products(mm, device, &mut [(g, cur, gate), (u, cur, up)], t)?;
+                products(mm, &mut [(g, cur, gate), (u, cur, up)], t)?;
             } else {
-                product(mm, device, g, cur, t, gate)?;
-                product(mm, device, u, cur, t, up)?;
+                product(mm, g, cur, t, gate)?;
+                product(mm, u, cur, t, up)?;
             }
             activate_all(mm, act, gate, up)?;
         }
@@ -447,7 +384,7 @@ fn hidden_dense(
             activate_all(mm, act, gate, up)?;
         }
         FfnMats::Dense { gate: None, up, .. } => {
-            product(mm, device, up, cur, t, gate)?;
+            product(mm, up, cur, t, gate)?;
             add_bias(gate, layer.up_b.as_deref())?;
             relu(gate);
         }
@@ -466,7 +403,6 @@ fn hidden_dense(
 #[allow(clippy::too_many_arguments)]
 fn down_dense(
     mm: &MatMul<'_>,
-    device: Option<&dyn crate::device::Device>,
     layer: &Layer,
     mats: &FfnMats<'_>,
     nff: usize,
@@ -475,7 +411,7 @@ fn down_dense(
     out: &mut [f32],
 ) -> Result<()> {
     match mats {
-        FfnMats::Dense { down, .. } => product(mm, device, down, act, t, out)?,
+        FfnMats::Dense { down, .. } => product(mm, down, act, t, out)?,
         FfnMats::Sparse { down_t, .. } => {
             let ne = down_t.cols();
             let all: Vec<u32> = (0..nff as u32).collect();

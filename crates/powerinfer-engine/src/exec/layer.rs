@@ -32,7 +32,7 @@ pub(crate) fn attention(
     x: &[f32],
 ) -> Result<Vec<f32>> {
     let (l, layer, mats) = (run.index, run.layer, run.mats);
-    let (t, hp, mm, dev) = (step.t, step.hp, step.mm, step.device);
+    let (t, hp, mm, mirror) = (step.t, step.hp, step.mm, step.mirror);
     let laps = &mut step.laps;
     let (ne, nkv, hd) = (hp.n_embd, hp.n_embd_kv(), hp.head_dim());
     let b = &mut step.buf;
@@ -62,7 +62,6 @@ pub(crate) fn attention(
                 // The three products in one dispatch.
                 products(
                     mm,
-                    dev,
                     &mut [
                         (wq, attn_in, &mut b.q),
                         (wk, attn_in, &mut b.k),
@@ -71,9 +70,9 @@ pub(crate) fn attention(
                     t,
                 )?;
             } else {
-                product(mm, dev, wq, attn_in, t, &mut b.q)?;
-                product(mm, dev, wk, attn_in, t, &mut b.k)?;
-                product(mm, dev, wv, attn_in, t, &mut b.v)?;
+                product(mm, wq, attn_in, t, &mut b.q)?;
+                product(mm, wk, attn_in, t, &mut b.k)?;
+                product(mm, wv, attn_in, t, &mut b.v)?;
             }
             add_bias(&mut b.q, bq.as_deref())?;
             add_bias(&mut b.k, bk.as_deref())?;
@@ -83,7 +82,7 @@ pub(crate) fn attention(
         (QkvMats::Fused(w), _) => {
             let width = ne + 2 * nkv;
             fit(&mut b.qkv, t * width);
-            product(mm, dev, w, attn_in, t, &mut b.qkv)?;
+            product(mm, w, attn_in, t, &mut b.qkv)?;
             for (i, row) in b.qkv.chunks_exact(width).enumerate() {
                 b.q[i * ne..(i + 1) * ne].copy_from_slice(&row[..ne]);
                 b.k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
@@ -119,8 +118,7 @@ pub(crate) fn attention(
             &b.v[s0 * nkv..][..n * nkv],
         )?;
         let (q_s, out_s) = (&b.q[s0 * ne..][..n * ne], &mut b.heads[s0 * ne..][..n * ne]);
-        let attending = dev.and_then(|d| d.attention());
-        if let (Some(a), Some(d), Some(o)) = (split.as_deref_mut(), attending, bal_opts) {
+        if let (Some(a), Some(d), Some(o)) = (split.as_deref_mut(), mirror, bal_opts) {
             let n_pos = cache.layer(sg.seq, l)?.0.len() / nkv;
             let s = a.device_positions(l, n_pos);
             if s > 0 {
@@ -157,7 +155,7 @@ pub(crate) fn attention(
         attention_block(mm.pool(), q_s, kc, vc, n, &step.ap, out_s)?;
     }
     laps.lap(Op::Attention, || kv_bytes);
-    product(mm, dev, &mats.wo, &b.heads, t, &mut b.tmp)?;
+    product(mm, &mats.wo, &b.heads, t, &mut b.tmp)?;
     add_bias(&mut b.tmp, layer.bo.as_deref())?;
     laps.lap(Op::AttnOutput, || mats.wo.bytes());
     Ok(std::mem::take(&mut b.tmp))

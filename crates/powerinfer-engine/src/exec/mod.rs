@@ -10,6 +10,7 @@
 //!    neurons between the devices;
 //! 4. back here for the residual and the next layer.
 
+mod device_step;
 pub(crate) mod ffn;
 pub(crate) mod fused;
 pub(crate) mod layer;
@@ -238,7 +239,7 @@ impl Executor {
     /// Makes every repacked copy now.
     pub(crate) fn repack_now(&self, model: &Model, pool: &ThreadPool) -> Result<()> {
         let mm = MatMul::with_backend(pool, self.backend)?.with_axpy(self.opts.axpy);
-        let mats = ModelMats::new(model, &self.repacked, self.hybrid.as_ref())?;
+        let mats = ModelMats::new(model, &self.repacked)?;
         self.repacked.make_all(&mats, &mm);
         Ok(())
     }
@@ -250,6 +251,9 @@ impl Executor {
 
     /// Evaluates `batch`: every weight product runs once over all its tokens, RoPE, the KV
     /// cache and attention are per sequence. Returns one [`EvalOutput`] per segment, in order.
+    /// With a device that runs layers, the batch runs there ([`device_step`]) when every
+    /// sequence gets a KV store on it; else (and with an observer) on the CPU, every row of
+    /// the batch's sequences read back to the host first.
     ///
     /// A token's result equals that of evaluating its sequence alone up to rounding: for float
     /// weights the products of several tokens sum in another order than one token's; for
@@ -267,34 +271,57 @@ impl Executor {
         opts: EvalOptions<'_>,
     ) -> Result<Vec<EvalOutput>> {
         let segments = batch.segments();
-        let hp = &model.hparams;
-        let mut starts = Vec::with_capacity(segments.len());
-        let mut positions = Vec::new();
-        let mut tokens = Vec::new();
-        for (i, sg) in segments.iter().enumerate() {
-            if segments[..i].iter().any(|o| o.seq == sg.seq) {
-                return Err(EngineError::Invalid(format!(
-                    "sequence {} appears twice in one batch",
-                    sg.seq
-                )));
-            }
-            cache.reserve(sg.seq, sg.tokens.len())?;
-            let p0 = cache.pos(sg.seq)?;
-            starts.push(tokens.len());
-            positions.extend(p0..p0 + sg.tokens.len());
-            tokens.extend_from_slice(sg.tokens);
+        let lay = layout(cache, segments)?;
+        if lay.tokens.is_empty() {
+            return Ok(segments.iter().map(|_| EvalOutput::empty()).collect());
         }
-        let t = tokens.len();
-        let empty = || EvalOutput {
-            logits: Vec::new(),
-            density: Vec::new(),
-        };
-        if t == 0 {
-            return Ok(segments.iter().map(|_| empty()).collect());
-        }
-        let ne = hp.n_embd;
         let mm = MatMul::with_backend(pool, self.backend)?.with_axpy(self.opts.axpy);
-        let mats = ModelMats::new(model, &self.repacked, self.hybrid.as_ref())?;
+        let mats = ModelMats::new(model, &self.repacked)?;
+        if let Some(h) = &self.hybrid {
+            if h.runs_layers() && opts.observer.is_none() {
+                let mut stores = Vec::with_capacity(segments.len());
+                for sg in segments {
+                    match h.kv.bind(h.device.as_ref(), cache, sg.seq)? {
+                        Some(kv) => stores.push(kv),
+                        None => break,
+                    }
+                }
+                if stores.len() == segments.len() {
+                    let run = device_step::Run {
+                        exec: self,
+                        h,
+                        model,
+                        mm: &mm,
+                        mats: &mats,
+                        segments,
+                        lay: &lay,
+                        stores: &stores,
+                    };
+                    return run.eval(cache, opts);
+                }
+            }
+            // The CPU reads every row: what only the device holds comes back first.
+            for sg in segments {
+                h.kv.unbind(h.device.as_ref(), cache, sg.seq)?;
+            }
+        }
+        self.eval_host(model, &mm, &mats, cache, segments, lay, opts)
+    }
+
+    /// [`Executor::eval`] on the CPU.
+    #[allow(clippy::too_many_arguments)]
+    fn eval_host(
+        &self,
+        model: &Model,
+        mm: &MatMul<'_>,
+        mats: &ModelMats<'_>,
+        cache: &mut KvCache,
+        segments: &[Segment<'_>],
+        lay: Layout,
+        opts: EvalOptions<'_>,
+    ) -> Result<Vec<EvalOutput>> {
+        let hp = &model.hparams;
+        let t = lay.tokens.len();
         let EvalOptions {
             logits: which,
             observer,
@@ -304,117 +331,233 @@ impl Executor {
             .hybrid
             .as_ref()
             .map(|h| h.balance.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut step = Step::new(model, &mm, self.opts, t, positions, segments, starts);
+        let mut step = Step::new(model, mm, self.opts, t, lay.positions, segments, lay.starts);
         step.laps = Laps::new(profile);
         step.observer = observer.map(|o| o as &mut dyn FfnObserver);
-        if let Some(h) = &self.hybrid {
-            step.device = Some(h.device.as_ref());
-            step.counters = Some(&h.counters);
-        }
+        step.mirror = self.hybrid.as_ref().and_then(|h| h.device.attention());
         step.balance = balance.as_deref_mut();
         step.laps.eval(t);
 
-        let mut x = vec![0f32; t * ne];
-        embed(model, &tokens, &step.positions, &mut x)?;
+        let mut x = vec![0f32; t * hp.n_embd];
+        embed(model, &lay.tokens, &step.positions, &mut x)?;
         step.laps.lap(Op::Other, || 0);
-        for (l, (layer, lm)) in model.layers.iter().zip(&mats.layers).enumerate() {
-            let run = LayerRun {
-                index: l,
-                layer,
-                mats: lm,
-                split: &self.splits[l],
-            };
-            let attn = layer::attention(&mut step, cache, &run, &x)?;
-            if hp.arch == Arch::Falcon {
-                // Parallel block: the FFN reads attn_norm(x), the predictor the layer input x.
-                let mut out = std::mem::take(&mut step.buf.ffn_out);
-                out.resize(t * ne, 0.0);
-                let cur = std::mem::take(&mut step.buf.cur);
-                ffn::forward(&mut step, &run, &x, &cur, &mut out)?;
-                step.buf.cur = cur;
-                add_par(&mm, &mut out, &attn)?;
-                add_par(&mm, &mut x, &out)?;
-                step.buf.ffn_out = out;
-                step.buf.tmp = attn;
-            } else {
-                add_par(&mm, &mut x, &attn)?; // x = ffn_inp
-                step.laps.lap(Op::Other, || 0);
-                let mut cur = std::mem::take(&mut step.buf.cur);
-                if let Some(n) = &layer.ffn_norm {
-                    norm(&mm, &x, n, hp.rms_eps, &mut cur)?;
-                    step.laps.lap(Op::Norm, || 0);
-                }
-                let mut out = attn;
-                ffn::forward(&mut step, &run, &x, &cur, &mut out)?;
-                step.buf.cur = cur;
-                add_par(&mm, &mut x, &out)?;
-                step.buf.tmp = out;
-            }
-            step.laps.lap(Op::Other, || 0);
+        for l in 0..model.layers.len() {
+            self.host_layer(&mut step, cache, model, mats, l, &mut x)?;
         }
         for sg in segments {
             cache.advance(sg.seq, sg.tokens.len())?;
         }
-
-        let n_layer = model.layers.len().max(1) as f32;
+        let rows = logit_rows(which, segments, &step.starts, t);
+        let logits = host_logits(&mut step, model, mats, &x, &rows)?;
         let mut density = std::mem::take(&mut step.density);
+        let n_layer = model.layers.len().max(1) as f32;
         density.iter_mut().for_each(|d| *d /= n_layer);
-        // The rows whose logits are returned: every token, each segment's last, or none.
-        let rows: Vec<usize> = match which {
-            Logits::All => (0..t).collect(),
-            Logits::Last => segments
-                .iter()
-                .zip(&step.starts)
-                .filter(|(sg, _)| !sg.tokens.is_empty())
-                .map(|(sg, &s0)| s0 + sg.tokens.len() - 1)
-                .collect(),
-            Logits::None => Vec::new(),
-        };
-        let n_out = rows.len();
-        let nv = hp.n_vocab;
-        let mut logits = vec![0f32; n_out * nv];
-        if n_out > 0 {
-            let mut normed = vec![0f32; n_out * ne];
-            if n_out == t {
-                norm(&mm, &x, &model.output_norm, hp.rms_eps, &mut normed)?;
-            } else {
-                let mut picked = vec![0f32; n_out * ne];
-                for (dst, &r) in picked.chunks_exact_mut(ne).zip(&rows) {
-                    dst.copy_from_slice(&x[r * ne..][..ne]);
-                }
-                norm(&mm, &picked, &model.output_norm, hp.rms_eps, &mut normed)?;
-            }
-            step.laps.lap(Op::Norm, || 0);
-            product(&mm, step.device, &mats.output, &normed, n_out, &mut logits)?;
-            step.laps.lap(Op::OutputHead, || mats.output.bytes());
-        }
-        let mut outs = Vec::with_capacity(segments.len());
-        let mut row = 0;
-        for (sg, &s0) in segments.iter().zip(&step.starts) {
-            let n = sg.tokens.len();
-            if n == 0 {
-                outs.push(empty());
-                continue;
-            }
-            let k = match which {
-                Logits::All => n,
-                Logits::Last => 1,
-                Logits::None => 0,
-            };
-            outs.push(EvalOutput {
-                logits: logits[row * nv..(row + k) * nv].to_vec(),
-                density: density[s0..s0 + n].to_vec(),
-            });
-            row += k;
-        }
+        let outs = outputs(which, segments, &step.starts, hp.n_vocab, &logits, &density);
         step.laps.lap(Op::Other, || 0);
         Ok(outs)
+    }
+
+    /// Layer `l` on the CPU over `step`'s tokens: attention, FFN and residual, `x` updated.
+    pub(crate) fn host_layer(
+        &self,
+        step: &mut Step<'_>,
+        cache: &mut KvCache,
+        model: &Model,
+        mats: &ModelMats<'_>,
+        l: usize,
+        x: &mut [f32],
+    ) -> Result<()> {
+        let (t, ne, mm) = (step.t, model.hparams.n_embd, step.mm);
+        let layer = &model.layers[l];
+        let run = LayerRun {
+            index: l,
+            layer,
+            mats: &mats.layers[l],
+            split: &self.splits[l],
+        };
+        let attn = layer::attention(step, cache, &run, x)?;
+        if model.hparams.arch == Arch::Falcon {
+            // Parallel block: the FFN reads attn_norm(x), the predictor the layer input x.
+            let mut out = std::mem::take(&mut step.buf.ffn_out);
+            out.resize(t * ne, 0.0);
+            let cur = std::mem::take(&mut step.buf.cur);
+            ffn::forward(step, &run, x, &cur, &mut out)?;
+            step.buf.cur = cur;
+            add_par(mm, &mut out, &attn)?;
+            add_par(mm, x, &out)?;
+            step.buf.ffn_out = out;
+            step.buf.tmp = attn;
+        } else {
+            add_par(mm, x, &attn)?; // x = ffn_inp
+            step.laps.lap(Op::Other, || 0);
+            let mut cur = std::mem::take(&mut step.buf.cur);
+            if let Some(n) = &layer.ffn_norm {
+                norm(mm, x, n, model.hparams.rms_eps, &mut cur)?;
+                step.laps.lap(Op::Norm, || 0);
+            }
+            let mut out = attn;
+            ffn::forward(step, &run, x, &cur, &mut out)?;
+            step.buf.cur = cur;
+            add_par(mm, x, &out)?;
+            step.buf.tmp = out;
+        }
+        step.laps.lap(Op::Other, || 0);
+        Ok(())
+    }
+
+    /// A copy of sequence `src` of `cache` (see [`KvStores::fork`](crate::schedule::kv::KvStores::fork)).
+    pub(crate) fn fork(&self, cache: &mut KvCache, src: SeqId) -> Result<SeqId> {
+        match &self.hybrid {
+            Some(h) => h.kv.fork(h.device.as_ref(), cache, src),
+            None => cache.fork(src),
+        }
+    }
+
+    /// Makes the host hold every KV row of `seq` (reading back what only the device holds).
+    pub(crate) fn unbind(&self, cache: &mut KvCache, seq: SeqId) -> Result<()> {
+        match &self.hybrid {
+            Some(h) => h.kv.unbind(h.device.as_ref(), cache, seq),
+            None => Ok(()),
+        }
+    }
+
+    /// The splits of the one-token sparse FFN (the device step's CPU parts use them too).
+    pub(crate) fn split(&self, l: usize) -> &FusedSplit {
+        &self.splits[l]
+    }
+}
+
+/// Where a batch's tokens are: each segment's first token, each token's position, the tokens.
+pub(crate) struct Layout {
+    pub(crate) starts: Vec<usize>,
+    pub(crate) positions: Vec<usize>,
+    pub(crate) tokens: Vec<u32>,
+}
+
+/// Checks `segments` against `cache` (no sequence twice, each known and fitting its context)
+/// and lays them out.
+fn layout(cache: &KvCache, segments: &[Segment<'_>]) -> Result<Layout> {
+    let mut lay = Layout {
+        starts: Vec::with_capacity(segments.len()),
+        positions: Vec::new(),
+        tokens: Vec::new(),
+    };
+    for (i, sg) in segments.iter().enumerate() {
+        if segments[..i].iter().any(|o| o.seq == sg.seq) {
+            return Err(EngineError::Invalid(format!(
+                "sequence {} appears twice in one batch",
+                sg.seq
+            )));
+        }
+        cache.reserve(sg.seq, sg.tokens.len())?;
+        let p0 = cache.pos(sg.seq)?;
+        lay.starts.push(lay.tokens.len());
+        lay.positions.extend(p0..p0 + sg.tokens.len());
+        lay.tokens.extend_from_slice(sg.tokens);
+    }
+    Ok(lay)
+}
+
+/// The rows (batch token indices) whose logits an evaluation returns: every token, each
+/// segment's last, or none.
+pub(crate) fn logit_rows(
+    which: Logits,
+    segments: &[Segment<'_>],
+    starts: &[usize],
+    t: usize,
+) -> Vec<usize> {
+    match which {
+        Logits::All => (0..t).collect(),
+        Logits::Last => segments
+            .iter()
+            .zip(starts)
+            .filter(|(sg, _)| !sg.tokens.is_empty())
+            .map(|(sg, &s0)| s0 + sg.tokens.len() - 1)
+            .collect(),
+        Logits::None => Vec::new(),
+    }
+}
+
+/// The logits of `rows` of the hidden states `x` on the CPU: output norm, then the head.
+pub(crate) fn host_logits(
+    step: &mut Step<'_>,
+    model: &Model,
+    mats: &ModelMats<'_>,
+    x: &[f32],
+    rows: &[usize],
+) -> Result<Vec<f32>> {
+    let hp = &model.hparams;
+    let (ne, nv, mm) = (hp.n_embd, hp.n_vocab, step.mm);
+    let n_out = rows.len();
+    let mut logits = vec![0f32; n_out * nv];
+    if n_out == 0 {
+        return Ok(logits);
+    }
+    let mut normed = vec![0f32; n_out * ne];
+    if n_out * ne == x.len() {
+        norm(mm, x, &model.output_norm, hp.rms_eps, &mut normed)?;
+    } else {
+        let mut picked = vec![0f32; n_out * ne];
+        for (dst, &r) in picked.chunks_exact_mut(ne).zip(rows) {
+            dst.copy_from_slice(&x[r * ne..][..ne]);
+        }
+        norm(mm, &picked, &model.output_norm, hp.rms_eps, &mut normed)?;
+    }
+    step.laps.lap(Op::Norm, || 0);
+    product(mm, &mats.output, &normed, n_out, &mut logits)?;
+    step.laps.lap(Op::OutputHead, || mats.output.bytes());
+    Ok(logits)
+}
+
+/// One [`EvalOutput`] per segment from the logits of the rows [`logit_rows`] chose and every
+/// token's density.
+pub(crate) fn outputs(
+    which: Logits,
+    segments: &[Segment<'_>],
+    starts: &[usize],
+    nv: usize,
+    logits: &[f32],
+    density: &[f32],
+) -> Vec<EvalOutput> {
+    let mut outs = Vec::with_capacity(segments.len());
+    let mut row = 0;
+    for (sg, &s0) in segments.iter().zip(starts) {
+        let n = sg.tokens.len();
+        if n == 0 {
+            outs.push(EvalOutput::empty());
+            continue;
+        }
+        let k = match which {
+            Logits::All => n,
+            Logits::Last => 1,
+            Logits::None => 0,
+        };
+        outs.push(EvalOutput {
+            logits: logits[row * nv..(row + k) * nv].to_vec(),
+            density: density[s0..s0 + n].to_vec(),
+        });
+        row += k;
+    }
+    outs
+}
+
+impl EvalOutput {
+    fn empty() -> EvalOutput {
+        EvalOutput {
+            logits: Vec::new(),
+            density: Vec::new(),
+        }
     }
 }
 
 /// The embeddings of `tokens` into `x` (`n_embd` each): rows of `token_embd`, plus, for `opt`,
 /// the learned position embedding of each token's position.
-fn embed(model: &Model, tokens: &[u32], positions: &[usize], x: &mut [f32]) -> Result<()> {
+pub(crate) fn embed(
+    model: &Model,
+    tokens: &[u32],
+    positions: &[usize],
+    x: &mut [f32],
+) -> Result<()> {
     let ne = model.hparams.n_embd;
     let file = model.file();
     let row_of = |t: &crate::model::TensorRef, row: usize, out: &mut [f32]| -> Result<()> {

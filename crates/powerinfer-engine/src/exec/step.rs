@@ -8,7 +8,6 @@ use powerinfer_kernels_cpu::ops::rope::{RopeMode, RopeParams};
 use powerinfer_kernels_cpu::MatMul;
 
 use std::ops::Range;
-use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use powerinfer_kernels_cpu::KernelError;
@@ -16,7 +15,7 @@ use powerinfer_kernels_cpu::KernelError;
 use super::fused::{run_threads, FusedSplit};
 use super::weights::LayerMats;
 use super::{ExecOptions, Segment};
-use crate::device::Device;
+use crate::device::AttentionDevice;
 use crate::error::Result;
 use crate::model::{Arch, FfnAct, Hparams, Layer, Model, Norm};
 use crate::observer::FfnObserver;
@@ -52,8 +51,6 @@ pub(crate) struct FfnScratch {
     pub(crate) up: Vec<f32>,
     pub(crate) hidden: Vec<f32>,
     pub(crate) scores: Vec<f32>,
-    /// The scores as the device gets them (held neurons it does not compute hidden).
-    pub(crate) dev_scores: Vec<f32>,
     pub(crate) active: Vec<u32>,
     /// Per thread, the active neurons of its row range (relative to the range start).
     pub(crate) parts: Vec<Mutex<Vec<u32>>>,
@@ -93,12 +90,9 @@ pub(crate) struct Step<'a> {
     pub(crate) observer: Option<&'a mut dyn FfnObserver>,
     /// Where the time goes, when profiling.
     pub(crate) laps: Laps<'a>,
-    /// The device beside the CPU, if any.
-    pub(crate) device: Option<&'a dyn Device>,
-    /// Active neurons computed on the device and on the CPU (the engine's running totals).
-    pub(crate) counters: Option<&'a (AtomicU64, AtomicU64)>,
-    /// Which neurons the device holds and computes in each layer (held locked for the
-    /// evaluation).
+    /// The device's side of the attention split, if it has one.
+    pub(crate) mirror: Option<&'a dyn AttentionDevice>,
+    /// The run-time scheduling's state (held locked for the evaluation): the attention split.
     pub(crate) balance: Option<&'a mut Balance>,
     /// Buffers.
     pub(crate) buf: Buffers,
@@ -131,8 +125,7 @@ impl<'a> Step<'a> {
             density: vec![0.0; t],
             observer: None,
             laps: Laps::new(None),
-            device: None,
-            counters: None,
+            mirror: None,
             balance: None,
             buf: Buffers::default(),
         }

@@ -7,19 +7,16 @@ use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_kernels_cpu::{GemmJob, GemvJob, MatMul, PackedGemvJob, PackedQ4_0, Weights};
 use powerinfer_predictor::predictor::Predictor;
 
-use crate::device::{Device, MatId};
 use crate::error::Result;
 use crate::model::{Ffn, Model, Qkv, TensorRef};
-use crate::schedule::placement::{Hybrid, HybridLayer, Slot, SLOTS};
+use crate::schedule::placement::{Slot, SLOTS};
 
 /// A kernel view of one matrix, with the cell of its repacked copy when it is marked for
-/// repacking, and its copy on the device when it has one (products then run there).
+/// repacking.
 pub(crate) struct Mat<'m> {
     /// The file's bytes.
     pub(crate) w: Weights<'m>,
     packed: Option<&'m OnceLock<Option<PackedQ4_0>>>,
-    /// The device's copy.
-    pub(crate) dev: Option<MatId>,
 }
 
 impl Mat<'_> {
@@ -58,8 +55,6 @@ pub(crate) enum FfnMats<'m> {
         down_t: Weights<'m>,
         /// `fc2 · ReLU(fc1 · h)`.
         predictor: Predictor<'m>,
-        /// The device's copies of `fc1` and `fc2`, when it holds them.
-        predictor_dev: Option<(MatId, MatId)>,
     },
 }
 
@@ -173,22 +168,15 @@ fn view<'m>(file: &'m GgufFile, t: &TensorRef) -> Result<Weights<'m>> {
 }
 
 impl<'m> ModelMats<'m> {
-    /// Views of every matrix of `model`, with `repacked`'s cells and the device copies
-    /// `hybrid` placed.
-    pub(crate) fn new(
-        model: &'m Model,
-        repacked: &'m Repacked,
-        hybrid: Option<&'m Hybrid>,
-    ) -> Result<ModelMats<'m>> {
+    /// Views of every matrix of `model`, with `repacked`'s cells.
+    pub(crate) fn new(model: &'m Model, repacked: &'m Repacked) -> Result<ModelMats<'m>> {
         let file = model.file();
         let mut layers = Vec::with_capacity(model.layers.len());
         for (l, layer) in model.layers.iter().enumerate() {
-            let hl: Option<&'m HybridLayer> = hybrid.map(|h| &h.layers[l]);
             let mat = |slot: Slot, t: &TensorRef| -> Result<Mat<'m>> {
                 Ok(Mat {
                     w: view(file, t)?,
                     packed: repacked.cell(l, slot, t),
-                    dev: hl.and_then(|h| h.mats[slot as usize]),
                 })
             };
             let qkv = match &layer.qkv {
@@ -214,7 +202,6 @@ impl<'m> ModelMats<'m> {
                     up: view(file, up)?,
                     down_t: view(file, down_t)?,
                     predictor: Predictor::new(view(file, fc1)?, view(file, fc2)?)?,
-                    predictor_dev: hl.and_then(|h| h.predictor),
                 },
             };
             layers.push(LayerMats {
@@ -226,26 +213,20 @@ impl<'m> ModelMats<'m> {
         let output = Mat {
             w: view(file, &model.output)?,
             packed: (repacked.on && model.output.ty == GgmlType::Q4_0).then_some(&repacked.output),
-            dev: hybrid.and_then(|h| h.output),
         };
         Ok(ModelMats { layers, output })
     }
 }
 
-/// `y = W x` for `t` tokens: on the device when it holds `m`; else through the repacked copy
-/// of `m` for one token when it is marked for repacking (bit-identical results), else the
-/// ordinary GEMM.
+/// `y = W x` for `t` tokens: through the repacked copy of `m` for one token when it is marked
+/// for repacking (bit-identical results), else the ordinary GEMM.
 pub(crate) fn product(
     mm: &MatMul<'_>,
-    device: Option<&dyn Device>,
     m: &Mat<'_>,
     x: &[f32],
     t: usize,
     y: &mut [f32],
 ) -> Result<()> {
-    if let (Some(id), Some(d)) = (m.dev, device) {
-        return d.product(id, x, t, y);
-    }
     match packed_copy(mm, m, t) {
         Some(p) => mm.gemv_packed(p, x, y)?,
         None => mm.gemm(&m.w, x, t, y)?,
@@ -261,21 +242,15 @@ fn packed_copy<'a>(mm: &MatMul<'_>, m: &'a Mat<'_>, t: usize) -> Option<&'a Pack
 
 /// Several one-token products `y = W x` in one dispatch (a layer's Q, K and V; a dense FFN's
 /// gate and up): [`MatMul::gemv_packed_multi`] when every matrix has a repacked copy,
-/// [`MatMul::gemv_multi`] when none has, else (or when a device holds any) one product after
-/// another. The same bits as [`product`] on each.
+/// [`MatMul::gemv_multi`] when none has, else one product after another. The same bits as
+/// [`product`] on each.
 pub(crate) fn products_one_token(
     mm: &MatMul<'_>,
-    device: Option<&dyn Device>,
     jobs: &mut [(&Mat<'_>, &[f32], &mut [f32])],
 ) -> Result<()> {
-    let on_device = device.is_some() && jobs.iter().any(|(m, _, _)| m.dev.is_some());
     let packed: Vec<Option<&PackedQ4_0>> =
         jobs.iter().map(|(m, _, _)| packed_copy(mm, m, 1)).collect();
-    if on_device {
-        for (m, x, y) in jobs.iter_mut() {
-            product(mm, device, m, x, 1, y)?;
-        }
-    } else if let Some(all) = packed.iter().copied().collect::<Option<Vec<_>>>() {
+    if let Some(all) = packed.iter().copied().collect::<Option<Vec<_>>>() {
         let mut pj: Vec<PackedGemvJob<'_>> = jobs
             .iter_mut()
             .zip(all)
@@ -290,7 +265,7 @@ pub(crate) fn products_one_token(
         mm.gemv_multi(&mut gj)?;
     } else {
         for (m, x, y) in jobs.iter_mut() {
-            product(mm, None, m, x, 1, y)?;
+            product(mm, m, x, 1, y)?;
         }
     }
     Ok(())
@@ -298,23 +273,15 @@ pub(crate) fn products_one_token(
 
 /// Several `t`-token products `y = W x` in one dispatch (a layer's Q, K and V; a dense FFN's
 /// gate and up): [`products_one_token`] for one token, [`MatMul::gemm_multi`] for more (the
-/// row blocks of all matrices shared out together, a shared input prepared once), or one
-/// product after another when a device holds any of the matrices. The same bits as
-/// [`product`] on each.
+/// row blocks of all matrices shared out together, a shared input prepared once). The same
+/// bits as [`product`] on each.
 pub(crate) fn products(
     mm: &MatMul<'_>,
-    device: Option<&dyn Device>,
     jobs: &mut [(&Mat<'_>, &[f32], &mut [f32])],
     t: usize,
 ) -> Result<()> {
     if t == 1 {
-        return products_one_token(mm, device, jobs);
-    }
-    if device.is_some() && jobs.iter().any(|(m, _, _)| m.dev.is_some()) {
-        for (m, x, y) in jobs.iter_mut() {
-            product(mm, device, m, x, t, y)?;
-        }
-        return Ok(());
+        return products_one_token(mm, jobs);
     }
     let mut gj: Vec<GemmJob<'_>> = jobs
         .iter_mut()

@@ -136,7 +136,7 @@ impl AttentionSplit {
         let (k, v) = cache.layer(seq, layer)?;
         let row = cache.row_len();
         let (a, b) = (state.mirrored * row, s * row);
-        let took = device.write_kv(layer, state.mirrored, &k[a..b], &v[a..b])?;
+        let took = device.write_mirror(layer, state.mirrored, &k[a..b], &v[a..b])?;
         state.report.copied_rows += (s - state.mirrored) as u64;
         state.report.copy_time += took;
         state.mirrored = s;

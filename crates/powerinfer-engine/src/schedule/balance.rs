@@ -285,6 +285,10 @@ pub(crate) struct LayerBalanceState {
     since_look: usize,
     /// Seconds to copy one neuron's rows to the device (measured; `None` before the first copy).
     copy_secs: Option<f64>,
+    /// Seconds a share of the CPU's costs whatever its rows (the copies to and from the device
+    /// and the host's wait, the dispatch): a layer the device computes whole gives the CPU
+    /// neurons only when the device's time exceeds this.
+    cpu_floor: f64,
     report: LayerBalance,
 }
 
@@ -317,6 +321,7 @@ impl LayerBalanceState {
             batch: 0,
             since_look: 0,
             copy_secs: None,
+            cpu_floor: DEFAULT_CPU_FLOOR,
             report: LayerBalance {
                 layer,
                 held: bucket.len(),
@@ -351,19 +356,20 @@ impl LayerBalanceState {
         self.n_enabled < self.slots.len()
     }
 
-    /// `scores` (`t × n_ff`) as the device gets them: held neurons the device does not compute
-    /// set to `-inf`, so that no threshold selects them.
-    pub(crate) fn device_scores(&self, scores: &[f32], t: usize, out: &mut Vec<f32>) {
-        out.clear();
-        out.extend_from_slice(scores);
-        let nff = self.slot_of.len();
-        for &j in &self.slots {
-            if !self.on_device[j as usize] {
-                for i in 0..t {
-                    out[i * nff + j as usize] = f32::NEG_INFINITY;
-                }
-            }
-        }
+    /// Whether the CPU computes some of the layer's neurons: the device does not hold them
+    /// all, or does not compute all it holds.
+    pub(crate) fn cpu_has_neurons(&self) -> bool {
+        self.n_enabled < self.slot_of.len()
+    }
+
+    /// Per slot, whether the device computes it; `None` when it computes every slot.
+    pub(crate) fn enabled_slots(&self) -> Option<Vec<bool>> {
+        self.needs_mask().then(|| {
+            self.slots
+                .iter()
+                .map(|&j| self.on_device[j as usize])
+                .collect()
+        })
     }
 
     /// Records the tokens' predicted activations (`scores`, `t × n_ff`): the window and the
@@ -409,6 +415,15 @@ impl LayerBalanceState {
             0.0
         };
         self.report.imbalance = imbalance;
+        // A layer whose neurons the device computes all: the CPU would first pay its share's
+        // fixed cost, so the device keeps everything while it is faster than that.
+        let whole_on_device = self.sum[2] == 0.0 && self.sum[0] == 0.0;
+        if whole_on_device && dev <= self.cpu_floor {
+            if self.report.settled_at == 0 && self.samples >= SETTLE {
+                self.report.settled_at = self.report.evals;
+            }
+            return 0;
+        }
         if self.report.settled_at == 0
             && self.samples >= SETTLE
             && imbalance.abs() <= opts.dead_band
@@ -532,6 +547,14 @@ impl LayerBalanceState {
     #[cfg(test)]
     pub(crate) fn slots(&self) -> &[u32] {
         &self.slots
+    }
+
+    /// Sets what a share of the CPU costs whatever its rows (see `cpu_floor`), from the
+    /// calibration's fixed cost.
+    pub(crate) fn set_cpu_floor(&mut self, secs: f64) {
+        if secs.is_finite() && secs > 0.0 {
+            self.cpu_floor = secs;
+        }
     }
 
     /// Sets the enabled set to the hottest held neurons carrying `share` of the held set's
@@ -668,6 +691,10 @@ impl LayerBalanceState {
 /// Host-to-device copy speed assumed before the first copy is measured.
 const DEFAULT_LINK_BYTES_PER_SEC: f64 = 10e9;
 
+/// Seconds a share of the CPU costs whatever its rows, without a calibration: two copies over
+/// the link, a host wait and a dispatch (`docs/tuning.md`, "The balancer's floor").
+const DEFAULT_CPU_FLOOR: f64 = 200e-6;
+
 /// Bytes of one neuron's rows in `spec`'s matrices.
 fn neuron_bytes(spec: &HotSpec<'_>) -> usize {
     spec.gate.as_ref().map_or(0, |g| g.row_bytes()) + spec.up.row_bytes() + spec.down_t.row_bytes()
@@ -795,11 +822,10 @@ mod tests {
         assert!(s.on_device[0]);
         assert_eq!(s.n_enabled, 8 - moved as usize);
         assert!(s.needs_mask());
-        let mut dev = Vec::new();
-        s.device_scores(&[1.0; 32], 2, &mut dev);
-        assert_eq!(dev[7], f32::NEG_INFINITY);
-        assert_eq!(dev[16 + 7], f32::NEG_INFINITY);
-        assert_eq!(dev[0], 1.0);
+        // The device's flags per slot: slot 7 (neuron 7) off, slot 0 on.
+        let slots = s.enabled_slots().unwrap();
+        assert!(!slots[7] && slots[0]);
+        assert!(s.cpu_has_neurons());
         // Balanced times inside the dead band move nothing; a slow CPU takes them back.
         assert_eq!(s.measured(measure(2, 2), &o, true), 0);
         assert_eq!(s.measured(measure(2, 2), &o, true), 0);

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use powerinfer_kernels_cpu::MatMul;
 
-use crate::device::{Device, HotJob, HotSpec};
+use crate::device::{Device, HotSpec, Op, Span};
 use crate::error::{EngineError, Result};
 use powerinfer_kernels_cpu::ffn::{token_ffn, NeuronRows, TokenBufs};
 
@@ -168,6 +168,8 @@ fn cpu_name() -> String {
 pub(crate) struct Subject<'a> {
     /// The layer's whole host matrices (`bucket` ignored).
     pub(crate) spec: HotSpec<'a>,
+    /// Device work buffers for `t` tokens: the FFN input, the scores, the output.
+    pub(crate) bufs: [Span; 3],
     /// Neurons in the layer.
     pub(crate) n_ff: usize,
     /// Tokens per evaluation.
@@ -276,27 +278,41 @@ fn measure(
                 scores[i * nff + j as usize] = s.threshold;
             }
         }
-        let job = HotJob {
-            hot,
-            x: &x,
-            scores: &scores,
-            t,
-            threshold: s.threshold,
-        };
+        let [xb, sb, yb] = s.bufs;
+        if xb.len != t * ne || sb.len != t * nff || yb.len != t * ne {
+            result = Err(EngineError::Device(
+                "calibration buffers of the wrong size".into(),
+            ));
+            break;
+        }
         let mut dev = Vec::with_capacity(REPS);
         let mut y = vec![0f32; t * ne];
         let mut r = Ok(());
         for rep in 0..=REPS {
             sink = sink.wrapping_add(evict(&flush));
-            let ticket = match device.submit(&job) {
-                Ok(tk) => tk,
-                Err(e) => {
-                    r = Err(e);
-                    break;
-                }
+            // The device's FFN between two marks; its inputs copied in before them.
+            let mut run = || -> Result<f64> {
+                device.write(xb, &x)?;
+                device.write(sb, &scores)?;
+                device.enqueue(&[
+                    Op::Mark { slot: 0 },
+                    Op::HotFfn {
+                        hot,
+                        x: xb,
+                        scores: sb,
+                        threshold: s.threshold,
+                        t,
+                        y: yb,
+                        count: None,
+                    },
+                    Op::Mark { slot: 1 },
+                ])?;
+                let read = device.read(yb)?;
+                device.wait(read, &mut y)?;
+                Ok(device.elapsed(0, 1)?.as_secs_f64() * 1e6)
             };
-            match device.finish(ticket, &mut y) {
-                Ok(done) if rep > 0 => dev.push(done.busy.as_secs_f64() * 1e6),
+            match run() {
+                Ok(us) if rep > 0 => dev.push(us),
                 Ok(_) => {}
                 Err(e) => {
                     r = Err(e);

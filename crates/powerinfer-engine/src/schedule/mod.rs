@@ -10,11 +10,13 @@
 //! - `calibrate`: both sides' row costs measured at load, cached per machine and device
 //!   ([`Calibration`]);
 //! - `attention`: the attention split, a layer's first KV positions attended on the device
-//!   ([`AttentionBalance`]).
+//!   ([`AttentionBalance`]);
+//! - `kv`: the sequences' KV rows of the layers the device runs, in stores on the device.
 
 pub(crate) mod attention;
 pub(crate) mod balance;
 pub(crate) mod calibrate;
+pub(crate) mod kv;
 pub(crate) mod placement;
 #[cfg(test)]
 mod schedule_props;
@@ -39,7 +41,7 @@ pub enum GpuIndexMode {
 }
 
 /// Where the model's parts run ([`EngineOptions::device`](crate::EngineOptions::device)).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct DeviceOptions {
     /// The device.
@@ -55,8 +57,27 @@ pub struct DeviceOptions {
     pub gpu_index: GpuIndexMode,
     /// Activation statistics for the placement (default: `activation/` beside the model).
     pub activation_dir: Option<std::path::PathBuf>,
+    /// Sequences whose KV rows the device holds at once (each store holds one sequence's rows
+    /// of the layers the device runs, for the whole context); more sequences than this
+    /// evaluate on the CPU. `serve --parallel N` sets N.
+    pub kv_sequences: usize,
     /// The simulated device.
     pub sim: SimOptions,
     /// How the device and the CPU share each layer's work while decoding.
     pub balance: BalanceOptions,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        DeviceOptions {
+            choice: DeviceChoice::default(),
+            vram_budget: None,
+            n_gpu_layers: None,
+            gpu_index: GpuIndexMode::default(),
+            activation_dir: None,
+            kv_sequences: 1,
+            sim: SimOptions::default(),
+            balance: BalanceOptions::default(),
+        }
+    }
 }

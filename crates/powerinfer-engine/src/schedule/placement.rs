@@ -1,16 +1,26 @@
 //! What goes on the device, decided at load ([`place`]), and the result the executor reads
 //! ([`Hybrid`]).
 //!
-//! PowerInfer files: `powerinfer-placement` splits the VRAM budget in PowerInfer's order,
-//! counting exactly what this engine uploads: the matrices of attention (Q/K/V or the fused
-//! QKV, `attn_output`), the predictors (`fc1`, `fc2`), the output head, then the device's
-//! work buffers and the buckets, and spends the rest on the hottest neurons' rows (from
-//! `activation/` statistics, through the `.generated.gpuidx` cache). Norms, biases, embeddings
-//! and the KV cache stay in host memory, where the CPU uses them. Dense GGUF files:
-//! `n_gpu_layers` whole layers (the last ones, as llama.cpp offloads them), and the output
-//! head when it exceeds the layer count.
+//! Everything the device will hold is counted in the budget before it is taken, in this order:
+//!
+//! 1. the work buffers of a device step (`t_max` tokens of every activation the layers pass
+//!    between them): without them nothing runs on the device;
+//! 2. whole layers: a layer is **resident** when its attention (norms, Q/K/V, output and
+//!    biases) and its share of the KV stores (`DeviceOptions::kv_sequences` sequences of the
+//!    context length) are on the device, since attention runs where its KV rows are. PowerInfer
+//!    files take layers from the first; dense files the last `n_gpu_layers` (llama.cpp's
+//!    `-ngl`), their dense FFN with them, and the output head past the layer count;
+//! 3. PowerInfer files with every layer resident: the predictors, the FFN norms and biases, the
+//!    output norm and head, the token embeddings, each class in layer order as PowerInfer
+//!    orders them; the first that does not fit ends the dense part (PowerInfer's rule: the FFN
+//!    then stays on the CPU);
+//! 4. the rest: the hottest neurons' rows (`powerinfer-placement`'s solver over `activation/`
+//!    statistics, through the `.generated.gpuidx` cache) and their buckets.
+//!
+//! So a budget sized to any share never overflows while decoding: nothing is allocated after
+//! loading. PowerInfer counts the KV cache after all dense tensors; here a layer's KV share
+//! comes with its attention, because a resident layer needs both.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -23,18 +33,21 @@ use powerinfer_placement::{
 use super::attention::AttentionSplit;
 use super::balance::{Balance, LayerBalanceState};
 use super::calibrate::{calibrate, Calibration, Subject};
+use super::kv::KvStores;
 use super::{DeviceOptions, GpuIndexMode};
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::SimDevice;
-use crate::device::{Device, DeviceChoice, DeviceReport, HotSpec, MatId, WorkShape};
+use crate::device::{BufId, Device, DeviceChoice, DeviceReport, HotSpec, MatId, ScratchShape};
 use crate::error::{EngineError, Result};
-use crate::model::{Ffn, Model, Qkv, TensorRef};
+use crate::model::{Ffn, Layer, Model, Norm, Qkv, TensorRef};
 
 /// Neurons per placement group (PowerInfer's solver batch).
 const GROUP: usize = 256;
 
-/// A dense matrix of a layer: the ones one-token products may read repacked, and the ones
-/// a device may hold.
+/// Most tokens of one device step: longer batches run in chunks of this many.
+pub(crate) const DEVICE_TOKENS: usize = 64;
+
+/// A dense matrix of a layer: the ones one-token products may read repacked.
 #[derive(Clone, Copy)]
 pub(crate) enum Slot {
     Q,
@@ -50,13 +63,98 @@ pub(crate) enum Slot {
 /// Number of [`Slot`]s.
 pub(crate) const SLOTS: usize = 8;
 
+/// A norm on the device: its weight, and its bias for a LayerNorm.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DevNorm {
+    pub(crate) w: BufId,
+    pub(crate) b: Option<BufId>,
+}
+
+/// A resident layer's attention on the device.
+#[derive(Debug)]
+pub(crate) struct DevAttention {
+    /// `attn_norm`.
+    pub(crate) norm: DevNorm,
+    /// `attn_norm_2` (the attention's own norm, `falcon`).
+    pub(crate) norm2: Option<DevNorm>,
+    /// Q, K and V (a fused QKV is held as its three row ranges).
+    pub(crate) qkv: [MatId; 3],
+    /// Their biases.
+    pub(crate) bias: [Option<BufId>; 3],
+    /// `attn_output` and its bias.
+    pub(crate) wo: MatId,
+    pub(crate) bo: Option<BufId>,
+}
+
+/// A dense FFN on the device (`-ngl`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DevDenseFfn {
+    pub(crate) gate: Option<MatId>,
+    pub(crate) up: MatId,
+    pub(crate) down: MatId,
+}
+
 /// What the device holds of one layer.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(crate) struct HybridLayer {
-    /// Dense matrices by [`Slot`].
-    pub(crate) mats: [Option<MatId>; SLOTS],
+    /// The attention: `Some` makes the layer resident (its KV rows are in the stores).
+    pub(crate) attn: Option<DevAttention>,
+    /// `ffn_norm`.
+    pub(crate) ffn_norm: Option<DevNorm>,
     /// `fc1` and `fc2`.
     pub(crate) predictor: Option<(MatId, MatId)>,
+    /// A dense FFN's matrices.
+    pub(crate) dense_ffn: Option<DevDenseFfn>,
+    /// `ffn_up.bias` and `ffn_down.bias` (`opt`).
+    pub(crate) up_b: Option<BufId>,
+    pub(crate) down_b: Option<BufId>,
+}
+
+/// The output norm and head on the device.
+#[derive(Debug)]
+pub(crate) struct DevOutput {
+    pub(crate) norm: DevNorm,
+    pub(crate) head: MatId,
+}
+
+/// The embedding tables on the device.
+#[derive(Debug)]
+pub(crate) struct DevEmbed {
+    pub(crate) tok: MatId,
+    pub(crate) pos: Option<MatId>,
+}
+
+/// The device's work buffers: every activation a device step passes between its operations,
+/// for up to `t_max` tokens.
+#[derive(Debug)]
+pub(crate) struct Work {
+    pub(crate) t_max: usize,
+    /// The residual stream.
+    pub(crate) x: BufId,
+    /// The attention's normalized input (`falcon`'s FFN input too).
+    pub(crate) acur: BufId,
+    /// `attn_norm_2`'s output (`falcon`).
+    pub(crate) acur2: Option<BufId>,
+    pub(crate) q: BufId,
+    pub(crate) k: BufId,
+    pub(crate) v: BufId,
+    pub(crate) heads: BufId,
+    pub(crate) attn_out: BufId,
+    /// What the CPU's share of a layer's FFN reads, one copy: the FFN input (`t × n_embd`)
+    /// then the scores (`t × n_ff`).
+    pub(crate) exchange: BufId,
+    /// The predictor's hidden layer.
+    pub(crate) hidden: BufId,
+    /// The device's part of an FFN.
+    pub(crate) hot_y: BufId,
+    /// The CPU's part of an FFN (or a whole FFN computed on the CPU), written by the host.
+    pub(crate) cpu_y: BufId,
+    /// A dense FFN's gate and up products.
+    pub(crate) gate: Option<BufId>,
+    pub(crate) up: Option<BufId>,
+    /// What a step returns, one copy: each layer's count of neurons the device computed per
+    /// token (`n_layer × t`), then logits or hidden rows.
+    pub(crate) out: BufId,
 }
 
 /// A device and what it holds: the executor runs each piece of work where this says.
@@ -65,11 +163,19 @@ pub(crate) struct Hybrid {
     pub(crate) device: Box<dyn Device>,
     /// Per layer.
     pub(crate) layers: Vec<HybridLayer>,
-    /// The output head.
-    pub(crate) output: Option<MatId>,
+    /// The output norm and head.
+    pub(crate) output: Option<DevOutput>,
+    /// The embedding tables.
+    pub(crate) embed: Option<DevEmbed>,
+    /// The work buffers (`None`: the budget could not hold them; nothing runs there).
+    pub(crate) work: Option<Work>,
+    /// The sequences' KV rows of the resident layers.
+    pub(crate) kv: KvStores,
     report: DeviceReport,
     /// Active neurons computed so far on the device and on the CPU.
     pub(crate) counters: (AtomicU64, AtomicU64),
+    /// Tokens evaluated with the device.
+    pub(crate) tokens: AtomicU64,
     /// Which neurons the device holds and computes in each layer, moved while decoding.
     pub(crate) balance: Mutex<Balance>,
 }
@@ -78,14 +184,24 @@ impl Hybrid {
     /// What the device holds and did.
     pub(crate) fn report(&self) -> DeviceReport {
         let (limit, _, peak) = self.device.memory();
+        let t = self.device.traffic();
         DeviceReport {
             budget_bytes: limit,
             peak_bytes: peak,
             active_device: self.counters.0.load(Ordering::Relaxed),
             active_cpu: self.counters.1.load(Ordering::Relaxed),
             overruns: self.device.overruns(),
+            tokens: self.tokens.load(Ordering::Relaxed),
+            launches: t.launches,
+            host_waits: t.waits,
+            link_bytes: t.link_bytes.saturating_sub(self.report.link_bytes),
             ..self.report.clone()
         }
+    }
+
+    /// Whether any layer runs on the device.
+    pub(crate) fn runs_layers(&self) -> bool {
+        self.work.is_some() && self.layers.iter().any(|l| l.attn.is_some())
     }
 }
 
@@ -98,13 +214,13 @@ pub(crate) enum Opened {
 }
 
 /// Opens the device of `opts` for `model`.
-pub(crate) fn open(opts: &DeviceOptions, model: &Model, t_max: usize) -> Result<Opened> {
+pub(crate) fn open(opts: &DeviceOptions, model: &Model, ctx_len: usize) -> Result<Opened> {
     match opts.choice {
         DeviceChoice::None => Ok(Opened::Cpu(None)),
         DeviceChoice::Sim => {
             let budget = match opts.vram_budget {
                 Some(b) => b,
-                None => everything(model, t_max),
+                None => everything(model, opts, ctx_len),
             };
             Ok(Opened::Device(Box::new(SimDevice::new(budget, &opts.sim)?)))
         }
@@ -121,9 +237,15 @@ pub(crate) fn open(opts: &DeviceOptions, model: &Model, t_max: usize) -> Result<
     }
 }
 
+/// Tokens of the work buffers for batches of `batch` tokens.
+pub(crate) fn work_tokens(batch: usize) -> usize {
+    batch.clamp(1, DEVICE_TOKENS)
+}
+
 /// Bytes the simulated device needs to hold everything it could hold of `model`: the work
-/// buffers, every weight matrix and the u32 bucket entry of each neuron of a sparse layer.
-fn everything(model: &Model, t_max: usize) -> u64 {
+/// buffers, the KV stores, every matrix, norm and bias, and the bucket entry of every neuron.
+fn everything(model: &Model, opts: &DeviceOptions, ctx_len: usize) -> u64 {
+    let hp = &model.hparams;
     let buckets: u64 = (model.layers.iter())
         .filter_map(|layer| match &layer.ffn {
             Ffn::Sparse { up, .. } => Some(4 * up.rows as u64),
@@ -131,47 +253,113 @@ fn everything(model: &Model, t_max: usize) -> u64 {
         })
         .sum();
     let mats: u64 = model.matrices().map(|t| t.info.n_bytes()).sum();
-    work_shape(model, t_max).bytes_upper() + buckets + mats
+    let embd =
+        model.tok_embd.info.n_bytes() + model.pos_embd.as_ref().map_or(0, |p| p.info.n_bytes());
+    let vectors: u64 =
+        model.layers.iter().map(layer_vector_bytes).sum::<u64>() + norm_bytes(&model.output_norm);
+    let kv = KvStores::bytes(
+        opts.kv_sequences.max(1),
+        model.layers.len(),
+        ctx_len,
+        hp.n_embd_kv(),
+    );
+    work_bytes(model, work_tokens(DEVICE_TOKENS)) + kv + buckets + mats + embd + vectors
 }
 
-/// Tokens the work buffers hold (longer batches run in chunks).
-const WORK_TOKENS: usize = 16;
+fn norm_bytes(n: &Norm) -> u64 {
+    4 * (n.weight.len() + n.bias.as_ref().map_or(0, Vec::len)) as u64
+}
 
-fn work_shape(model: &Model, t_max: usize) -> WorkShape {
-    let hp = &model.hparams;
-    let rank = model
-        .layers
-        .iter()
+/// Bytes of a layer's norms and biases.
+fn layer_vector_bytes(l: &Layer) -> u64 {
+    let v = |b: &Option<Vec<f32>>| 4 * b.as_ref().map_or(0, Vec::len) as u64;
+    let qkv_b = match &l.qkv {
+        Qkv::Separate { bq, bk, bv, .. } => v(bq) + v(bk) + v(bv),
+        Qkv::Fused(_) => 0,
+    };
+    norm_bytes(&l.attn_norm)
+        + l.attn_norm_2.as_ref().map_or(0, norm_bytes)
+        + l.ffn_norm.as_ref().map_or(0, norm_bytes)
+        + qkv_b
+        + v(&l.bo)
+        + v(&l.up_b)
+        + v(&l.down_b)
+}
+
+/// Widest predictor hidden layer.
+fn rank(model: &Model) -> usize {
+    (model.layers.iter())
         .map(|l| match &l.ffn {
             Ffn::Sparse { fc1, .. } => fc1.rows,
             Ffn::Dense { .. } => 0,
         })
         .max()
-        .unwrap_or(0);
-    WorkShape {
-        t_max: t_max.clamp(1, WORK_TOKENS),
-        n_embd: hp.n_embd,
-        n_ff: hp.n_ff,
-        rank,
-        max_rows: hp.n_vocab.max(hp.n_ff).max(hp.n_embd + 2 * hp.n_embd_kv()),
-        max_cols: hp.n_embd.max(hp.n_ff),
-    }
+        .unwrap_or(0)
 }
 
-impl WorkShape {
-    /// An upper bound of any device's work buffers for this shape.
-    fn bytes_upper(&self) -> u64 {
-        let t = self.t_max as u64;
-        4 * t
-            * (self.max_cols as u64
-                + self.max_rows as u64
-                + 2 * self.n_embd as u64
-                + 5 * self.n_ff as u64
-                + 2 * self.rank as u64)
-            + t * self.n_ff as u64
-            + 8 * self.n_ff as u64
-            + (64 << 10)
+/// The lengths of the work buffers (in [`Work`]'s order) for `t` tokens.
+fn work_lens(model: &Model, t: usize) -> Vec<(&'static str, usize)> {
+    let hp = &model.hparams;
+    let (ne, nkv, nff) = (hp.n_embd, hp.n_embd_kv(), hp.n_ff);
+    let falcon2 = model.layers.iter().any(|l| l.attn_norm_2.is_some());
+    let dense = model
+        .layers
+        .iter()
+        .any(|l| matches!(l.ffn, Ffn::Dense { .. }));
+    let mut v = vec![
+        ("x", t * ne),
+        ("acur", t * ne),
+        ("q", t * ne),
+        ("k", t * nkv),
+        ("v", t * nkv),
+        ("heads", t * ne),
+        ("attn_out", t * ne),
+        ("exchange", t * (ne + nff)),
+        ("hidden", t * rank(model).max(1)),
+        ("hot_y", t * ne),
+        ("cpu_y", t * ne),
+        ("out", t * hp.n_vocab.max(ne) + t * model.layers.len()),
+    ];
+    if falcon2 {
+        v.push(("acur2", t * ne));
     }
+    if dense {
+        v.push(("gate", t * nff));
+        v.push(("up", t * nff));
+    }
+    v
+}
+
+/// Bytes of the work buffers for `t` tokens.
+fn work_bytes(model: &Model, t: usize) -> u64 {
+    work_lens(model, t).iter().map(|(_, n)| 4 * *n as u64).sum()
+}
+
+fn alloc_work(device: &dyn Device, model: &Model, t: usize) -> Result<Work> {
+    let lens = work_lens(model, t);
+    let mut ids = std::collections::HashMap::new();
+    for (name, n) in &lens {
+        ids.insert(*name, device.alloc(*n)?);
+    }
+    let id = |n: &str| ids[n];
+    Ok(Work {
+        t_max: t,
+        x: id("x"),
+        acur: id("acur"),
+        acur2: ids.get("acur2").copied(),
+        q: id("q"),
+        k: id("k"),
+        v: id("v"),
+        heads: id("heads"),
+        attn_out: id("attn_out"),
+        exchange: id("exchange"),
+        hidden: id("hidden"),
+        hot_y: id("hot_y"),
+        cpu_y: id("cpu_y"),
+        gate: ids.get("gate").copied(),
+        up: ids.get("up").copied(),
+        out: id("out"),
+    })
 }
 
 fn view<'m>(model: &'m Model, t: &TensorRef) -> Result<Weights<'m>> {
@@ -183,67 +371,135 @@ fn view<'m>(model: &'m Model, t: &TensorRef) -> Result<Weights<'m>> {
     )?)
 }
 
-/// Where a dense tensor goes in a [`Hybrid`].
-#[derive(Clone, Copy)]
-enum Target {
-    Slot(usize, Slot),
-    Fc1(usize),
-    Fc2(usize),
-    Output,
+/// Rows `rows` of a matrix, as a view of their bytes.
+fn row_view<'m>(
+    model: &'m Model,
+    t: &TensorRef,
+    rows: std::ops::Range<usize>,
+) -> Result<Weights<'m>> {
+    let data = model.file().data_of(&t.info);
+    let rb = data.len() / t.rows.max(1);
+    Ok(Weights::new(
+        t.ty,
+        rows.len(),
+        t.cols,
+        &data[rows.start * rb..rows.end * rb],
+    )?)
 }
 
-/// The matrices this engine can run on a device, by tensor name.
-fn targets<'m>(model: &'m Model) -> HashMap<&'m str, (Target, &'m TensorRef)> {
-    let mut map = HashMap::new();
-    for (l, layer) in model.layers.iter().enumerate() {
-        let mut put = |t: &'m TensorRef, target: Target| {
-            map.insert(t.name.as_str(), (target, t));
+/// Uploads under the budget, counting what went there.
+struct Uploader<'a> {
+    model: &'a Model,
+    device: &'a dyn Device,
+    report: &'a mut DeviceReport,
+}
+
+impl Uploader<'_> {
+    /// Bytes left in the budget.
+    fn left(&self) -> u64 {
+        let (limit, used, _) = self.device.memory();
+        limit.saturating_sub(used)
+    }
+
+    fn mat(&mut self, t: &TensorRef) -> Result<MatId> {
+        let id = self.device.upload(&view(self.model, t)?)?;
+        self.report.dense_matrices += 1;
+        self.report.dense_bytes += t.info.n_bytes();
+        Ok(id)
+    }
+
+    fn vec(&mut self, v: &[f32]) -> Result<BufId> {
+        self.device.upload_vec(v)
+    }
+
+    fn opt_vec(&mut self, v: &Option<Vec<f32>>) -> Result<Option<BufId>> {
+        v.as_deref().map(|v| self.vec(v)).transpose()
+    }
+
+    fn norm(&mut self, n: &Norm) -> Result<DevNorm> {
+        Ok(DevNorm {
+            w: self.vec(&n.weight)?,
+            b: self.opt_vec(&n.bias)?,
+        })
+    }
+
+    /// A layer's attention (a fused QKV as three row ranges).
+    fn attention(&mut self, l: &Layer) -> Result<DevAttention> {
+        let hp = &self.model.hparams;
+        let (qkv, bias) = match &l.qkv {
+            Qkv::Separate {
+                wq,
+                wk,
+                wv,
+                bq,
+                bk,
+                bv,
+            } => (
+                [self.mat(wq)?, self.mat(wk)?, self.mat(wv)?],
+                [self.opt_vec(bq)?, self.opt_vec(bk)?, self.opt_vec(bv)?],
+            ),
+            Qkv::Fused(w) => {
+                let (ne, nkv) = (hp.n_embd, hp.n_embd_kv());
+                let part = |r: std::ops::Range<usize>| -> Result<MatId> {
+                    self.device.upload(&row_view(self.model, w, r)?)
+                };
+                let ids = [
+                    part(0..ne)?,
+                    part(ne..ne + nkv)?,
+                    part(ne + nkv..ne + 2 * nkv)?,
+                ];
+                self.report.dense_matrices += 1;
+                self.report.dense_bytes += w.info.n_bytes();
+                (ids, [None, None, None])
+            }
         };
-        match &layer.qkv {
-            Qkv::Separate { wq, wk, wv, .. } => {
-                put(wq, Target::Slot(l, Slot::Q));
-                put(wk, Target::Slot(l, Slot::K));
-                put(wv, Target::Slot(l, Slot::V));
-            }
-            Qkv::Fused(w) => put(w, Target::Slot(l, Slot::Qkv)),
-        }
-        put(&layer.wo, Target::Slot(l, Slot::Wo));
-        match &layer.ffn {
-            Ffn::Dense { gate, up, down } => {
-                if let Some(g) = gate {
-                    put(g, Target::Slot(l, Slot::Gate));
-                }
-                put(up, Target::Slot(l, Slot::Up));
-                put(down, Target::Slot(l, Slot::Down));
-            }
-            Ffn::Sparse { fc1, fc2, .. } => {
-                put(fc1, Target::Fc1(l));
-                put(fc2, Target::Fc2(l));
-            }
-        }
+        Ok(DevAttention {
+            norm: self.norm(&l.attn_norm)?,
+            norm2: l.attn_norm_2.as_ref().map(|n| self.norm(n)).transpose()?,
+            qkv,
+            bias,
+            wo: self.mat(&l.wo)?,
+            bo: self.opt_vec(&l.bo)?,
+        })
     }
-    // A tied head (`token_embd`) stays in host memory, as PowerInfer keeps it.
-    if model.output.name == "output.weight" {
-        map.insert(model.output.name.as_str(), (Target::Output, &model.output));
+}
+
+/// Bytes of a layer's attention on the device.
+fn attention_bytes(l: &Layer) -> u64 {
+    let qkv = match &l.qkv {
+        Qkv::Separate { wq, wk, wv, .. } => {
+            wq.info.n_bytes() + wk.info.n_bytes() + wv.info.n_bytes()
+        }
+        Qkv::Fused(w) => w.info.n_bytes(),
+    };
+    qkv + l.wo.info.n_bytes() + layer_vector_bytes(l)
+}
+
+/// Bytes of a dense layer's FFN matrices.
+fn dense_ffn_bytes(l: &Layer) -> u64 {
+    match &l.ffn {
+        Ffn::Dense { gate, up, down } => {
+            gate.as_ref().map_or(0, |g| g.info.n_bytes()) + up.info.n_bytes() + down.info.n_bytes()
+        }
+        Ffn::Sparse { .. } => 0,
     }
-    map
 }
 
 /// Places `model` (the file at `path`) on `device` (see the [module docs](self)); `mm` (the
-/// CPU's kernels) and `threshold` (the predictor's) for the calibration.
+/// CPU's kernels) and `threshold` (the predictor's) for the calibration; `batch`: the most
+/// tokens an evaluation's block holds.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn place(
     model: &Model,
     path: &Path,
     opts: &DeviceOptions,
     device: Box<dyn Device>,
-    t_max: usize,
+    batch: usize,
     ctx_len: usize,
     mm: &MatMul<'_>,
     threshold: f32,
 ) -> Result<Hybrid> {
-    let shape = work_shape(model, t_max);
-    let work = device.reserve_work(&shape);
+    let n_layer = model.layers.len();
     let mut h = Hybrid {
         layers: model
             .layers
@@ -251,23 +507,59 @@ pub(crate) fn place(
             .map(|_| HybridLayer::default())
             .collect(),
         output: None,
+        embed: None,
+        work: None,
+        kv: KvStores::none(n_layer),
         report: DeviceReport {
             kind: device.name(),
             ffn_total: model.layers.len() * model.hparams.n_ff,
+            layers_total: n_layer,
             ..DeviceReport::default()
         },
         counters: (AtomicU64::new(0), AtomicU64::new(0)),
+        tokens: AtomicU64::new(0),
         balance: Mutex::new(Balance {
             options: opts.balance.clone(),
             ..Balance::default()
         }),
         device,
     };
-    // The attention split's KV mirror comes before the FFN's rows (PowerInfer counts the KV
-    // cache in the budget before them too).
-    let mut attention_note = None;
-    if work.is_ok() && opts.balance.attention_split {
-        let n_layer = model.layers.len();
+    if model.is_sparse() {
+        if let Some(n) = opts.n_gpu_layers {
+            return Err(EngineError::Invalid(format!(
+                "-ngl {n}: a PowerInfer file places neurons by the VRAM budget (--vram-budget), \
+                 not by layers (PowerInfer refuses -ngl too)"
+            )));
+        }
+    }
+    let dense_total = count_dense(model);
+    h.report.dense_total = dense_total;
+    // 1. The work buffers, and the scratch of the device's own kernels.
+    let t = work_tokens(batch);
+    let hp = &model.hparams;
+    let scratch = ScratchShape {
+        t,
+        cols: hp.n_embd.max(hp.n_ff),
+        n_head: hp.n_head,
+        ctx: ctx_len,
+        n_ff: hp.n_ff,
+    };
+    let need = work_bytes(model, t) + h.device.scratch_bytes(&scratch);
+    let (limit, used, _) = h.device.memory();
+    if limit.saturating_sub(used) < need {
+        h.report.note = Some(format!(
+            "the VRAM budget of {limit} bytes is below the device's work buffers ({need} \
+             bytes): everything runs on the CPU"
+        ));
+        h.report.link_bytes = h.device.traffic().link_bytes;
+        return Ok(h);
+    }
+    h.work = Some(alloc_work(h.device.as_ref(), model, t)?);
+    h.device.reserve_scratch(&scratch)?;
+    h.report.work_bytes = need;
+    // The attention split's KV mirror (for layers attended on the host).
+    let mut notes = Vec::new();
+    if opts.balance.attention_split {
         let reserved = match h.device.attention() {
             Some(a) => a.reserve_kv(n_layer, ctx_len, model.hparams.n_embd_kv()),
             None => Err(EngineError::Device(format!(
@@ -282,50 +574,158 @@ pub(crate) fn place(
                     .unwrap_or_else(|e| e.into_inner())
                     .attention = Some(AttentionSplit::new(n_layer, ctx_len));
             }
-            Err(e) => attention_note = Some(format!("no attention split: {e}")),
+            Err(e) => notes.push(format!("no attention split: {e}")),
         }
     }
-    match work {
-        Ok(()) if model.is_sparse() => {
-            place_sparse(model, path, opts, &mut h, &shape, mm, threshold)?
+    let supported = |t: &TensorRef| h.device.supports(t.ty);
+    let layer_ok = |l: &Layer| {
+        let mats: Vec<&TensorRef> = match &l.qkv {
+            Qkv::Separate { wq, wk, wv, .. } => vec![wq, wk, wv],
+            Qkv::Fused(w) => vec![w],
+        };
+        let ffn: Vec<&TensorRef> = match &l.ffn {
+            Ffn::Dense { gate, up, down } => gate.iter().chain([up, down]).collect(),
+            Ffn::Sparse { .. } => Vec::new(),
+        };
+        mats.into_iter().chain([&l.wo]).chain(ffn).all(supported)
+    };
+    // 2. Whole layers, with their KV share.
+    let kv_n = opts.kv_sequences.max(1);
+    let kv_row = model.hparams.n_embd_kv();
+    let kv_layer = KvStores::bytes(kv_n, 1, ctx_len, kv_row);
+    let order: Vec<usize> = if model.is_sparse() {
+        (0..n_layer).collect()
+    } else {
+        let n = opts.n_gpu_layers.unwrap_or(0).min(n_layer);
+        (n_layer - n..n_layer).collect()
+    };
+    let mut held = vec![false; n_layer];
+    let mut unsupported = None;
+    // The KV shares of the layers taken so far, allocated after the loop.
+    let mut kv_pending = 0u64;
+    {
+        let mut up = Uploader {
+            model,
+            device: h.device.as_ref(),
+            report: &mut h.report,
+        };
+        for &l in &order {
+            let layer = &model.layers[l];
+            if !layer_ok(layer) {
+                unsupported = Some(l);
+                break;
+            }
+            let need = attention_bytes(layer) + dense_ffn_bytes(layer) + kv_layer;
+            if up.left().saturating_sub(kv_pending) < need {
+                break;
+            }
+            kv_pending += kv_layer;
+            h.layers[l].attn = Some(up.attention(layer)?);
+            if let Ffn::Dense { gate, up: u, down } = &layer.ffn {
+                h.layers[l].dense_ffn = Some(DevDenseFfn {
+                    gate: gate.as_ref().map(|g| up.mat(g)).transpose()?,
+                    up: up.mat(u)?,
+                    down: up.mat(down)?,
+                });
+                h.layers[l].ffn_norm = layer.ffn_norm.as_ref().map(|n| up.norm(n)).transpose()?;
+                h.layers[l].up_b = up.opt_vec(&layer.up_b)?;
+                h.layers[l].down_b = up.opt_vec(&layer.down_b)?;
+            }
+            held[l] = true;
         }
-        Ok(()) => place_layers(model, opts, &mut h)?,
-        Err(EngineError::DeviceMemory { requested, .. }) => {
-            h.report.note = Some(format!(
-                "the VRAM budget of {} bytes is below the device's work buffers ({requested} \
-                 bytes): everything runs on the CPU",
-                h.device.memory().0
-            ));
+    }
+    let resident = held.iter().filter(|&&x| x).count();
+    let heads = (model.hparams.n_head_kv, model.hparams.head_dim());
+    h.kv = KvStores::new(h.device.as_ref(), held, kv_n, ctx_len, heads)?;
+    h.report.layers = resident;
+    h.report.kv_bytes = if resident > 0 {
+        KvStores::bytes(kv_n, resident, ctx_len, kv_row)
+    } else {
+        0
+    };
+    if let Some(l) = unsupported {
+        notes.push(format!(
+            "layer {l}: the device's kernels do not take its weights' type; it runs on the CPU"
+        ));
+    }
+    if model.is_sparse() {
+        place_sparse(
+            model,
+            path,
+            opts,
+            &mut h,
+            resident == n_layer,
+            mm,
+            threshold,
+            &mut notes,
+        )?;
+    } else {
+        let n = opts.n_gpu_layers.unwrap_or(0);
+        if n > n_layer && resident == n_layer {
+            place_output(model, &mut h)?;
         }
-        Err(e) => return Err(e),
+        h.report.placement = if n == 0 {
+            "dense file: no layer offloaded (-ngl N offloads the last N layers)".into()
+        } else {
+            format!("{resident} of {n_layer} layers offloaded")
+        };
     }
-    if let Some(n) = attention_note {
-        h.report.note = Some(match h.report.note.take() {
-            Some(old) => format!("{old}; {n}"),
-            None => n,
-        });
+    if resident < order.len() && unsupported.is_none() {
+        notes.push(format!(
+            "the VRAM budget of {} bytes holds {resident} of {} layers (with their KV rows); \
+             the others run on the CPU",
+            h.device.memory().0,
+            order.len()
+        ));
     }
+    if !notes.is_empty() {
+        h.report.note = Some(notes.join("; "));
+    }
+    // Copies at load (weights) are not per-token traffic.
+    h.report.link_bytes = h.device.traffic().link_bytes;
     Ok(h)
 }
 
-/// Uploads a dense tensor and records where it went.
-fn put_dense(model: &Model, h: &mut Hybrid, target: Target, t: &TensorRef) -> Result<()> {
-    let id = h.device.upload(&view(model, t)?)?;
-    h.report.dense_matrices += 1;
-    h.report.dense_bytes += t.info.n_bytes();
-    match target {
-        Target::Slot(l, s) => h.layers[l].mats[s as usize] = Some(id),
-        Target::Output => h.output = Some(id),
-        Target::Fc1(l) => {
-            let p = h.layers[l].predictor.get_or_insert((id, id));
-            p.0 = id;
-        }
-        Target::Fc2(l) => {
-            let p = h.layers[l].predictor.get_or_insert((id, id));
-            p.1 = id;
-        }
+/// The matrices a device could hold of `model`.
+fn count_dense(model: &Model) -> usize {
+    let per_layer: usize = model
+        .layers
+        .iter()
+        .map(|l| {
+            let qkv = match &l.qkv {
+                Qkv::Separate { .. } => 3,
+                Qkv::Fused(_) => 1,
+            };
+            let ffn = match &l.ffn {
+                Ffn::Dense { gate, .. } => 2 + usize::from(gate.is_some()),
+                Ffn::Sparse { .. } => 2,
+            };
+            qkv + 1 + ffn
+        })
+        .sum();
+    per_layer + usize::from(model.output.name == "output.weight")
+}
+
+/// The output norm and head (a tied head, `token_embd`, stays on the host as PowerInfer keeps
+/// it), when they fit.
+fn place_output(model: &Model, h: &mut Hybrid) -> Result<bool> {
+    if model.output.name != "output.weight" || !h.device.supports(model.output.ty) {
+        return Ok(false);
     }
-    Ok(())
+    let mut up = Uploader {
+        model,
+        device: h.device.as_ref(),
+        report: &mut h.report,
+    };
+    if up.left() < model.output.info.n_bytes() + norm_bytes(&model.output_norm) {
+        return Ok(false);
+    }
+    let head = up.mat(&model.output)?;
+    h.output = Some(DevOutput {
+        norm: up.norm(&model.output_norm)?,
+        head,
+    });
+    Ok(true)
 }
 
 /// The host matrices of a sparse layer as a device takes them (`bucket` empty).
@@ -357,12 +757,18 @@ fn calibration(
     threshold: f32,
 ) -> Result<Option<Calibration>> {
     let l = model.layers.len() / 2;
-    let Some(spec) = layer_spec(model, l)? else {
+    let (Some(spec), Some(w)) = (layer_spec(model, l)?, h.work.as_ref()) else {
         return Ok(None);
     };
+    let (ne, nff) = (model.hparams.n_embd, spec.up.rows());
     let subject = Subject {
         spec,
-        n_ff: spec.up.rows(),
+        bufs: [
+            w.acur.span(0, ne),
+            w.exchange.span(ne, nff),
+            w.hot_y.span(0, ne),
+        ],
+        n_ff: nff,
         t: 1,
         threshold,
     };
@@ -390,30 +796,19 @@ fn balanced_share(c: &Calibration, held: f64, outside: f64) -> f64 {
     (x / held).clamp(0.0, 1.0)
 }
 
+/// A PowerInfer file's dense parts past the attention (when every layer is resident) and its
+/// neurons' rows.
+#[allow(clippy::too_many_arguments)]
 fn place_sparse(
     model: &Model,
     path: &Path,
     opts: &DeviceOptions,
     h: &mut Hybrid,
-    shape: &WorkShape,
+    all_resident: bool,
     mm: &MatMul<'_>,
     threshold: f32,
+    notes: &mut Vec<String>,
 ) -> Result<()> {
-    if let Some(n) = opts.n_gpu_layers {
-        return Err(EngineError::Invalid(format!(
-            "-ngl {n}: a PowerInfer file places neurons by the VRAM budget (--vram-budget), \
-             not by layers (PowerInfer refuses -ngl too)"
-        )));
-    }
-    let targets = targets(model);
-    let mut acct = VramBudget::from_gguf(model.file())?;
-    // Only what this engine uploads: matrices it runs on the device, of types its kernels take.
-    acct.dense.retain(|t| {
-        targets
-            .get(t.name.as_str())
-            .is_some_and(|(_, r)| h.device.supports(r.ty))
-    });
-    h.report.dense_total = targets.len();
     let ffn_ok = model.layers.iter().all(|l| match &l.ffn {
         Ffn::Sparse {
             gate, up, down_t, ..
@@ -423,16 +818,86 @@ fn place_sparse(
             .all(|t| h.device.supports(t.ty)),
         Ffn::Dense { .. } => false,
     });
+    // 3. Predictors, FFN norms and biases, output, embeddings: PowerInfer's classes in order.
+    let mut complete = all_resident;
+    if complete {
+        let mut up = Uploader {
+            model,
+            device: h.device.as_ref(),
+            report: &mut h.report,
+        };
+        for (l, layer) in model.layers.iter().enumerate() {
+            let Ffn::Sparse { fc1, fc2, .. } = &layer.ffn else {
+                continue;
+            };
+            if !h.device.supports(fc1.ty)
+                || !h.device.supports(fc2.ty)
+                || up.left() < fc1.info.n_bytes() + fc2.info.n_bytes()
+            {
+                complete = false;
+                break;
+            }
+            h.layers[l].predictor = Some((up.mat(fc1)?, up.mat(fc2)?));
+        }
+    }
+    if complete {
+        let mut up = Uploader {
+            model,
+            device: h.device.as_ref(),
+            report: &mut h.report,
+        };
+        for (l, layer) in model.layers.iter().enumerate() {
+            let v = |b: &Option<Vec<f32>>| 4 * b.as_ref().map_or(0, Vec::len) as u64;
+            let need =
+                layer.ffn_norm.as_ref().map_or(0, norm_bytes) + v(&layer.up_b) + v(&layer.down_b);
+            if up.left() < need {
+                complete = false;
+                break;
+            }
+            h.layers[l].ffn_norm = layer.ffn_norm.as_ref().map(|n| up.norm(n)).transpose()?;
+            h.layers[l].up_b = up.opt_vec(&layer.up_b)?;
+            h.layers[l].down_b = up.opt_vec(&layer.down_b)?;
+        }
+    }
+    if complete {
+        place_output(model, h)?;
+        let te = &model.tok_embd;
+        let pe_bytes = model.pos_embd.as_ref().map_or(0, |p| p.info.n_bytes());
+        let fits = h.device.supports(te.ty)
+            && model
+                .pos_embd
+                .as_ref()
+                .is_none_or(|p| h.device.supports(p.ty));
+        let up = Uploader {
+            model,
+            device: h.device.as_ref(),
+            report: &mut h.report,
+        };
+        if fits && up.left() >= te.info.n_bytes() + pe_bytes {
+            h.embed = Some(DevEmbed {
+                tok: h.device.upload(&view(model, te)?)?,
+                pos: model
+                    .pos_embd
+                    .as_ref()
+                    .map(|p| h.device.upload(&view(model, p)?))
+                    .transpose()?,
+            });
+        }
+    }
+    // 4. The neurons' rows.
     let index_bytes: u64 = 4 * (model.layers.len() * model.hparams.n_ff) as u64;
-    // The work buffers are held already; the plan splits what is left.
     let (limit, used, _) = h.device.memory();
-    let left = limit.saturating_sub(used.max(h.device.work_bytes(shape)) + index_bytes);
+    let left = if complete {
+        limit.saturating_sub(used + index_bytes)
+    } else {
+        0
+    };
     let mode = if ffn_ok {
         opts.gpu_index
     } else {
         GpuIndexMode::Disable
     };
-    let calib = if ffn_ok && opts.balance.calibrate && mode != GpuIndexMode::Disable {
+    let calib = if complete && ffn_ok && opts.balance.calibrate && mode != GpuIndexMode::Disable {
         calibration(model, opts, h, mm, threshold)?
     } else {
         None
@@ -441,6 +906,9 @@ fn place_sparse(
         (Some(c), true) if c.ratio().is_finite() && c.ratio() > 0.0 => Some(c.ratio()),
         _ => None,
     };
+    let mut acct = VramBudget::from_gguf(model.file())?;
+    // The dense parts are placed above; the solver spends what is left on neurons.
+    acct.dense.clear();
     let plan = plan_model_with(
         path,
         acct,
@@ -457,21 +925,10 @@ fn place_sparse(
             disable: mode == GpuIndexMode::Disable,
         },
     )?;
-    for t in &plan.budget.dense[..plan.vram.dense_gpu_count] {
-        if let Some(&(target, r)) = targets.get(t.name.as_str()) {
-            put_dense(model, h, target, r)?;
-        }
-    }
-    // A predictor needs both matrices on the device.
-    for l in &mut h.layers {
-        if l.predictor.is_some_and(|(a, b)| a == b) {
-            l.predictor = None;
-        }
-    }
     let mut balance = h.balance.lock().unwrap_or_else(|e| e.into_inner());
     balance.layers = model.layers.iter().map(|_| None).collect();
     for (l, ls) in plan.split.layers.iter().enumerate() {
-        if ls.bucket.is_empty() {
+        if ls.bucket.is_empty() || !complete {
             continue;
         }
         let Some(spec) = layer_spec(model, l)? else {
@@ -491,10 +948,15 @@ fn place_sparse(
             .unwrap_or_default();
         let mut state =
             LayerBalanceState::new(l, id, n_ff, &ls.bucket, prior.clone(), opts.balance.window);
+        if let Some(c) = &calib {
+            // The CPU's fixed cost, and a link's round trip of the share's input and output.
+            state.set_cpu_floor((c.cpu.fixed_us + c.device.fixed_us) * 1e-6 + 50e-6);
+        }
         if let (Some(c), true, false) = (&calib, opts.balance.balance, prior.is_empty()) {
             let held: f64 = ls.bucket.iter().map(|&j| prior[j as usize] as f64).sum();
             let all: f64 = prior.iter().map(|&p| p as f64).sum();
             state.enable_share(balanced_share(c, held, all - held));
+            h.device.set_enabled(id, state.enabled_slots().as_deref())?;
         }
         balance.layers[l] = Some(state);
     }
@@ -512,12 +974,10 @@ fn place_sparse(
             looked_in.display()
         ),
     };
-    if !plan.vram.dense_complete {
-        h.report.note = Some(format!(
-            "the VRAM budget of {} bytes holds {} of {} dense matrices; the FFN stays on the CPU",
-            limit,
-            plan.vram.dense_gpu_count,
-            plan.budget.dense.len()
+    if all_resident && !complete {
+        notes.push(format!(
+            "the VRAM budget of {limit} bytes holds the layers but not every predictor, norm \
+             and the output head; the FFN stays on the CPU"
         ));
     }
     Ok(())
@@ -526,38 +986,4 @@ fn place_sparse(
 fn shown(p: &Option<std::path::PathBuf>) -> String {
     p.as_ref()
         .map_or_else(|| "-".to_string(), |p| p.display().to_string())
-}
-
-/// Dense files: the last `n_gpu_layers` layers whole, and the output head past the layer
-/// count (llama.cpp's `-ngl`).
-fn place_layers(model: &Model, opts: &DeviceOptions, h: &mut Hybrid) -> Result<()> {
-    let targets = targets(model);
-    h.report.dense_total = targets.len();
-    let n_layer = model.layers.len();
-    let n = opts.n_gpu_layers.unwrap_or(0);
-    let first = n_layer - n.min(n_layer);
-    let mut chosen: Vec<(Target, &TensorRef)> = targets
-        .values()
-        .copied()
-        .filter(|(t, _)| match t {
-            Target::Slot(l, _) | Target::Fc1(l) | Target::Fc2(l) => *l >= first,
-            Target::Output => n > n_layer,
-        })
-        .collect();
-    chosen.sort_by_key(|(_, r)| r.info.offset());
-    if let Some((_, r)) = chosen.iter().find(|(_, r)| !h.device.supports(r.ty)) {
-        return Err(EngineError::Device(format!(
-            "{}: the device's kernels do not take {} weights",
-            r.name, r.ty
-        )));
-    }
-    for (target, r) in chosen {
-        put_dense(model, h, target, r)?;
-    }
-    h.report.placement = if n == 0 {
-        "dense file: no layer offloaded (-ngl N offloads the last N layers)".into()
-    } else {
-        format!("{} of {n_layer} layers offloaded", n.min(n_layer))
-    };
-    Ok(())
 }

@@ -107,6 +107,10 @@ fn shuffle(engine: &Engine, rng: &mut Rng, migrate: bool) {
         }
         let mut r = Rng(rng.next() | 1);
         state.set_enabled(|_| r.below(100) < keep);
+        // The device computes what the split says from its next program on.
+        h.device
+            .set_enabled(state.hot, state.enabled_slots().as_deref())
+            .unwrap();
     }
 }
 

@@ -21,6 +21,9 @@ EMU_ROWS(matmul_q4_0_t1)
 extern "C" void emu_quantize_q8(EMU_GRID, const float* x, long n_blocks, u8* xq) {
     emu_launch(gx, gy, gz, bx, [=] { quantize_q8(x, n_blocks, xq); });
 }
+extern "C" void emu_round_f16(EMU_GRID, const float* x, long n, float* y) {
+    emu_launch(gx, gy, gz, bx, [=] { round_f16(x, n, y); });
+}
 #else
 EMU_ROWS(axpy_f32_t1)
 EMU_ROWS(axpy_f16_t1)
@@ -38,8 +41,33 @@ extern "C" void emu_rms_norm(EMU_GRID, const float* x, const float* w, float* y,
     emu_launch(gx, gy, gz, bx, [=] { rms_norm(x, w, y, n, eps); });
 }
 extern "C" void emu_rope(EMU_GRID, float* x, const int* pos, int n_head, int head_dim, int n_rot,
-                         float base, int neox) {
-    emu_launch(gx, gy, gz, bx, [=] { rope(x, pos, n_head, head_dim, n_rot, base, neox); });
+                         float theta_scale, float freq_scale, int neox) {
+    emu_launch(gx, gy, gz, bx, [=] { rope(x, pos, n_head, head_dim, n_rot, theta_scale, freq_scale, neox); });
+}
+extern "C" void emu_silu_gate(EMU_GRID, const float* g, const float* u, float* y, long n) {
+    emu_launch(gx, gy, gz, bx, [=] { silu_gate(g, u, y, n); });
+}
+extern "C" void emu_add_rows(EMU_GRID, float* y, const float* b, int n, long total) {
+    emu_launch(gx, gy, gz, bx, [=] { add_rows(y, b, n, total); });
+}
+extern "C" void emu_add_inplace(EMU_GRID, float* y, const float* x, long n) {
+    emu_launch(gx, gy, gz, bx, [=] { add_inplace(y, x, n); });
+}
+extern "C" void emu_relu_inplace(EMU_GRID, float* y, long n) {
+    emu_launch(gx, gy, gz, bx, [=] { relu_inplace(y, n); });
+}
+#define EMU_GET_ROWS(NAME)                                                                      \
+    extern "C" void emu_##NAME(EMU_GRID, const u8* w, long rb, int cols, const int* rows,      \
+                               int offset, float* y) {                                          \
+        emu_launch(gx, gy, gz, bx, [=] { NAME(w, rb, cols, rows, offset, y); });               \
+    }
+EMU_GET_ROWS(get_rows_f32)
+EMU_GET_ROWS(get_rows_f16)
+EMU_GET_ROWS(get_rows_q8_0)
+EMU_GET_ROWS(get_rows_q4_0)
+extern "C" void emu_count_active(EMU_GRID, const float* p, const u32* bucket, int k, int N, float theta,
+                                 float* out) {
+    emu_launch(gx, gy, gz, bx, [=] { count_active(p, bucket, k, N, theta, out); });
 }
 extern "C" void emu_softmax(EMU_GRID, float* x, int n, float scale) {
     emu_launch(gx, gy, gz, bx, [=] { softmax(x, n, scale); });

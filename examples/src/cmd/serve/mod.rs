@@ -121,6 +121,8 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     let mut o = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut o)?;
+    // Every sequence decoded at once keeps its KV rows on a device.
+    o.device.kv_sequences = a.parallel;
     o.ctx_len = a.ctx_size;
     o.batch = a.batch_size.max(1);
     let engine =
