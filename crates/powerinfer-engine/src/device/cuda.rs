@@ -23,8 +23,8 @@ use powerinfer_kernels_cuda::{
 };
 
 use super::{
-    launches_of, BufId, Device, HotId, HotSpec, HotSwap, KvId, MatId, Op, ReadId, RowsOf,
-    ScratchShape, Span, Traffic, TrafficCounters,
+    free_entry, launches_of, BufId, Device, HotId, HotSpec, HotSwap, KvId, KvShape, MatId, Op,
+    ReadId, RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -683,26 +683,13 @@ impl Device for CudaDevice {
     }
 
     fn drop_hot(&self, hot: HotId) -> Result<()> {
-        let mut st = self.state();
-        match st.hots.get_mut(hot.0) {
-            Some(h @ Some(_)) => {
-                *h = None;
-                Ok(())
-            }
-            _ => Err(EngineError::Device(format!("unknown hot slice {}", hot.0))),
-        }
+        free_entry(&mut self.state().hots, hot.0, "hot slice")
     }
 
-    fn alloc_kv(
-        &self,
-        layers: usize,
-        positions: usize,
-        n_kv_head: usize,
-        head_dim: usize,
-    ) -> Result<KvId> {
+    fn alloc_kv(&self, sh: KvShape) -> Result<KvId> {
         let s = self.gpu.stream();
-        let store = (0..layers)
-            .map(|_| KvCache::new(&self.gpu, s, positions, n_kv_head, head_dim))
+        let store = (0..sh.layers)
+            .map(|_| KvCache::new(&self.gpu, s, sh.positions, sh.n_kv_head, sh.head_dim))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(cuda)?;
         let mut st = self.state();

@@ -292,6 +292,28 @@ impl BufId {
     }
 }
 
+/// The shape of one sequence's KV store: `layers` layers of `positions` K and V rows of
+/// `n_kv_head` heads of `head_dim` F16 values each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KvShape {
+    pub(crate) layers: usize,
+    pub(crate) positions: usize,
+    pub(crate) n_kv_head: usize,
+    pub(crate) head_dim: usize,
+}
+
+/// Frees entry `id` of a device's table of `what`s (its memory goes back to the budget when the
+/// entry drops); an unknown or freed id is an error.
+pub(crate) fn free_entry<T>(table: &mut [Option<T>], id: usize, what: &str) -> Result<()> {
+    match table.get_mut(id) {
+        Some(e @ Some(_)) => {
+            *e = None;
+            Ok(())
+        }
+        _ => Err(EngineError::Device(format!("unknown {what} {id}"))),
+    }
+}
+
 /// One sequence's keys and values in device memory, for some layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct KvId(pub(crate) usize);
@@ -622,15 +644,8 @@ pub(crate) trait Device: Send + Sync {
     /// Frees a hot slice: its memory goes back to the budget and its id becomes unknown.
     fn drop_hot(&self, hot: HotId) -> Result<()>;
 
-    /// A KV store for one sequence: `layers` layers of `positions` K and V rows of `n_kv_head`
-    /// heads of `head_dim` F16 values each.
-    fn alloc_kv(
-        &self,
-        layers: usize,
-        positions: usize,
-        n_kv_head: usize,
-        head_dim: usize,
-    ) -> Result<KvId>;
+    /// A KV store for one sequence, of shape `s`.
+    fn alloc_kv(&self, s: KvShape) -> Result<KvId>;
     /// Copies host rows into layer `layer` of `kv` from position `start` (queued).
     fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()>;
     /// Copies rows `start .. start + n` of layer `layer` of `kv` to the host (waits).

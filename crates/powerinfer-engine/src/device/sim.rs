@@ -42,8 +42,9 @@ use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::{
-    launches_of, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap, KvId,
-    MatId, Op, Queue, ReadId, RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic, TrafficCounters,
+    free_entry, launches_of, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap,
+    KvId, KvShape, MatId, Op, Queue, ReadId, RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic,
+    TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -456,23 +457,16 @@ impl Device for SimDevice {
 
     fn drop_hot(&self, hot: HotId) -> Result<()> {
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
-        match mem.hots.get_mut(hot.0) {
-            Some(h @ Some(_)) => {
-                *h = None;
-                Ok(())
-            }
-            _ => Err(EngineError::Device(format!("unknown hot slice {}", hot.0))),
-        }
+        free_entry(&mut mem.hots, hot.0, "hot slice")
     }
 
-    fn alloc_kv(
-        &self,
-        layers: usize,
-        positions: usize,
-        n_kv_head: usize,
-        head_dim: usize,
-    ) -> Result<KvId> {
-        let kv = new_kv(&self.budget, layers, positions, n_kv_head * head_dim)?;
+    fn alloc_kv(&self, s: KvShape) -> Result<KvId> {
+        let kv = new_kv(
+            &self.budget,
+            s.layers,
+            s.positions,
+            s.n_kv_head * s.head_dim,
+        )?;
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
         mem.kvs.push(kv);
         Ok(KvId(mem.kvs.len() - 1))

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use half::f16;
 
-use crate::device::{Device, KvId};
+use crate::device::{Device, KvId, KvShape};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvCache, OnDevice, SeqId};
 
@@ -72,7 +72,14 @@ impl KvStores {
             Vec::new()
         } else {
             (0..n)
-                .map(|_| device.alloc_kv(k, positions, n_kv_head, head_dim))
+                .map(|_| {
+                    device.alloc_kv(KvShape {
+                        layers: k,
+                        positions,
+                        n_kv_head,
+                        head_dim,
+                    })
+                })
                 .collect::<Result<Vec<_>>>()?
         };
         Ok(KvStores {
