@@ -106,6 +106,165 @@ async fn greedy(url: &str, prompt: &str, n: u32) -> String {
     v["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
+/// Request bodies with one bad field: (route, body, the field named, the whole message).
+fn malformed_fields() -> Vec<(&'static str, &'static str, &'static str, &'static str)> {
+    const C: &str = "/v1/completions";
+    const CHAT: &str = "/v1/chat/completions";
+    vec![
+        (C, r#"{"max_tokens": 4}"#, "prompt", "'prompt' is required"),
+        (
+            C,
+            r#"{"prompt": null}"#,
+            "prompt",
+            "'prompt' must be a string, one string in an array, or an array of token ids",
+        ),
+        (
+            C,
+            r#"{"prompt": ["a", "b"]}"#,
+            "prompt",
+            "'prompt' must be a string, one string in an array, or an array of token ids",
+        ),
+        (
+            C,
+            r#"{"prompt": [1, -2]}"#,
+            "prompt",
+            "'prompt' must be a string, one string in an array, or an array of token ids",
+        ),
+        (
+            C,
+            r#"{"prompt": [1, 4294967296]}"#,
+            "prompt",
+            "'prompt' must be a string, one string in an array, or an array of token ids",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "temperature": "hot"}"#,
+            "temperature",
+            "'temperature' must be a number",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "max_completion_tokens": 1.5}"#,
+            "max_completion_tokens",
+            "'max_completion_tokens' must be an integer",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "n": 9}"#,
+            "n",
+            "'n' must be 1 to 8, got 9",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "n": 2, "stream": true}"#,
+            "n",
+            "'n' > 1 cannot be streamed",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "stream": "yes"}"#,
+            "stream",
+            "'stream' must be a boolean",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "stop": ["a", 1]}"#,
+            "stop",
+            "'stop' must be a string or strings",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "seed": "x"}"#,
+            "seed",
+            "'seed' must be an integer",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "top_k": -1}"#,
+            "top_k",
+            "'top_k' must be 0 or more",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "min_p": 1.5}"#,
+            "min_p",
+            "'min_p' must be between 0 and 1, got 1.5",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "dry_penalty_last_n": -2}"#,
+            "dry_penalty_last_n",
+            "'dry_penalty_last_n' must be -1 (all), 0 (off) or more",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "logit_bias": [1]}"#,
+            "logit_bias",
+            "'logit_bias' must be an object of token ids to biases",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "logit_bias": {"5": "up"}}"#,
+            "logit_bias",
+            "'logit_bias' maps token ids to numbers in [-100, 100]: 5",
+        ),
+        (
+            CHAT,
+            r#"{"messages": "hi"}"#,
+            "messages",
+            "'messages' must be an array of messages",
+        ),
+        (
+            CHAT,
+            r#"{"max_tokens": 2}"#,
+            "messages",
+            "'messages' must be an array of messages",
+        ),
+        (
+            CHAT,
+            r#"{"messages": [5]}"#,
+            "messages",
+            "every message needs a 'role' string",
+        ),
+        (
+            CHAT,
+            r#"{"messages": [["user", "hi"]]}"#,
+            "messages",
+            "every message needs a 'role' string",
+        ),
+        (
+            CHAT,
+            r#"{"messages": [{"role": 1, "content": "hi"}]}"#,
+            "messages",
+            "every message needs a 'role' string",
+        ),
+        (
+            CHAT,
+            r#"{"messages": [{"role": "user", "content": 5}]}"#,
+            "messages",
+            "a message's 'content' must be a string or text parts",
+        ),
+        (
+            CHAT,
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}"#,
+            "messages",
+            "only text content parts are supported",
+        ),
+        (
+            CHAT,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": []}"#,
+            "temperature",
+            "'temperature' must be a number",
+        ),
+        (
+            CHAT,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}"#,
+            "presence_penalty",
+            "'presence_penalty' must be between -2 and 2, got 3",
+        ),
+    ]
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_bad_input_and_load() {
     let f = model();
@@ -199,6 +358,32 @@ async fn routes_bad_input_and_load() {
     );
     let (s, v) = post(&url, "/v1/chat/completions", r#"{"messages": []}"#).await;
     assert_eq!(s, 400, "{v}");
+    // Fields of the wrong kind or out of range: a 400 that names the field, in `param` and in
+    // the message.
+    for (path, body, param, message) in malformed_fields() {
+        let (s, v) = post(&url, path, body).await;
+        assert_eq!(s, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"].as_str(), Some(param), "{body}: {v}");
+        assert_eq!(v["error"]["message"], message, "{body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{body}: {v}");
+    }
+    // Unknown fields are ignored, and so is a model name that is not a string.
+    let (s, v) = post(
+        &url,
+        "/v1/completions",
+        r#"{"prompt": "hi", "max_tokens": 2, "user": "me", "echo": false, "model": 5,
+            "suffix": {"x": [1]}}"#,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = post(
+        &url,
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}],
+            "name": "me"}], "max_tokens": 2, "user": "me"}"#,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
     // The other samplers are taken.
     let (s, v) = post(
         &url,
@@ -273,9 +458,42 @@ async fn api_key_queue_bound_and_disconnects() {
     );
     let url = s.url.clone();
     let body = json!({"prompt": "hello", "max_tokens": 4}).to_string();
-    let (status, v) = post(&url, "/v1/completions", &body).await;
-    assert_eq!(status, 401, "{v}");
-    assert_eq!(v["error"]["code"], "invalid_api_key");
+    // Every /v1 route needs the key (a wrong one too is refused); the others do not.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let v1 = [
+        ("/v1/models", None),
+        (
+            "/v1/completions",
+            Some(json!({"prompt": "hi", "max_tokens": 2})),
+        ),
+        ("/v1/chat/completions", Some(chat)),
+    ];
+    for (path, body) in &v1 {
+        for key in [None, Some("wrong"), Some("secret")] {
+            let mut r = match body {
+                None => client().get(format!("{url}{path}")),
+                Some(b) => client().post(format!("{url}{path}")).json(b),
+            };
+            if let Some(k) = key {
+                r = r.bearer_auth(k);
+            }
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap();
+            if key == Some("secret") {
+                assert_eq!(status, 200, "{path}: {v}");
+            } else {
+                assert_eq!(status, 401, "{path} with {key:?}: {v}");
+                assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+            }
+        }
+    }
+    for path in ["/health", "/metrics", "/"] {
+        let r = client().get(format!("{url}{path}")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{path}");
+    }
+    let (status, v) = post(&url, "/v1/nothing", "{}").await;
+    assert_eq!(status, 404, "{v}");
     let authed = |body: String| {
         let url = url.clone();
         async move {

@@ -12,6 +12,7 @@
 
 mod api;
 mod metrics;
+mod request;
 mod worker;
 
 use std::net::SocketAddr;
@@ -22,7 +23,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{middleware, Json, Router};
 use powerinfer_engine::{Engine, SchedulerOptions};
 use serde_json::json;
 
@@ -107,9 +108,16 @@ pub fn router(state: AppState) -> Router {
         .route("/", get(page))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
-        .route("/v1/models", get(api::models))
-        .route("/v1/completions", post(api::completions))
-        .route("/v1/chat/completions", post(api::chat_completions))
+        .merge(
+            Router::new()
+                .route("/v1/models", get(api::models))
+                .route("/v1/completions", post(api::completions))
+                .route("/v1/chat/completions", post(api::chat_completions))
+                .route_layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    api::require_api_key,
+                )),
+        )
         .fallback(not_found)
         .with_state(state)
 }
