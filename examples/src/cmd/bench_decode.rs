@@ -58,6 +58,8 @@ use powerinfer_gguf::{FileKind, GgufFile};
 use powerinfer_kernels_cpu::ThreadPool;
 use serde_json::json;
 
+use super::bench_shared::{budget_for, median};
+
 /// Arguments of `powerinfer bench decode`.
 #[derive(clap::Args)]
 pub struct DecodeArgs {
@@ -332,15 +334,6 @@ impl ByteModel {
     }
 }
 
-/// The device budget that holds everything but `1 − frac` of the FFN's bytes of `path`
-/// ([`super::bench_schedule::budget_for`]), with `a`'s device flags.
-fn budget_for(path: &Path, a: &DecodeArgs, frac: f64) -> Result<u64, String> {
-    let mut o = super::engine_options(a.threads, a.sparse_threshold);
-    a.device.apply(&mut o)?;
-    o.ctx_len = (a.prompt + a.tokens + 8).max(64);
-    super::bench_schedule::budget_for(path, &o, frac)
-}
-
 fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
     let dense = mode == Mode::Dense;
     let mut opts = super::engine_options(a.threads, a.sparse_threshold);
@@ -351,7 +344,9 @@ fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
         Mode::Sparse => {}
         Mode::Hybrid(frac) => {
             a.device.apply(&mut opts)?;
-            opts.device.vram_budget = Some(budget_for(path, a, frac)?);
+            let mut probe = opts.clone();
+            probe.ctx_len = (a.prompt + a.tokens + 8).max(64);
+            opts.device.vram_budget = Some(budget_for(path, &probe, frac)?);
         }
     }
     opts.ctx_len = (a.prompt + a.tokens + 8).max(64);
@@ -467,17 +462,6 @@ fn hybrid_totals(p: &powerinfer_engine::OpProfile) -> serde_json::Value {
         "cpu_ms": sum(0), "device_ms": sum(1), "transfer_ms": sum(2), "cpu_wait_ms": sum(3),
         "device_idle_ms": sum(4), "device_active_share": dev as f64 / (cpu + dev).max(1) as f64,
     })
-}
-
-/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
 }
 
 /// The index in `v` of its (lower) median element.

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod bench_decode;
 pub mod bench_schedule;
 pub mod bench_serve;
+pub mod bench_shared;
 pub mod chat;
 pub mod convert;
 pub mod device;
