@@ -61,6 +61,18 @@ enum Command {
     TrainPredictor(Box<cmd::train_predictor::Args>),
 }
 
+/// A subcommand's arguments parsed from `args` (the words after the subcommand's name) as the
+/// command line parses them, defaults and checks included: how programs and tests call a
+/// subcommand's functions directly, e.g.
+/// `parse_args::<cmd::plan::Args>(["-m", "m.gguf", "--vram-budget", "4"])`.
+pub fn parse_args<A: clap::Args>(
+    args: impl IntoIterator<Item = impl Into<std::ffi::OsString> + Clone>,
+) -> Result<A, clap::Error> {
+    let command = A::augment_args(clap::Command::new("powerinfer").no_binary_name(true));
+    let mut matches = command.try_get_matches_from(args)?;
+    A::from_arg_matches_mut(&mut matches)
+}
+
 /// Exit status of a command whose standard output was closed under it, as a shell reports a
 /// process killed by SIGPIPE (128 + 13).
 const BROKEN_PIPE_STATUS: i32 = 141;

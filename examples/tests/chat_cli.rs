@@ -6,16 +6,15 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/cli.rs"]
+mod cli;
+
 fn model(dir: &tempfile::TempDir) -> PathBuf {
     let model = dir.path().join("m.powerinfer.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
-        .args([
-            "synth", "--shape", "tiny", "--type", "q8_0", "--seed", "5", "--out",
-        ])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    cli::synth(
+        &model,
+        &["--shape", "tiny", "--type", "q8_0", "--seed", "5"],
+    );
     model
 }
 

@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+#[path = "support/cli.rs"]
+mod cli;
+
 /// A running server, killed when dropped.
 struct Server {
     child: Child,
@@ -68,14 +71,10 @@ struct Files {
 fn model() -> Files {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m.powerinfer.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
-        .args([
-            "synth", "--shape", "tiny", "--type", "q8_0", "--seed", "11", "--out",
-        ])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    cli::synth(
+        &model,
+        &["--shape", "tiny", "--type", "q8_0", "--seed", "11"],
+    );
     Files { _dir: dir, model }
 }
 

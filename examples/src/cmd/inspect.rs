@@ -10,7 +10,7 @@
 //! as `null`.
 
 use std::io::{self, BufWriter, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use powerinfer_gguf::{Array, FileKind, GgufFile, Value};
 use serde_json::{json, Map, Value as Json};
@@ -30,9 +30,18 @@ const TABLE_ARRAY_ITEMS: usize = 8;
 /// Characters of a string shown in the table.
 const TABLE_STRING_CHARS: usize = 80;
 
+fn open(path: &Path) -> Result<GgufFile, String> {
+    GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The JSON object `powerinfer inspect FILE --json` prints (see the module's documentation).
+pub fn describe(path: &Path) -> Result<Json, String> {
+    Ok(to_json(&open(path)?))
+}
+
 /// Runs `powerinfer inspect`.
 pub fn run(args: Args) -> Result<(), String> {
-    let file = GgufFile::open(&args.file).map_err(|e| format!("{}: {e}", args.file.display()))?;
+    let file = open(&args.file)?;
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
     let written = if args.json {
@@ -101,7 +110,6 @@ fn array_json(a: &Array) -> Json {
     })
 }
 
-/// The whole file description as one JSON object.
 /// A layer's predictor as stored: `(layer, fc1 type, fc2 type, rank)`.
 type StoredPredictor = (usize, &'static str, &'static str, u64);
 
@@ -118,6 +126,7 @@ fn predictors(file: &GgufFile) -> Vec<StoredPredictor> {
         .collect()
 }
 
+/// The whole description of an open file as one JSON object (what [`describe`] returns).
 pub fn to_json(file: &GgufFile) -> Json {
     let mut metadata = Map::new();
     for (k, v) in file.metadata().iter() {

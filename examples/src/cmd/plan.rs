@@ -107,35 +107,17 @@ fn bytes_of(amount: f64, unit: f64, what: &str) -> Result<u64, String> {
 /// Runs `powerinfer plan`.
 pub fn run(args: Args) -> Result<(), String> {
     if args.predict {
-        return predict(&args);
-    }
-    let opts = PlanOptions {
-        budget_bytes: bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?,
-        n_ctx: args.ctx,
-        scratch_bytes: bytes_of(args.scratch_mib, (1u64 << 20) as f64, "--scratch-mib")?,
-        group: args.group,
-        balanced: args.balanced,
-        min_neurons: args.min_neurons,
-        cap_neurons: args.cap_neurons,
-        activation: args.activation.clone(),
-        reset: args.reset_gpu_index,
-        disable: args.disable_gpu_index,
-    };
-    let plan =
-        plan_model(&args.model, &opts).map_err(|e| format!("{}: {e}", args.model.display()))?;
-    match &plan.source {
-        IndexSource::NoStatistics { looked_in } => eprintln!(
-            "note: no activation statistics in {}; all FFN neurons stay on the CPU \
-             (give them with --activation DIR)",
-            looked_in.display()
-        ),
-        IndexSource::Disabled => eprintln!("note: GPU index disabled; all FFN neurons on the CPU"),
-        IndexSource::Built { reason, .. } => {
-            if let Some(p) = &plan.gpuidx {
-                eprintln!("wrote {} ({reason})", p.display());
-            }
+        let p = predict(&args)?;
+        if args.json {
+            println!("{}", p.to_json());
+        } else {
+            p.print_table(&args);
         }
-        IndexSource::Reused => {}
+        return Ok(());
+    }
+    let plan = plan(&args)?;
+    if let Some(note) = note(&plan) {
+        eprintln!("{note}");
     }
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
@@ -154,6 +136,43 @@ pub fn run(args: Args) -> Result<(), String> {
         })
 }
 
+/// The placement `args` ask for: the GPU index reused, (re)built and written next to the
+/// model, or none (disabled, or no statistics).
+pub fn plan(args: &Args) -> Result<ModelPlan, String> {
+    let opts = PlanOptions {
+        budget_bytes: bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?,
+        n_ctx: args.ctx,
+        scratch_bytes: bytes_of(args.scratch_mib, (1u64 << 20) as f64, "--scratch-mib")?,
+        group: args.group,
+        balanced: args.balanced,
+        min_neurons: args.min_neurons,
+        cap_neurons: args.cap_neurons,
+        activation: args.activation.clone(),
+        reset: args.reset_gpu_index,
+        disable: args.disable_gpu_index,
+    };
+    plan_model(&args.model, &opts).map_err(|e| format!("{}: {e}", args.model.display()))
+}
+
+/// What `powerinfer plan` says on stderr about where `plan`'s GPU index came from, if anything.
+pub fn note(plan: &ModelPlan) -> Option<String> {
+    match &plan.source {
+        IndexSource::NoStatistics { looked_in } => Some(format!(
+            "note: no activation statistics in {}; all FFN neurons stay on the CPU \
+             (give them with --activation DIR)",
+            looked_in.display()
+        )),
+        IndexSource::Disabled => {
+            Some("note: GPU index disabled; all FFN neurons on the CPU".into())
+        }
+        IndexSource::Built { reason, .. } => plan
+            .gpuidx
+            .as_ref()
+            .map(|p| format!("wrote {} ({reason})", p.display())),
+        IndexSource::Reused => None,
+    }
+}
+
 fn source_text(s: &IndexSource) -> String {
     match s {
         IndexSource::Reused => "reused".into(),
@@ -168,7 +187,8 @@ fn source_text(s: &IndexSource) -> String {
     }
 }
 
-fn to_json(p: &ModelPlan) -> serde_json::Value {
+/// The JSON object `powerinfer plan --json` prints (see the module's documentation).
+pub fn to_json(p: &ModelPlan) -> serde_json::Value {
     let layers: Vec<_> = p
         .split
         .layers
@@ -335,7 +355,17 @@ pub(crate) fn prediction(
     })
 }
 
-fn predict(args: &Args) -> Result<(), String> {
+/// What `plan --predict` found: the cost model's decode step for both policies.
+pub struct Predicted {
+    budget: u64,
+    hw: Hardware,
+    work: Workload,
+    p: Prediction,
+}
+
+/// The cost model's prediction for the placement `args` ask for (`--predict`; nothing
+/// written).
+pub fn predict(args: &Args) -> Result<Predicted, String> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hw = hardware(args, threads)?;
     let work = Workload {
@@ -351,58 +381,71 @@ fn predict(args: &Args) -> Result<(), String> {
         &hw,
         work,
     )?;
-    let row = |name: &str, c: &StepCost| {
+    Ok(Predicted {
+        budget,
+        hw,
+        work,
+        p,
+    })
+}
+
+impl Predicted {
+    /// The JSON object `plan --predict --json` prints.
+    pub fn to_json(&self) -> serde_json::Value {
+        let row = |name: &str, c: &StepCost| {
+            json!({
+                "policy": name, "tokens_per_s": c.tokens_per_s(), "step_ms": c.step_us() / 1e3,
+                "gpu_share": c.gpu_share(),
+                "computed_on_gpu": c.layers.iter().map(|l| l.computed).sum::<usize>(),
+            })
+        };
+        let (p, hw, work) = (&self.p, &self.hw, &self.work);
         json!({
-            "policy": name, "tokens_per_s": c.tokens_per_s(), "step_ms": c.step_us() / 1e3,
-            "gpu_share": c.gpu_share(),
-            "computed_on_gpu": c.layers.iter().map(|l| l.computed).sum::<usize>(),
-        })
-    };
-    if args.json {
-        let v = json!({
-            "budget_bytes": budget, "held_neurons": p.held, "neurons": p.total,
+            "budget_bytes": self.budget, "held_neurons": p.held, "neurons": p.total,
             "dense_on_gpu": p.dense_on_gpu, "batch": work.batch, "attended": work.context,
             "cpu_gbps": hw.cpu_bandwidth / 1e9, "gpu_gbps": hw.gpu_bandwidth / 1e9,
             "link_gbps": hw.link_bandwidth / 1e9,
             "static": row("static", &p.fixed), "balanced": row("balanced", &p.balanced),
-        });
-        println!("{v}");
-        return Ok(());
+        })
     }
-    println!(
-        "{}: {:.2} GiB of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
-        args.model.display(),
-        args.vram_budget,
-        p.dense_on_gpu,
-        p.held,
-        p.total,
-        100.0 * p.held as f64 / p.total.max(1) as f64
-    );
-    println!(
-        "CPU {:.1} GB/s, GPU {:.0} GB/s (launch {} us), link {:.0} GB/s; batch {}, {} positions attended",
-        hw.cpu_bandwidth / 1e9,
-        hw.gpu_bandwidth / 1e9,
-        hw.gpu_launch_us,
-        hw.link_bandwidth / 1e9,
-        work.batch,
-        work.context
-    );
-    println!(
-        "{:<10} {:>10} {:>10} {:>10} {:>12}",
-        "policy", "tok/s", "ms/step", "gpu share", "on GPU"
-    );
-    for (name, c) in [("static", &p.fixed), ("balanced", &p.balanced)] {
+
+    /// Prints the prediction as a table.
+    fn print_table(&self, args: &Args) {
+        let (p, hw, work) = (&self.p, &self.hw, &self.work);
         println!(
-            "{name:<10} {:>10.2} {:>10.3} {:>9.1}% {:>12}",
-            c.tokens_per_s(),
-            c.step_us() / 1e3,
-            100.0 * c.gpu_share(),
-            c.layers.iter().map(|l| l.computed).sum::<usize>()
+            "{}: {:.2} GiB of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
+            args.model.display(),
+            args.vram_budget,
+            p.dense_on_gpu,
+            p.held,
+            p.total,
+            100.0 * p.held as f64 / p.total.max(1) as f64
+        );
+        println!(
+            "CPU {:.1} GB/s, GPU {:.0} GB/s (launch {} us), link {:.0} GB/s; batch {}, {} positions attended",
+            hw.cpu_bandwidth / 1e9,
+            hw.gpu_bandwidth / 1e9,
+            hw.gpu_launch_us,
+            hw.link_bandwidth / 1e9,
+            work.batch,
+            work.context
+        );
+        println!(
+            "{:<10} {:>10} {:>10} {:>10} {:>12}",
+            "policy", "tok/s", "ms/step", "gpu share", "on GPU"
+        );
+        for (name, c) in [("static", &p.fixed), ("balanced", &p.balanced)] {
+            println!(
+                "{name:<10} {:>10.2} {:>10.3} {:>9.1}% {:>12}",
+                c.tokens_per_s(),
+                c.step_us() / 1e3,
+                100.0 * c.gpu_share(),
+                c.layers.iter().map(|l| l.computed).sum::<usize>()
+            );
+        }
+        println!(
+            "balanced / static: {:.2}x",
+            p.balanced.tokens_per_s() / p.fixed.tokens_per_s()
         );
     }
-    println!(
-        "balanced / static: {:.2}x",
-        p.balanced.tokens_per_s() / p.fixed.tokens_per_s()
-    );
-    Ok(())
 }
