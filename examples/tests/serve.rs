@@ -105,164 +105,154 @@ async fn greedy(url: &str, prompt: &str, n: u32) -> String {
     v["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
-/// Request bodies with one bad field: (route, body, the field named, the whole message).
-fn malformed_fields() -> Vec<(&'static str, &'static str, &'static str, &'static str)> {
-    const C: &str = "/v1/completions";
-    const CHAT: &str = "/v1/chat/completions";
-    vec![
-        (C, r#"{"max_tokens": 4}"#, "prompt", "'prompt' is required"),
-        (
-            C,
+/// Request bodies with one bad field: (route, bodies, the field named, the whole message).
+type Malformed = (
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    &'static str,
+);
+
+/// Request bodies with one bad field, each with the 400 it gets.
+const MALFORMED: &[Malformed] = &[
+    (
+        C,
+        &[r#"{"max_tokens": 4}"#],
+        "prompt",
+        "'prompt' is required",
+    ),
+    (
+        C,
+        &[
             r#"{"prompt": null}"#,
-            "prompt",
-            "'prompt' must be a string, one string in an array, or an array of token ids",
-        ),
-        (
-            C,
             r#"{"prompt": ["a", "b"]}"#,
-            "prompt",
-            "'prompt' must be a string, one string in an array, or an array of token ids",
-        ),
-        (
-            C,
             r#"{"prompt": [1, -2]}"#,
-            "prompt",
-            "'prompt' must be a string, one string in an array, or an array of token ids",
-        ),
-        (
-            C,
             r#"{"prompt": [1, 4294967296]}"#,
-            "prompt",
-            "'prompt' must be a string, one string in an array, or an array of token ids",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "temperature": "hot"}"#,
-            "temperature",
-            "'temperature' must be a number",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "max_completion_tokens": 1.5}"#,
-            "max_completion_tokens",
-            "'max_completion_tokens' must be an integer",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "n": 9}"#,
-            "n",
-            "'n' must be 1 to 8, got 9",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "n": 2, "stream": true}"#,
-            "n",
-            "'n' > 1 cannot be streamed",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "stream": "yes"}"#,
-            "stream",
-            "'stream' must be a boolean",
-        ),
-        (
-            C,
+        ],
+        "prompt",
+        "'prompt' must be a string, one string in an array, or an array of token ids",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "temperature": "hot"}"#],
+        "temperature",
+        "'temperature' must be a number",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "max_completion_tokens": 1.5}"#],
+        "max_completion_tokens",
+        "'max_completion_tokens' must be an integer",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "n": 9}"#],
+        "n",
+        "'n' must be 1 to 8, got 9",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "n": 2, "stream": true}"#],
+        "n",
+        "'n' > 1 cannot be streamed",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "stream": "yes"}"#],
+        "stream",
+        "'stream' must be a boolean",
+    ),
+    (
+        C,
+        &[
             r#"{"prompt": "hi", "stop": ["a", 1]}"#,
-            "stop",
-            "'stop' must be a string or strings",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "seed": "x"}"#,
-            "seed",
-            "'seed' must be an integer",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "top_k": -1}"#,
-            "top_k",
-            "'top_k' must be 0 or more",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "min_p": 1.5}"#,
-            "min_p",
-            "'min_p' must be between 0 and 1, got 1.5",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "dry_penalty_last_n": -2}"#,
-            "dry_penalty_last_n",
-            "'dry_penalty_last_n' must be -1 (all), 0 (off) or more",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "logit_bias": [1]}"#,
-            "logit_bias",
-            "'logit_bias' must be an object of token ids to biases",
-        ),
-        (
-            C,
-            r#"{"prompt": "hi", "logit_bias": {"5": "up"}}"#,
-            "logit_bias",
-            "'logit_bias' maps token ids to numbers in [-100, 100]: 5",
-        ),
-        (
-            CHAT,
-            r#"{"messages": "hi"}"#,
-            "messages",
-            "'messages' must be an array of messages",
-        ),
-        (
-            CHAT,
-            r#"{"max_tokens": 2}"#,
-            "messages",
-            "'messages' must be an array of messages",
-        ),
-        (
-            CHAT,
+            r#"{"prompt": "hi", "stop": 5}"#,
+        ],
+        "stop",
+        "'stop' must be a string or strings",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "seed": "x"}"#],
+        "seed",
+        "'seed' must be an integer",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "top_k": -1}"#],
+        "top_k",
+        "'top_k' must be 0 or more",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "min_p": 1.5}"#],
+        "min_p",
+        "'min_p' must be between 0 and 1, got 1.5",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "dry_penalty_last_n": -2}"#],
+        "dry_penalty_last_n",
+        "'dry_penalty_last_n' must be -1 (all), 0 (off) or more",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logit_bias": [1]}"#],
+        "logit_bias",
+        "'logit_bias' must be an object of token ids to biases",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logit_bias": {"5": "up"}}"#],
+        "logit_bias",
+        "'logit_bias' maps token ids to numbers in [-100, 100]: 5",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": "hi"}"#, r#"{"max_tokens": 2}"#],
+        "messages",
+        "'messages' must be an array of messages",
+    ),
+    (
+        CHAT,
+        &[
             r#"{"messages": [5]}"#,
-            "messages",
-            "every message needs a 'role' string",
-        ),
-        (
-            CHAT,
             r#"{"messages": [["user", "hi"]]}"#,
-            "messages",
-            "every message needs a 'role' string",
-        ),
-        (
-            CHAT,
             r#"{"messages": [{"role": 1, "content": "hi"}]}"#,
-            "messages",
-            "every message needs a 'role' string",
-        ),
-        (
-            CHAT,
-            r#"{"messages": [{"role": "user", "content": 5}]}"#,
-            "messages",
-            "a message's 'content' must be a string or text parts",
-        ),
-        (
-            CHAT,
-            r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}"#,
-            "messages",
-            "only text content parts are supported",
-        ),
-        (
-            CHAT,
-            r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": []}"#,
-            "temperature",
-            "'temperature' must be a number",
-        ),
-        (
-            CHAT,
-            r#"{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}"#,
-            "presence_penalty",
-            "'presence_penalty' must be between -2 and 2, got 3",
-        ),
-    ]
-}
+        ],
+        "messages",
+        "every message needs a 'role' string",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": 5}]}"#],
+        "messages",
+        "a message's 'content' must be a string or text parts",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}"#],
+        "messages",
+        "only text content parts are supported",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": []}"#],
+        "temperature",
+        "'temperature' must be a number",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}"#],
+        "presence_penalty",
+        "'presence_penalty' must be between -2 and 2, got 3",
+    ),
+];
+
+/// The completions route.
+const C: &str = "/v1/completions";
+/// The chat route.
+const CHAT: &str = "/v1/chat/completions";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_bad_input_and_load() {
@@ -359,12 +349,14 @@ async fn routes_bad_input_and_load() {
     assert_eq!(s, 400, "{v}");
     // Fields of the wrong kind or out of range: a 400 that names the field, in `param` and in
     // the message.
-    for (path, body, param, message) in malformed_fields() {
-        let (s, v) = post(&url, path, body).await;
-        assert_eq!(s, 400, "{body}: {v}");
-        assert_eq!(v["error"]["param"].as_str(), Some(param), "{body}: {v}");
-        assert_eq!(v["error"]["message"], message, "{body}: {v}");
-        assert_eq!(v["error"]["type"], "invalid_request_error", "{body}: {v}");
+    for &(path, bodies, param, message) in MALFORMED {
+        for body in bodies {
+            let (s, v) = post(&url, path, body).await;
+            assert_eq!(s, 400, "{body}: {v}");
+            assert_eq!(v["error"]["param"].as_str(), Some(param), "{body}: {v}");
+            assert_eq!(v["error"]["message"], message, "{body}: {v}");
+            assert_eq!(v["error"]["type"], "invalid_request_error", "{body}: {v}");
+        }
     }
     // Unknown fields are ignored, and so is a model name that is not a string.
     let (s, v) = post(

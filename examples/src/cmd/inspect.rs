@@ -9,7 +9,7 @@
 //! (an f32 0.1 prints as 0.1), and NaN or infinite floats, which JSON cannot express, print
 //! as `null`.
 
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use powerinfer_gguf::{Array, FileKind, GgufFile, Value};
@@ -42,22 +42,13 @@ pub fn describe(path: &Path) -> Result<Json, String> {
 /// Runs `powerinfer inspect`.
 pub fn run(args: Args) -> Result<(), String> {
     let file = open(&args.file)?;
-    let stdout = io::stdout();
-    let mut out = BufWriter::new(stdout.lock());
-    let written = if args.json {
-        serde_json::to_writer(&mut out, &to_json(&file))
-            .map_err(io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        write_table(&mut out, &args.file, &file)
-    };
-    written
-        .and_then(|()| out.flush())
-        .or_else(|e| match e.kind() {
-            // `powerinfer inspect x | head` is fine.
-            io::ErrorKind::BrokenPipe => Ok(()),
-            _ => Err(format!("writing output: {e}")),
-        })
+    super::write_stdout(|out| {
+        if args.json {
+            super::json_line(out, &to_json(&file))
+        } else {
+            write_table(out, &args.file, &file)
+        }
+    })
 }
 
 fn float_json(x: f64, as_f32: bool) -> Json {
@@ -205,7 +196,7 @@ fn array_type_label(a: &Array) -> String {
     }
 }
 
-fn write_table(out: &mut impl Write, path: &std::path::Path, file: &GgufFile) -> io::Result<()> {
+fn write_table(out: &mut dyn Write, path: &std::path::Path, file: &GgufFile) -> io::Result<()> {
     let kind = match file.kind() {
         FileKind::Gguf => "GGUF (dense)",
         FileKind::PowerInfer => "PWRI (PowerInfer sparse)",

@@ -25,7 +25,28 @@ pub mod synth;
 pub mod tokenize;
 pub mod train_predictor;
 
+use std::io::{self, BufWriter, Write};
+
 use powerinfer_engine::EngineOptions;
+
+/// Writes a command's result on stdout through `write`; a closed pipe (`powerinfer inspect F |
+/// head`) is not an error.
+pub fn write_stdout(write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<(), String> {
+    let stdout = io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    write(&mut out)
+        .and_then(|()| out.flush())
+        .or_else(|e| match e.kind() {
+            io::ErrorKind::BrokenPipe => Ok(()),
+            _ => Err(format!("writing output: {e}")),
+        })
+}
+
+/// Writes `value` as one line of JSON.
+pub fn json_line(out: &mut dyn Write, value: &serde_json::Value) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, value).map_err(io::Error::from)?;
+    writeln!(out)
+}
 
 /// Engine options with the environment variables PowerInfer and earlier versions of this tool
 /// read applied (the engine library reads none): `LLAMA_SPARSE_PRED_THRESHOLD` (predictor

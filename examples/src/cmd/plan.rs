@@ -15,7 +15,7 @@
 //! and for the balanced one, on this machine's CPU (its measured read bandwidth, or
 //! `--cpu-bw`) and a GPU of `--gpu-bw`, `--gpu-launch-us` and `--link-bw`.
 
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Write};
 use std::path::PathBuf;
 
 use powerinfer_placement::cost::{self, Hardware, Policy, StepCost, Workload};
@@ -119,21 +119,13 @@ pub fn run(args: Args) -> Result<(), String> {
     if let Some(note) = note(&plan) {
         eprintln!("{note}");
     }
-    let stdout = io::stdout();
-    let mut out = BufWriter::new(stdout.lock());
-    let written = if args.json {
-        serde_json::to_writer(&mut out, &to_json(&plan))
-            .map_err(io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        write_table(&mut out, &plan)
-    };
-    written
-        .and_then(|()| out.flush())
-        .or_else(|e| match e.kind() {
-            io::ErrorKind::BrokenPipe => Ok(()),
-            _ => Err(format!("writing output: {e}")),
-        })
+    super::write_stdout(|out| {
+        if args.json {
+            super::json_line(out, &to_json(&plan))
+        } else {
+            write_table(out, &plan)
+        }
+    })
 }
 
 /// The placement `args` ask for: the GPU index reused, (re)built and written next to the
@@ -213,7 +205,7 @@ fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
 
-fn write_table(out: &mut impl Write, p: &ModelPlan) -> io::Result<()> {
+fn write_table(out: &mut dyn Write, p: &ModelPlan) -> io::Result<()> {
     writeln!(
         out,
         "{:>5} {:>8} {:>11} {:>10} {:>12}",
