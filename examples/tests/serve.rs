@@ -187,7 +187,7 @@ const MALFORMED: &[Malformed] = &[
         C,
         &[r#"{"prompt": "hi", "min_p": 1.5}"#],
         "min_p",
-        "'min_p' must be between 0 and 1, got 1.5",
+        "'min_p' must be in [0, 1], got 1.5",
     ),
     (
         C,
@@ -205,7 +205,46 @@ const MALFORMED: &[Malformed] = &[
         C,
         &[r#"{"prompt": "hi", "logit_bias": {"5": "up"}}"#],
         "logit_bias",
-        "'logit_bias' maps token ids to numbers in [-100, 100]: 5",
+        "'logit_bias' maps token ids (below 512) to numbers in [-100, 100]: 5",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logit_bias": {"99999": 1}}"#],
+        "logit_bias",
+        "'logit_bias' maps token ids (below 512) to numbers in [-100, 100]: 99999",
+    ),
+    (
+        C,
+        &[
+            r#"{"prompt": "hi", "top_p": 2}"#,
+            r#"{"prompt": "hi", "top_p": 0}"#,
+        ],
+        "top_p",
+        "",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logprobs": 5}"#],
+        "logprobs",
+        "log probabilities are not supported by this server ('logprobs': 5)",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}"#],
+        "logprobs",
+        "log probabilities are not supported by this server ('logprobs': true)",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#],
+        "top_logprobs",
+        "log probabilities are not supported by this server ('top_logprobs': 2)",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#],
+        "messages",
+        "a message's 'role' is one of system, user, assistant, tool, not 'wizard'",
     ),
     (
         CHAT,
@@ -245,7 +284,7 @@ const MALFORMED: &[Malformed] = &[
         CHAT,
         &[r#"{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}"#],
         "presence_penalty",
-        "'presence_penalty' must be between -2 and 2, got 3",
+        "'presence_penalty' must be in [-2, 2], got 3",
     ),
 ];
 
@@ -354,9 +393,52 @@ async fn routes_bad_input_and_load() {
             let (s, v) = post(&url, path, body).await;
             assert_eq!(s, 400, "{body}: {v}");
             assert_eq!(v["error"]["param"].as_str(), Some(param), "{body}: {v}");
-            assert_eq!(v["error"]["message"], message, "{body}: {v}");
+            if message.is_empty() {
+                // Said per body below.
+                assert!(v["error"]["message"].is_string(), "{body}: {v}");
+            } else {
+                assert_eq!(v["error"]["message"], message, "{body}: {v}");
+            }
             assert_eq!(v["error"]["type"], "invalid_request_error", "{body}: {v}");
         }
+    }
+    // An open range is written as one, not with the smallest double.
+    for (body, says) in [
+        (
+            r#"{"prompt": "hi", "top_p": 2}"#,
+            "'top_p' must be in (0, 1], got 2",
+        ),
+        (
+            r#"{"prompt": "hi", "top_p": 0}"#,
+            "'top_p' must be in (0, 1], got 0",
+        ),
+        (
+            r#"{"prompt": "hi", "mirostat_eta": 0}"#,
+            "'mirostat_eta' must be in (0, 10], got 0",
+        ),
+    ] {
+        let (_, v) = post(&url, "/v1/completions", body).await;
+        assert_eq!(v["error"]["message"], says, "{body}: {v}");
+    }
+    // `false` asks for no log probabilities.
+    let (s, v) = post(
+        &url,
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": false}"#,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    // A route asked with the wrong method: 405 with an OpenAI-style error body.
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let r = client().get(format!("{url}{path}")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 405, "{path}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("GET"),
+            "{v}"
+        );
     }
     // Unknown fields are ignored, and so is a model name that is not a string.
     let (s, v) = post(

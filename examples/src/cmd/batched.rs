@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(short = 'n', long = "n-predict", default_value_t = 32)]
     n_predict: usize,
     /// Threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Temperature (llama.cpp's example samples with 0.4, top-k 40, top-p 0.9).
     #[arg(long = "temp", default_value_t = 0.4)]
@@ -159,7 +159,7 @@ pub fn run(a: Args) -> Result<(), String> {
         o.ctx_len = 1;
         o
     })
-    .map_err(|e| format!("{}: {e}", a.model.display()))?;
+    .map_err(|e| super::file_error(&a.model, e))?;
     let prompt = probe.tokenizer().encode(&a.prompt, true, false);
     drop(probe);
     if prompt.is_empty() {
@@ -168,7 +168,7 @@ pub fn run(a: Args) -> Result<(), String> {
     let mut o = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut o)?;
     o.ctx_len = prompt.len() + a.n_predict + 1;
-    let engine = Engine::load(&a.model, o).map_err(|e| format!("{}: {e}", a.model.display()))?;
+    let engine = super::load_engine(&a.model, o)?;
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }

@@ -68,7 +68,7 @@ pub struct DecodeArgs {
     #[arg(short = 'm', long = "model")]
     models: Vec<PathBuf>,
     /// Threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Tokens decoded per run.
     #[arg(short = 'n', long, default_value_t = 64)]
@@ -267,7 +267,7 @@ struct ByteModel {
 }
 
 fn byte_model(path: &Path) -> Result<ByteModel, String> {
-    let f = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|e| super::file_error(path, e))?;
     let md = f.metadata();
     let arch = md
         .get_str("general.architecture")
@@ -357,7 +357,7 @@ fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
         opts.axpy = AxpyCoefficients::Int8;
     }
     let t0 = Instant::now();
-    let engine = Engine::load(path, opts).map_err(|e| format!("{}: {e}", path.display()))?;
+    let engine = Engine::load(path, opts).map_err(|e| super::file_error(path, e))?;
     engine
         .repack_now()
         .map_err(|e| format!("{}: {e}", path.display()))?;
@@ -550,7 +550,7 @@ fn llama_bench(
 /// The text PowerInfer's `main` is given: our prompt's tokens after BOS, decoded (`main` adds
 /// its own BOS; it re-tokenizes the text, and the prompt count it reports is the one used).
 fn prompt_text(path: &Path, a: &DecodeArgs) -> Result<String, String> {
-    let f = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|e| super::file_error(path, e))?;
     let tok = Tokenizer::from_gguf(&f).map_err(|e| format!("{}: {e}", path.display()))?;
     let n_vocab = tok.n_tokens() as u32;
     let ids: Vec<u32> = (0..a.prompt.saturating_sub(1) as u32)

@@ -43,7 +43,7 @@ pub struct ScheduleArgs {
     #[arg(short = 'm', long = "model")]
     model: Option<PathBuf>,
     /// CPU threads (the simulated device has one more of its own).
-    #[arg(short = 't', long, default_value_t = 1)]
+    #[arg(short = 't', long, default_value_t = 1, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Tokens decoded per run.
     #[arg(short = 'n', long, default_value_t = 128)]
@@ -143,7 +143,7 @@ fn base_options(a: &ScheduleArgs, bandwidth: Option<f64>) -> EngineOptions {
 
 /// Loads `path` with `o`, evaluates a prompt, decodes `n` tokens greedily.
 fn decode(path: &Path, o: EngineOptions, n: usize) -> Result<Run, String> {
-    let e = Engine::load(path, o).map_err(|e| format!("{}: {e}", path.display()))?;
+    let e = Engine::load(path, o).map_err(|e| super::file_error(path, e))?;
     let vocab = e.model().hparams().n_vocab as u32;
     let mut s = e.session();
     let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (100 + 37 * i) % vocab).collect();

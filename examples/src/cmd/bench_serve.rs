@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8)]
     parallel: usize,
     /// The server's threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Send this prompt to `/v1/completions` (no chat template) instead of a chat message per
     /// request: the same work as `powerinfer batched -p PROMPT`, for a like-for-like comparison.

@@ -19,7 +19,7 @@ pub fn median(values: &[f64]) -> f64 {
 
 /// Bytes of the FFN rows (`ffn_up`, `ffn_gate`, `ffn_down_t`) of `path`.
 fn ffn_bytes(path: &Path) -> Result<u64, String> {
-    let file = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let file = GgufFile::open(path).map_err(|e| super::file_error(path, e))?;
     Ok(file
         .tensors()
         .iter()
@@ -39,7 +39,7 @@ fn ffn_bytes(path: &Path) -> Result<u64, String> {
 pub fn budget_for(path: &Path, o: &EngineOptions, share: f64) -> Result<u64, String> {
     let mut o = o.clone();
     o.device.vram_budget = None;
-    let e = Engine::load(path, o).map_err(|e| format!("{}: {e}", path.display()))?;
+    let e = Engine::load(path, o).map_err(|e| super::file_error(path, e))?;
     let r = e.device_report();
     if r.kind == "none" {
         return Err(format!(

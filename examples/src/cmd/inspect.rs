@@ -31,7 +31,7 @@ const TABLE_ARRAY_ITEMS: usize = 8;
 const TABLE_STRING_CHARS: usize = 80;
 
 fn open(path: &Path) -> Result<GgufFile, String> {
-    GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))
+    GgufFile::open(path).map_err(|e| super::file_error(path, e))
 }
 
 /// The JSON object `powerinfer inspect FILE --json` prints (see the module's documentation).

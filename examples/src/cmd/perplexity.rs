@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(short = 'f', long = "file")]
     file: PathBuf,
     /// Tokens per chunk.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 512)]
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 512, value_parser = crate::cmd::whole_number)]
     ctx: usize,
     /// Chunks to evaluate at most (default: all).
     #[arg(long = "chunks")]
@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     batch: usize,
     /// Threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Predictor threshold (default: as `powerinfer run`).
     #[arg(long)]
@@ -146,15 +146,13 @@ pub fn perplexity(
 
 /// Runs `powerinfer perplexity`.
 pub fn run(args: Args) -> Result<(), String> {
-    let text =
-        std::fs::read_to_string(&args.file).map_err(|e| format!("{}: {e}", args.file.display()))?;
+    let text = std::fs::read_to_string(&args.file).map_err(|e| super::file_error(&args.file, e))?;
     let mut o = super::engine_options(args.threads, args.sparse_threshold);
     args.device.apply(&mut o)?;
     o.dense = args.dense;
     o.ctx_len = args.ctx.max(2);
     o.batch = args.batch.clamp(1, args.ctx.max(1));
-    let engine =
-        Engine::load(&args.model, o).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let engine = super::load_engine(&args.model, o)?;
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }

@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(short, long)]
     pub model: PathBuf,
     /// VRAM budget in GiB (fractions allowed).
-    #[arg(long)]
+    #[arg(long, value_parser = super::device::gib)]
     pub vram_budget: f64,
     /// Activation statistics folder (default: `activation/` next to the model).
     #[arg(long)]
@@ -143,7 +143,7 @@ pub fn plan(args: &Args) -> Result<ModelPlan, String> {
         reset: args.reset_gpu_index,
         disable: args.disable_gpu_index,
     };
-    plan_model(&args.model, &opts).map_err(|e| format!("{}: {e}", args.model.display()))
+    plan_model(&args.model, &opts).map_err(|e| super::file_error(&args.model, e))
 }
 
 /// What `powerinfer plan` says on stderr about where `plan`'s GPU index came from, if anything.
@@ -310,9 +310,8 @@ pub(crate) fn prediction(
     hw: &Hardware,
     work: Workload,
 ) -> Result<Prediction, String> {
-    let err = |e: powerinfer_placement::PlacementError| format!("{}: {e}", model.display());
-    let file =
-        powerinfer_gguf::GgufFile::open(model).map_err(|e| format!("{}: {e}", model.display()))?;
+    let err = |e: powerinfer_placement::PlacementError| super::file_error(model, e);
+    let file = powerinfer_gguf::GgufFile::open(model).map_err(|e| super::file_error(model, e))?;
     let budget = VramBudget::from_gguf(&file).map_err(err)?;
     drop(file);
     let dir = match activation {
@@ -405,9 +404,9 @@ impl Predicted {
     fn print_table(&self, args: &Args) {
         let (p, hw, work) = (&self.p, &self.hw, &self.work);
         println!(
-            "{}: {:.2} GiB of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
+            "{}: {} of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
             args.model.display(),
-            args.vram_budget,
+            super::human_bytes(self.budget),
             p.dense_on_gpu,
             p.held,
             p.total,

@@ -44,7 +44,7 @@ pub fn input_help(model: &'static str, file: &'static str) -> impl FnMut(clap::A
 #[derive(clap::Args)]
 pub struct Chunks {
     /// Threads (0 = all cores).
-    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    #[arg(short = 't', long = "threads", default_value_t = 0, value_parser = crate::cmd::whole_number)]
     pub threads: usize,
     /// Tokens per chunk (each chunk is a fresh sequence).
     #[arg(long, default_value_t = 512)]
@@ -97,10 +97,10 @@ pub fn load(
     if ctx == 0 {
         return Err("--ctx must be positive".into());
     }
-    let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let text = std::fs::read_to_string(file).map_err(|e| super::file_error(file, e))?;
     let mut options = super::engine_options(threads, sparse_threshold);
     options.ctx_len = ctx;
-    let engine = Engine::load(model, options).map_err(|e| format!("{}: {e}", model.display()))?;
+    let engine = super::load_engine(model, options)?;
     let mut tokens = engine.tokenizer().encode(&text, true, false);
     if max_tokens > 0 {
         tokens.truncate(max_tokens);

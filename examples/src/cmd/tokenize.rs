@@ -27,8 +27,8 @@ pub struct Args {
 
 /// Runs `powerinfer tokenize`.
 pub fn run(args: Args) -> Result<(), String> {
-    let file = GgufFile::open(&args.model).map_err(|e| e.to_string())?;
-    let tok = Tokenizer::from_gguf(&file).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let file = GgufFile::open(&args.model).map_err(|e| super::file_error(&args.model, e))?;
+    let tok = Tokenizer::from_gguf(&file).map_err(|e| super::file_error(&args.model, e))?;
     let ids = tok.encode(&args.text, !args.no_bos, !args.no_parse_special);
     if args.pieces {
         for &id in &ids {

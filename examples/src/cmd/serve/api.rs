@@ -21,7 +21,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::metrics::Metrics;
 use super::request::{
-    self, ChatBody, CompletionBody, Content, FieldError, Lenient, Object, Prompt, Sampling,
+    self, ChatBody, CompletionBody, Content, FieldError, Lenient, Logprobs, Object, Prompt,
+    Sampling,
 };
 use super::worker::{Command, Refused, Update};
 
@@ -136,11 +137,56 @@ impl From<FieldError> for ApiError {
     }
 }
 
-/// `v` when it is within `lo ..= hi`, else the 400 naming `key`.
-fn ranged(v: Option<f64>, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+/// The values a number field may take: from `lo` (included, or not when `lo_open`) to `hi`
+/// (included).
+#[derive(Clone, Copy)]
+struct Span {
+    lo: f64,
+    lo_open: bool,
+    hi: f64,
+}
+
+/// `[lo, hi]`.
+const fn closed(lo: f64, hi: f64) -> Span {
+    Span {
+        lo,
+        lo_open: false,
+        hi,
+    }
+}
+
+/// `(lo, hi]`.
+const fn open_below(lo: f64, hi: f64) -> Span {
+    Span {
+        lo,
+        lo_open: true,
+        hi,
+    }
+}
+
+impl Span {
+    fn contains(self, v: f64) -> bool {
+        (if self.lo_open {
+            v > self.lo
+        } else {
+            v >= self.lo
+        }) && v <= self.hi
+    }
+}
+
+impl std::fmt::Display for Span {
+    /// Interval notation: `[0, 2]`, `(0, 1]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let open = if self.lo_open { '(' } else { '[' };
+        write!(f, "{open}{}, {}]", self.lo, self.hi)
+    }
+}
+
+/// `v` when it is within `span`, else the 400 naming `key`.
+fn ranged(v: Option<f64>, key: &str, span: Span) -> Result<Option<f64>, ApiError> {
     match v {
-        Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::bad(
-            format!("'{key}' must be between {lo} and {hi}, got {v}"),
+        Some(v) if !span.contains(v) => Err(ApiError::bad(
+            format!("'{key}' must be in {span}, got {v}"),
             Some(key),
         )),
         v => Ok(v),
@@ -157,6 +203,17 @@ struct Ask {
 /// Sampling parameters of `body` for a prompt of `prompt_len` tokens.
 fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiError> {
     let r: Sampling = request::read(body)?;
+    let logprobs = match (r.logprobs.and_then(Logprobs::asked), r.top_logprobs) {
+        (Some(v), _) => Some(("logprobs", v)),
+        (None, Some(n)) => Some(("top_logprobs", n.to_string())),
+        (None, None) => None,
+    };
+    if let Some((key, value)) = logprobs {
+        return Err(ApiError::bad(
+            format!("log probabilities are not supported by this server ('{key}': {value})"),
+            Some(key),
+        ));
+    }
     if let Some(m) = &r.model {
         if *m != state.model_id {
             return Err(ApiError {
@@ -217,15 +274,15 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
     if r.stream && n > 1 {
         return Err(ApiError::bad("'n' > 1 cannot be streamed", Some("n")));
     }
-    let temperature = ranged(r.temperature, "temperature", 0.0, 2.0)?;
-    let top_p = ranged(r.top_p, "top_p", f64::MIN_POSITIVE, 1.0)?;
-    let min_p = ranged(r.min_p, "min_p", 0.0, 1.0)?;
-    let presence = ranged(r.presence_penalty, "presence_penalty", -2.0, 2.0)?;
-    let frequency = ranged(r.frequency_penalty, "frequency_penalty", -2.0, 2.0)?;
-    let repeat = ranged(r.repeat_penalty, "repeat_penalty", 0.0, 10.0)?;
-    let typical = ranged(r.typical_p, "typical_p", f64::MIN_POSITIVE, 1.0)?;
-    let xtc_probability = ranged(r.xtc_probability, "xtc_probability", 0.0, 1.0)?;
-    let xtc_threshold = ranged(r.xtc_threshold, "xtc_threshold", 0.0, 1.0)?;
+    let temperature = ranged(r.temperature, "temperature", closed(0.0, 2.0))?;
+    let top_p = ranged(r.top_p, "top_p", open_below(0.0, 1.0))?;
+    let min_p = ranged(r.min_p, "min_p", closed(0.0, 1.0))?;
+    let presence = ranged(r.presence_penalty, "presence_penalty", closed(-2.0, 2.0))?;
+    let frequency = ranged(r.frequency_penalty, "frequency_penalty", closed(-2.0, 2.0))?;
+    let repeat = ranged(r.repeat_penalty, "repeat_penalty", closed(0.0, 10.0))?;
+    let typical = ranged(r.typical_p, "typical_p", open_below(0.0, 1.0))?;
+    let xtc_probability = ranged(r.xtc_probability, "xtc_probability", closed(0.0, 1.0))?;
+    let xtc_threshold = ranged(r.xtc_threshold, "xtc_threshold", closed(0.0, 1.0))?;
     let mirostat = match r.mirostat {
         Some(m) if !(0..=2).contains(&m) => {
             return Err(ApiError::bad(
@@ -235,9 +292,9 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         }
         m => m,
     };
-    let mirostat_tau = ranged(r.mirostat_tau, "mirostat_tau", f64::MIN_POSITIVE, 100.0)?;
-    let dry_multiplier = ranged(r.dry_multiplier, "dry_multiplier", 0.0, 100.0)?;
-    let dry_base = ranged(r.dry_base, "dry_base", 1.0, 100.0)?;
+    let mirostat_tau = ranged(r.mirostat_tau, "mirostat_tau", open_below(0.0, 100.0))?;
+    let dry_multiplier = ranged(r.dry_multiplier, "dry_multiplier", closed(0.0, 100.0))?;
+    let dry_base = ranged(r.dry_base, "dry_base", closed(1.0, 100.0))?;
     let dry_allowed_length = match r.dry_allowed_length {
         Some(n) if n < 0 => {
             return Err(ApiError::bad(
@@ -262,18 +319,22 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
     } else {
         Vec::new()
     };
-    let mirostat_eta = ranged(r.mirostat_eta, "mirostat_eta", f64::MIN_POSITIVE, 10.0)?;
+    let mirostat_eta = ranged(r.mirostat_eta, "mirostat_eta", open_below(0.0, 10.0))?;
+    let n_vocab = state.engine.model().hparams().n_vocab;
     let logit_bias = r
         .logit_bias
         .iter()
         .flatten()
         .map(|(k, b)| {
-            let id = k.parse::<u32>().ok();
+            let id = k.parse::<u32>().ok().filter(|&id| (id as usize) < n_vocab);
             let bias = b.as_f64().filter(|b| (-100.0..=100.0).contains(b));
             match (id, bias) {
                 (Some(id), Some(b)) => Ok((id, b as f32)),
                 _ => Err(ApiError::bad(
-                    format!("'logit_bias' maps token ids to numbers in [-100, 100]: {k}"),
+                    format!(
+                        "'logit_bias' maps token ids (below {n_vocab}) to numbers in \
+                         [-100, 100]: {k}"
+                    ),
                     Some("logit_bias"),
                 )),
             }
@@ -630,6 +691,9 @@ async fn completions_inner(state: &AppState, bytes: &Bytes) -> Result<Response, 
     complete(state, &body, tokens, &COMPLETIONS).await
 }
 
+/// The roles a chat message may have.
+const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
 /// The messages of a chat request, or the 400 saying what is wrong with them.
 fn messages(body: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
     let bad = |m: &str| ApiError::bad(m, Some("messages"));
@@ -647,6 +711,12 @@ fn messages(body: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
             let Some(Lenient::Valid(role)) = m.role else {
                 return Err(bad("every message needs a 'role' string"));
             };
+            if !ROLES.contains(&role.as_str()) {
+                return Err(bad(&format!(
+                    "a message's 'role' is one of {}, not '{role}'",
+                    ROLES.join(", ")
+                )));
+            }
             let content = match m.content {
                 None => String::new(),
                 Some(Lenient::Valid(Content::Text(s))) => s,

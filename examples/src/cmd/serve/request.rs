@@ -82,6 +82,10 @@ fn message_list<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<Message>>,
     kind(d, "an array of messages")
 }
 
+fn logprobs<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Logprobs>, D::Error> {
+    kind(d, "an integer or a boolean")
+}
+
 /// A model name; another kind of value is ignored (the request is served by the one model).
 fn model_name<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     Ok(match Option::<Lenient<String>>::deserialize(d)? {
@@ -204,6 +208,34 @@ pub struct Sampling {
     /// Random seed.
     #[serde(default, deserialize_with = "integer")]
     pub seed: Option<i64>,
+    /// Log probabilities asked for (not supported: refused when asked).
+    #[serde(default, deserialize_with = "logprobs")]
+    pub logprobs: Option<Logprobs>,
+    /// Chat: how many alternatives' log probabilities (not supported: refused when given).
+    #[serde(default, deserialize_with = "integer")]
+    pub top_logprobs: Option<i64>,
+}
+
+/// `logprobs`: a count (completions) or a switch (chat).
+#[derive(Clone, Copy, Deserialize)]
+#[serde(untagged)]
+pub enum Logprobs {
+    /// Chat: whether to return them.
+    Switch(bool),
+    /// Completions: how many alternatives per token.
+    Count(i64),
+}
+
+impl Logprobs {
+    /// The value as the request gave it, when it asks for log probabilities (`false` does
+    /// not).
+    pub fn asked(self) -> Option<String> {
+        match self {
+            Logprobs::Switch(false) => None,
+            Logprobs::Switch(true) => Some("true".into()),
+            Logprobs::Count(n) => Some(n.to_string()),
+        }
+    }
 }
 
 /// The prompt of `/v1/completions`.
