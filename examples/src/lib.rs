@@ -1,5 +1,6 @@
-//! The `powerinfer` command as a library: every subcommand ([`cmd`]) and the model-file tools
-//! ([`synth`], [`convert`], [`reorder`], [`predictor_storage`]), so that tests and other
+//! The `powerinfer` command as a library: every subcommand ([`cmd`]), the model-file tools
+//! ([`synth`], [`convert`], [`reorder`], [`predictor_storage`]) and models from the Hugging
+//! Face Hub ([`hub`]), so that tests and other
 //! programs call them directly instead of spawning the binary. `src/main.rs` is [`main`].
 //!
 //! The tools build on the engine (`powerinfer-engine`) like any other program; the engine's
@@ -10,6 +11,7 @@ use std::process::ExitCode;
 
 pub mod cmd;
 pub mod convert;
+pub mod hub;
 pub mod predictor_storage;
 pub mod reorder;
 pub mod synth;
@@ -120,6 +122,8 @@ const LLAMA_SHORT: &[(&str, Result<&str, &str>)] = &[
     ("-sys", Ok("--system-prompt")),
     ("-ngl", Ok("--n-gpu-layers")),
     ("-np", Ok("--parallel")),
+    ("-hf", Ok("--hf-repo")),
+    ("-hfr", Ok("--hf-repo")),
     ("-fa", Err("flash attention is not a switch here: attention always runs as one fused kernel; drop -fa")),
     ("-ctk", Err("the KV cache is always F16 here; drop -ctk")),
     ("-ctv", Err("the KV cache is always F16 here; drop -ctv")),

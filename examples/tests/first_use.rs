@@ -33,21 +33,7 @@ struct Files {
 /// The tiny model (vocabulary of 512, trained context 512) and its dense twin.
 fn model() -> Files {
     let dir = tempfile::tempdir().unwrap();
-    let sparse = dir.path().join("m.powerinfer.gguf");
-    let dense = dir.path().join("m.gguf");
-    cli::synth(
-        &sparse,
-        &[
-            "--shape",
-            "tiny",
-            "--type",
-            "q8_0",
-            "--seed",
-            "7",
-            "--dense-out",
-            dense.to_str().unwrap(),
-        ],
-    );
+    let (sparse, dense) = cli::tiny_with_twin(dir.path(), "7");
     Files { dir, sparse, dense }
 }
 

@@ -89,3 +89,28 @@ fn readme_program_is_the_example_and_runs() {
         "last line: {last:?}"
     );
 }
+
+/// The README gives the `Cargo.toml` line that makes the program above build: the engine from
+/// this workspace's repository.
+#[test]
+fn readme_says_how_to_depend_on_the_engine() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let repository = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("repository = "))
+        .expect("the workspace's repository")
+        .trim();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let section = readme
+        .split_once("## Use it as a library")
+        .expect("the README has a library section")
+        .1;
+    let toml = section.split_once("```toml\n").expect("a toml block").1;
+    let toml = toml.split_once("```").expect("the block ends").0;
+    assert!(toml.starts_with("[dependencies]\n"), "{toml}");
+    assert!(
+        toml.contains(&format!("powerinfer-engine = {{ git = {repository} }}")),
+        "{toml}"
+    );
+}

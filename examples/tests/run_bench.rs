@@ -46,21 +46,7 @@ struct Files {
 
 fn synth() -> Files {
     let dir = tempfile::tempdir().unwrap();
-    let sparse = dir.path().join("m.powerinfer.gguf");
-    let dense = dir.path().join("m.gguf");
-    cli::synth(
-        &sparse,
-        &[
-            "--shape",
-            "tiny",
-            "--type",
-            "q8_0",
-            "--seed",
-            "3",
-            "--dense-out",
-            s(&dense),
-        ],
-    );
+    let (sparse, dense) = cli::tiny_with_twin(dir.path(), "3");
     Files {
         _dir: dir,
         sparse,

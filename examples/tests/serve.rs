@@ -11,6 +11,9 @@ use serde_json::{json, Value};
 
 #[path = "support/cli.rs"]
 mod cli;
+#[path = "support/python.rs"]
+mod python;
+use python::python_with;
 
 /// A running server, killed when dropped.
 struct Server {
@@ -618,25 +621,6 @@ async fn api_key_queue_bound_and_disconnects() {
         metrics.contains("powerinfer_cancelled_total 1"),
         "{metrics}"
     );
-}
-
-/// The Python interpreter of `scripts/setup-python` when it has `module`; `None` (skipped
-/// with a reason) otherwise, unless `CI` is set.
-fn python_with(module: &str) -> Option<String> {
-    let py = std::env::var("POWERINFER_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", &format!("import {module}")])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if ok {
-        return Some(py);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{py} has no `{module}` (scripts/setup-python installs it)"
-    );
-    println!("skipped: {py} has no `{module}`");
-    None
 }
 
 fn script(name: &str) -> PathBuf {

@@ -67,6 +67,10 @@ pub struct DecodeArgs {
     /// model and its dense twin.
     #[arg(short = 'm', long = "model")]
     models: Vec<PathBuf>,
+    /// Models on the Hugging Face Hub (`OWNER/NAME[:FILE]`, as `run -hf`), fetched into its
+    /// cache and measured after the `-m` files; repeat the flag for several.
+    #[arg(long = "hf-repo", visible_alias = "hf", value_name = "REPO[:FILE]")]
+    hf_repos: Vec<crate::hub::HubModel>,
     /// Threads (0: all cores).
     #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
@@ -632,12 +636,17 @@ fn powerinfer_main(
 
 /// Runs `powerinfer bench decode`.
 pub fn run(a: DecodeArgs) -> Result<(), String> {
-    let models = if a.models.is_empty() {
+    let mut models = a.models.clone();
+    if !a.hf_repos.is_empty() {
+        let options = crate::hub::HubOptions::from_env();
+        for m in &a.hf_repos {
+            models.push(super::model::fetch(m, &options)?);
+        }
+    }
+    if models.is_empty() {
         let (sparse, twin) = super::run::demo_files()?;
-        vec![twin, sparse]
-    } else {
-        a.models.clone()
-    };
+        models = vec![twin, sparse];
+    }
     let threads = if a.threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {

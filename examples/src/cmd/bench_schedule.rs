@@ -40,8 +40,8 @@ use serde_json::json;
 #[derive(clap::Args)]
 pub struct ScheduleArgs {
     /// A PowerInfer model with `activation/` beside it (default: the demo model).
-    #[arg(short = 'm', long = "model")]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: super::model::ModelArgs<false>,
     /// CPU threads (the simulated device has one more of its own).
     #[arg(short = 't', long, default_value_t = 1, value_parser = crate::cmd::whole_number)]
     threads: usize,
@@ -207,8 +207,8 @@ fn search_share(
 /// Runs `powerinfer bench schedule`.
 pub fn run(a: ScheduleArgs) -> Result<(), String> {
     let quiet = a.json;
-    let path = match &a.model {
-        Some(p) => p.clone(),
+    let path = match a.model.path_if_given()? {
+        Some(p) => p,
         None => cached_synth(super::run::demo_shape(), false, quiet)?,
     };
     if !(a.sim_bandwidth.is_finite() && a.sim_bandwidth > 0.0) {

@@ -7,9 +7,9 @@ use std::path::PathBuf;
 /// Arguments of `powerinfer logits`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// Token ids, separated by spaces or commas.
     #[arg(long)]
     pub tokens: String,
@@ -41,7 +41,7 @@ pub fn run(args: Args) -> Result<(), String> {
     let mut options = super::engine_options(args.threads, args.sparse_threshold);
     options.dense = args.dense;
     options.ctx_len = tokens.len().max(1);
-    let engine = super::load_engine(&args.model, options)?;
+    let engine = super::load_engine(&args.model.path()?, options)?;
     let logits = engine
         .session()
         .eval_all(&tokens)

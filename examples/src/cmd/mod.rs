@@ -12,6 +12,7 @@ pub mod convert;
 pub mod device;
 pub mod inspect;
 pub mod logits;
+pub mod model;
 pub mod perplexity;
 pub mod plan;
 pub mod predictor_check;

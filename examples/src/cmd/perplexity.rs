@@ -17,9 +17,9 @@ use serde_json::json;
 /// Arguments of `powerinfer perplexity`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    model: super::model::ModelArgs,
     /// The text (UTF-8).
     #[arg(short = 'f', long = "file")]
     file: PathBuf,
@@ -152,7 +152,8 @@ pub fn run(args: Args) -> Result<(), String> {
     o.dense = args.dense;
     o.ctx_len = args.ctx.max(2);
     o.batch = args.batch.clamp(1, args.ctx.max(1));
-    let engine = super::load_engine(&args.model, o)?;
+    let model = args.model.path()?;
+    let engine = super::load_engine(&model, o)?;
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }
@@ -178,7 +179,7 @@ pub fn run(args: Args) -> Result<(), String> {
         println!(
             "{}",
             json!({
-                "model": args.model.display().to_string(),
+                "model": model.display().to_string(),
                 "mode": if engine.is_sparse() { "sparse" } else { "dense" },
                 "n_ctx": args.ctx,
                 "tokens": r.tokens,

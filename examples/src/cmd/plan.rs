@@ -29,9 +29,9 @@ use serde_json::json;
 /// Arguments of `powerinfer plan`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The PowerInfer model file.
-    #[arg(short, long)]
-    pub model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// VRAM budget in GiB (fractions allowed).
     #[arg(long, value_parser = super::device::gib)]
     pub vram_budget: f64,
@@ -111,7 +111,7 @@ pub fn run(args: Args) -> Result<(), String> {
         if args.json {
             println!("{}", p.to_json());
         } else {
-            p.print_table(&args);
+            p.print_table();
         }
         return Ok(());
     }
@@ -143,7 +143,8 @@ pub fn plan(args: &Args) -> Result<ModelPlan, String> {
         reset: args.reset_gpu_index,
         disable: args.disable_gpu_index,
     };
-    plan_model(&args.model, &opts).map_err(|e| super::file_error(&args.model, e))
+    let model = args.model.path()?;
+    plan_model(&model, &opts).map_err(|e| super::file_error(&model, e))
 }
 
 /// What `powerinfer plan` says on stderr about where `plan`'s GPU index came from, if anything.
@@ -348,6 +349,7 @@ pub(crate) fn prediction(
 
 /// What `plan --predict` found: the cost model's decode step for both policies.
 pub struct Predicted {
+    model: PathBuf,
     budget: u64,
     hw: Hardware,
     work: Workload,
@@ -364,8 +366,9 @@ pub fn predict(args: &Args) -> Result<Predicted, String> {
         context: args.attended,
     };
     let budget = bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?;
+    let model = args.model.path()?;
     let p = prediction(
-        &args.model,
+        &model,
         args.activation.as_deref(),
         budget,
         args.ctx,
@@ -373,6 +376,7 @@ pub fn predict(args: &Args) -> Result<Predicted, String> {
         work,
     )?;
     Ok(Predicted {
+        model,
         budget,
         hw,
         work,
@@ -401,11 +405,11 @@ impl Predicted {
     }
 
     /// Prints the prediction as a table.
-    fn print_table(&self, args: &Args) {
+    fn print_table(&self) {
         let (p, hw, work) = (&self.p, &self.hw, &self.work);
         println!(
             "{}: {} of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
-            args.model.display(),
+            self.model.display(),
             super::human_bytes(self.budget),
             p.dense_on_gpu,
             p.held,

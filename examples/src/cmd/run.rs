@@ -21,9 +21,10 @@ use powerinfer_predictor::stats::ActivationStats;
 /// Arguments of `powerinfer run`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file (PowerInfer `PWRI` or dense GGUF, `llama`, `bamboo`, `falcon` or `opt`). Without it: the demo.
-    #[arg(short = 'm', long = "model")]
-    pub model: Option<PathBuf>,
+    /// The model (PowerInfer `PWRI` or dense GGUF, `llama`, `bamboo`, `falcon` or `opt`).
+    /// Without one: the demo.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs<false>,
     /// Prompt.
     #[arg(short = 'p', long = "prompt", default_value = "Once upon a time")]
     pub prompt: String,
@@ -575,7 +576,7 @@ pub fn run(args: Args) -> Result<(), String> {
     } else {
         None
     };
-    let Some(model) = &args.model else {
+    let Some(model) = &args.model.path_if_given()? else {
         return demo(&args, &prompt);
     };
     let engine = super::load_engine(model, args.options(args.dense)?)?;

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::ffi::OsStr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use powerinfer_cli::{cmd, parse_args};
 
@@ -15,4 +15,27 @@ pub fn synth(out: &Path, args: &[&str]) {
     let parsed =
         parse_args::<cmd::synth::Args>(words).unwrap_or_else(|e| panic!("synth {args:?}: {e}"));
     cmd::synth::run(parsed).unwrap_or_else(|e| panic!("synth {args:?}: {e}"));
+}
+
+/// The tiny synthetic model (Q8_0, vocabulary of 512, trained context 512) made with `seed` in
+/// `dir` as `m.powerinfer.gguf` with `activation/`, and its dense twin `m.gguf`: `(PowerInfer
+/// file, dense twin)`.
+pub fn tiny_with_twin(dir: &Path, seed: &str) -> (PathBuf, PathBuf) {
+    let sparse = dir.join("m.powerinfer.gguf");
+    let dense = dir.join("m.gguf");
+    let twin = dense.to_str().unwrap();
+    synth(
+        &sparse,
+        &[
+            "--shape",
+            "tiny",
+            "--type",
+            "q8_0",
+            "--seed",
+            seed,
+            "--dense-out",
+            twin,
+        ],
+    );
+    (sparse, dense)
 }

@@ -16,7 +16,6 @@ mod request;
 mod worker;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -33,9 +32,9 @@ use metrics::Metrics;
 /// Arguments of `powerinfer serve`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -149,7 +148,8 @@ pub fn run(a: Args) -> Result<(), String> {
     a.device.apply(&mut o)?;
     o.ctx_len = a.ctx_size;
     o.batch = a.batch_size.max(1);
-    let engine = Arc::new(super::load_engine(&a.model, o)?);
+    let model = a.model.path()?;
+    let engine = Arc::new(super::load_engine(&model, o)?);
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }
@@ -157,7 +157,7 @@ pub fn run(a: Args) -> Result<(), String> {
         .chat_template(template_source.as_deref())
         .map_err(|e| e.to_string())?;
     let model_id = a.alias.clone().unwrap_or_else(|| {
-        a.model
+        model
             .file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned())
     });
