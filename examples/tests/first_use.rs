@@ -20,6 +20,13 @@ fn powerinfer(args: &[&str]) -> Output {
         .expect("run powerinfer")
 }
 
+/// `powerinfer run -m MODEL ARGS` on one thread, without a device.
+fn run_cpu(model: &Path, args: &[&str]) -> Output {
+    let mut all = vec!["run", "-m", s(model), "--gpu", "none", "-t", "1"];
+    all.extend_from_slice(args);
+    powerinfer(&all)
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -161,36 +168,14 @@ fn plan_on_a_dense_file_says_it_is_dense() {
 #[test]
 fn vocabulary_and_context_limits_are_said() {
     let f = model();
-    let o = powerinfer(&[
-        "run",
-        "-m",
-        s(&f.sparse),
-        "--logit-bias",
-        "99999+5",
-        "-n",
-        "2",
-        "--gpu",
-        "none",
-    ]);
+    let o = run_cpu(&f.sparse, &["--logit-bias", "99999+5", "-n", "2"]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
         err.contains("token id 99999 is outside the vocabulary of 512 tokens"),
         "{err}"
     );
-    let o = powerinfer(&[
-        "run",
-        "-m",
-        s(&f.sparse),
-        "-c",
-        "1024",
-        "-n",
-        "2",
-        "--gpu",
-        "none",
-        "-t",
-        "1",
-    ]);
+    let o = run_cpu(&f.sparse, &["-c", "1024", "-n", "2"]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     assert!(
@@ -198,7 +183,7 @@ fn vocabulary_and_context_limits_are_said() {
         "{err}"
     );
     // Within the trained context: no warning.
-    let o = powerinfer(&["run", "-m", s(&f.sparse), "-c", "256", "-n", "2"]);
+    let o = run_cpu(&f.sparse, &["-c", "256", "-n", "2"]);
     assert!(
         !stderr(&o).contains("warning: the context"),
         "{}",
@@ -225,20 +210,7 @@ fn synth_refuses_an_output_in_a_missing_folder() {
 #[test]
 fn the_summary_counts_generated_tokens_and_decode_runs() {
     let f = model();
-    let o = powerinfer(&[
-        "run",
-        "-m",
-        s(&f.sparse),
-        "-n",
-        "8",
-        "--temp",
-        "0",
-        "--ignore-eos",
-        "--gpu",
-        "none",
-        "-t",
-        "1",
-    ]);
+    let o = run_cpu(&f.sparse, &["-n", "8", "--temp", "0", "--ignore-eos"]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     let line = |label: &str| {
@@ -263,21 +235,10 @@ fn model_text_in_a_pipe_keeps_its_bytes_and_ends_with_a_newline() {
         .find(|&id| tok.token_to_piece(id, false).is_ok_and(|p| p == b"\x1b"))
         .expect("a token whose piece is ESC");
     let bias = format!("{esc}+100");
-    let o = powerinfer(&[
-        "run",
-        "-m",
-        s(&f.sparse),
-        "-n",
-        "3",
-        "--temp",
-        "0",
-        "--logit-bias",
-        &bias,
-        "--gpu",
-        "none",
-        "-t",
-        "1",
-    ]);
+    let o = run_cpu(
+        &f.sparse,
+        &["-n", "3", "--temp", "0", "--logit-bias", &bias],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(o.stdout, b"\x1b\x1b\x1b\n");
 }

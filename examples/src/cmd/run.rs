@@ -228,34 +228,29 @@ pub(crate) fn dry_breaker_tokens(engine: &Engine, breakers: &[String]) -> Vec<u3
         .collect()
 }
 
-/// A number ≥ 0.
-fn non_negative(s: &str) -> Result<f32, String> {
+/// A finite number that `ok` accepts; otherwise the error says it expected `expected`.
+fn number_where(s: &str, ok: impl Fn(f32) -> bool, expected: &str) -> Result<f32, String> {
     let v = finite(s)?;
-    if v >= 0.0 {
+    if ok(v) {
         Ok(v)
     } else {
-        Err(format!("{v}: expected a number ≥ 0"))
+        Err(format!("{v}: expected {expected}"))
     }
+}
+
+/// A number ≥ 0.
+fn non_negative(s: &str) -> Result<f32, String> {
+    number_where(s, |v| v >= 0.0, "a number ≥ 0")
 }
 
 /// A share in [0, 1].
 fn share(s: &str) -> Result<f32, String> {
-    let v = finite(s)?;
-    if (0.0..=1.0).contains(&v) {
-        Ok(v)
-    } else {
-        Err(format!("{v}: expected a value in [0, 1]"))
-    }
+    number_where(s, |v| (0.0..=1.0).contains(&v), "a value in [0, 1]")
 }
 
 /// A share in (0, 1].
 fn share_above_zero(s: &str) -> Result<f32, String> {
-    let v = finite(s)?;
-    if v > 0.0 && v <= 1.0 {
-        Ok(v)
-    } else {
-        Err(format!("{v}: expected a value in (0, 1]"))
-    }
+    number_where(s, |v| v > 0.0 && v <= 1.0, "a value in (0, 1]")
 }
 
 /// `-n`: a count of tokens, -1 or -2.
@@ -271,22 +266,12 @@ fn tokens_to_generate(s: &str) -> Result<i64, String> {
 
 /// A number ≥ 1 (DRY's base).
 fn at_least_one(s: &str) -> Result<f32, String> {
-    let v = finite(s)?;
-    if v >= 1.0 {
-        Ok(v)
-    } else {
-        Err(format!("{v}: expected a number ≥ 1"))
-    }
+    number_where(s, |v| v >= 1.0, "a number ≥ 1")
 }
 
 /// A positive number.
 fn positive(s: &str) -> Result<f32, String> {
-    let v = finite(s)?;
-    if v > 0.0 {
-        Ok(v)
-    } else {
-        Err(format!("{v}: expected a positive number"))
-    }
+    number_where(s, |v| v > 0.0, "a positive number")
 }
 
 impl Args {
