@@ -6,14 +6,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or("model.powerinfer.gguf".into());
     let engine = Engine::load(&path, EngineOptions::default())?;
     let mut session = engine.session();
+    let mut generated = 0;
     for token in session.generate("Once upon a time", SamplingParams::greedy(16)) {
         print!("{}", token?.text);
+        generated += 1;
     }
-    let stats = session.stats();
-    println!(
-        "\n{} tokens, {:.1} tokens/s",
-        stats.decode_tokens,
-        stats.decode_tps()
-    );
+    let speed = session.stats().decode_tps();
+    println!("\n{generated} tokens generated, {speed:.1} tokens/s");
     Ok(())
 }

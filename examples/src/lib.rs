@@ -1,21 +1,23 @@
-//! The `powerinfer` command as a library: every subcommand ([`cmd`]) and the model-file tools
-//! ([`synth`], [`convert`], [`reorder`], [`predictor_storage`]), so that tests and other
+//! The `powerinfer` command as a library: every subcommand ([`cmd`]), the model-file tools
+//! ([`synth`], [`convert`], [`reorder`], [`predictor_storage`]) and models from the Hugging
+//! Face Hub ([`hub`]), so that tests and other
 //! programs call them directly instead of spawning the binary. `src/main.rs` is [`main`].
 //!
 //! The tools build on the engine (`powerinfer-engine`) like any other program; the engine's
 //! own tests use [`synth`] to make their models.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 use std::process::ExitCode;
 
 pub mod cmd;
 pub mod convert;
+pub mod hub;
 pub mod predictor_storage;
 pub mod reorder;
 pub mod synth;
 
 /// Hybrid GPU-CPU inference for ReLU-sparse LLMs (PowerInfer files and llama.cpp GGUF files).
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(name = "powerinfer", version, about)]
 struct Cli {
     #[command(subcommand)]
@@ -52,13 +54,41 @@ enum Command {
     Serve(Box<cmd::serve::Args>),
     /// Plan which FFN neurons go to the GPU under a VRAM budget (writes the GPU index).
     Plan(cmd::plan::Args),
-    /// Convert a Hugging Face LLaMA/Bamboo checkpoint and its predictors to a PowerInfer file.
+    /// Convert a Hugging Face LLaMA/Bamboo, ReluFalcon or OPT checkpoint and its predictors to a
+    /// PowerInfer file.
     Convert(cmd::convert::Args),
     /// Count how often each FFN neuron fires on a text (writes activation statistics); with
     /// --eval-predictor, measure the model's predictor (recall, precision, density).
     Profile(cmd::profile::Args),
     /// Train per-layer activation predictors on a text (writes model_N.safetensors for convert).
     TrainPredictor(Box<cmd::train_predictor::Args>),
+}
+
+/// A subcommand's arguments parsed from `args` (the words after the subcommand's name) as the
+/// command line parses them, defaults and checks included: how programs and tests call a
+/// subcommand's functions directly, e.g.
+/// `parse_args::<cmd::plan::Args>(["-m", "m.gguf", "--vram-budget", "4"])`.
+pub fn parse_args<A: clap::Args>(
+    args: impl IntoIterator<Item = impl Into<std::ffi::OsString> + Clone>,
+) -> Result<A, clap::Error> {
+    let command = A::augment_args(clap::Command::new("powerinfer").no_binary_name(true));
+    let mut matches = negative_numbers_are_values(command).try_get_matches_from(args)?;
+    A::from_arg_matches_mut(&mut matches)
+}
+
+/// `command` with every option's value allowed to be a negative number (`--vram-budget -1`,
+/// `-c -5`), so that the option's own check refuses it with the option named, instead of clap
+/// reading `-1` as an unknown flag. No flag of this command looks like a number.
+fn negative_numbers_are_values(command: clap::Command) -> clap::Command {
+    command
+        .mut_args(|a| {
+            if a.get_action().takes_values() {
+                a.allow_negative_numbers(true)
+            } else {
+                a
+            }
+        })
+        .mut_subcommands(negative_numbers_are_values)
 }
 
 /// Exit status of a command whose standard output was closed under it, as a shell reports a
@@ -92,6 +122,8 @@ const LLAMA_SHORT: &[(&str, Result<&str, &str>)] = &[
     ("-sys", Ok("--system-prompt")),
     ("-ngl", Ok("--n-gpu-layers")),
     ("-np", Ok("--parallel")),
+    ("-hf", Ok("--hf-repo")),
+    ("-hfr", Ok("--hf-repo")),
     ("-fa", Err("flash attention is not a switch here: attention always runs as one fused kernel; drop -fa")),
     ("-ctk", Err("the KV cache is always F16 here; drop -ctk")),
     ("-ctv", Err("the KV cache is always F16 here; drop -ctv")),
@@ -128,7 +160,8 @@ pub fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let cli = Cli::parse_from(argv);
+    let matches = negative_numbers_are_values(Cli::command()).get_matches_from(argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Bench(args) => cmd::bench::run(args),

@@ -7,6 +7,9 @@ use std::process::Command;
 
 use serde_json::Value;
 
+#[path = "support/cli.rs"]
+mod cli;
+
 fn powerinfer(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_powerinfer"))
         .args(args)
@@ -21,21 +24,20 @@ fn data() -> PathBuf {
 fn dense_twin(dir: &Path, ty: &str) -> PathBuf {
     let sparse = dir.join(format!("tiny-{ty}.powerinfer.gguf"));
     let dense = dir.join(format!("tiny-{ty}.dense.gguf"));
-    let out = powerinfer(&[
-        "synth",
-        "--shape",
-        "tiny",
-        "--type",
-        ty,
-        "--seed",
-        "0",
-        "--no-activation",
-        "--out",
-        sparse.to_str().unwrap(),
-        "--dense-out",
-        dense.to_str().unwrap(),
-    ]);
-    assert!(out.status.success());
+    cli::synth(
+        &sparse,
+        &[
+            "--shape",
+            "tiny",
+            "--type",
+            ty,
+            "--seed",
+            "0",
+            "--no-activation",
+            "--dense-out",
+            dense.to_str().unwrap(),
+        ],
+    );
     dense
 }
 

@@ -6,16 +6,15 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/cli.rs"]
+mod cli;
+
 fn model(dir: &tempfile::TempDir) -> PathBuf {
     let model = dir.path().join("m.powerinfer.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
-        .args([
-            "synth", "--shape", "tiny", "--type", "q8_0", "--seed", "5", "--out",
-        ])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    cli::synth(
+        &model,
+        &["--shape", "tiny", "--type", "q8_0", "--seed", "5"],
+    );
     model
 }
 
@@ -35,6 +34,7 @@ fn conversation_keeps_its_history_in_the_cache() {
                 "Be brief.",
             ])
             .args(["-n", "6", "--temp", "0", "--gpu", "none", "-t", "1"])
+            .arg("--ignore-eos")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -66,6 +66,9 @@ fn conversation_keeps_its_history_in_the_cache() {
     let one = run("hello there\n");
     let two = run("hello there\nand a second question\n");
     assert!(two.contains("2 turns"), "{two}");
+    // Tokens generated, six an answer, not decode runs (one fewer an answer).
+    assert!(one.contains(" 6 tokens generated"), "{one}");
+    assert!(two.contains(" 12 tokens generated"), "{two}");
     // The second turn's rendering repeats the first turn; only its new part is evaluated, so
     // the two turns together cost less than twice the first plus the second's new text.
     let (p1, p2) = (prompt_tokens(&one), prompt_tokens(&two));

@@ -1,9 +1,14 @@
-//! `powerinfer inspect`, run as a process on real files.
+//! `powerinfer inspect` on real files: the JSON description from the library
+//! (`inspect::describe`), the table, exit codes and error lines from the process.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use powerinfer_cli::cmd::inspect::describe;
 use serde_json::Value as Json;
+
+#[path = "support/cli.rs"]
+mod cli;
 
 fn inspect(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_powerinfer"))
@@ -76,15 +81,7 @@ fn json_describes_a_pypi_gguf_file() {
     let Some(py) = python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let (path, manifest) = pypi_file(&py, dir.path());
-    let out = inspect(&[path.to_str().unwrap(), "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
-    assert_eq!(text.lines().count(), 1, "one JSON object on one line");
-    let j: Json = serde_json::from_str(&text).unwrap();
+    let j = describe(&path).unwrap();
     assert_eq!(j["magic"], "GGUF");
     assert_eq!(j["version"], 3);
     assert_eq!(j["alignment"], 64);
@@ -152,9 +149,7 @@ fn long_arrays_full_in_json_abbreviated_in_table() {
         println!("skipped: testdata {name} not found");
         return;
     };
-    let out = inspect(&[vocab.to_str().unwrap(), "--json"]);
-    assert!(out.status.success());
-    let j: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let j = describe(&vocab).unwrap();
     assert_eq!(
         j["metadata"]["tokenizer.ggml.tokens"]
             .as_array()
@@ -199,7 +194,10 @@ fn bad_files_exit_1_with_one_line() {
     std::fs::write(&ok, &good).unwrap();
     let out = inspect(&[ok.to_str().unwrap(), "--json"]);
     assert!(out.status.success());
-    let j: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.lines().count(), 1, "one JSON object on one line");
+    let j: Json = serde_json::from_str(&text).unwrap();
+    assert_eq!(j, describe(&ok).unwrap());
     assert_eq!(j["magic"], "PWRI");
     // Non-finite floats have no JSON number: null. Finite f32 print in shortest form.
     assert_eq!(j["metadata"]["nan"], Json::Null);
@@ -248,9 +246,7 @@ fn gpu_index_files_show_i32_tensors() {
         extra: Default::default(),
     };
     idx.write_to_path(&path).unwrap();
-    let out = inspect(&[path.to_str().unwrap(), "--json"]);
-    assert!(out.status.success());
-    let j: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let j = describe(&path).unwrap();
     assert_eq!(j["magic"], "PWRI");
     assert_eq!(j["metadata"]["general.architecture"], "generic.gpu_index");
     assert_eq!(j["metadata"]["split.vram_capacity"], 77);
@@ -265,27 +261,18 @@ fn gpu_index_files_show_i32_tensors() {
 fn predictors_are_listed_per_layer() {
     let dir = tempfile::tempdir().unwrap();
     let m = dir.path().join("m.powerinfer.gguf");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_powerinfer"))
-        .args([
-            "synth",
+    cli::synth(
+        &m,
+        &[
             "--shape",
             "tiny",
             "--layers",
             "3",
             "--predictor-type",
             "q8_0",
-            "--out",
-        ])
-        .arg(&m)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let j: Json =
-        serde_json::from_slice(&inspect(&[m.to_str().unwrap(), "--json"]).stdout).unwrap();
+    let j = describe(&m).unwrap();
     let p = j["predictors"].as_array().unwrap();
     assert_eq!(p.len(), 3, "{j}");
     for (l, e) in p.iter().enumerate() {

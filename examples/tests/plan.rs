@@ -1,10 +1,16 @@
-//! `powerinfer plan` end to end on a synthetic model (`powerinfer synth`), run as processes.
+//! `powerinfer plan` end to end on a synthetic model: plans and predictions from the library
+//! (`cmd::plan`), the table and refused input from the process.
 
 use std::path::Path;
 use std::process::{Command, Output};
 
+use powerinfer_cli::cmd::plan;
+use powerinfer_cli::parse_args;
 use powerinfer_gguf::GpuIndex;
 use serde_json::Value;
+
+#[path = "support/cli.rs"]
+mod cli;
 
 fn powerinfer(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_powerinfer"))
@@ -13,17 +19,21 @@ fn powerinfer(args: &[&str]) -> Output {
         .expect("run powerinfer")
 }
 
-fn ok(o: Output) -> (Value, String) {
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "{err}");
-    let v = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
-    (v, err)
+/// `plan -m MODEL EXTRA` in-process: what `--json` prints and the note it prints on stderr.
+fn plan(model: &str, extra: &[&str]) -> (Value, String) {
+    let mut words = vec!["-m", model];
+    words.extend_from_slice(extra);
+    let args: plan::Args = parse_args(words).unwrap();
+    let p = plan::plan(&args).unwrap();
+    (plan::to_json(&p), plan::note(&p).unwrap_or_default())
 }
 
-fn plan(model: &str, extra: &[&str]) -> (Value, String) {
-    let mut args = vec!["plan", "-m", model, "--json"];
-    args.extend_from_slice(extra);
-    ok(powerinfer(&args))
+/// `plan -m MODEL --predict EXTRA` in-process: what `--json` prints.
+fn predict(model: &str, extra: &[&str]) -> Value {
+    let mut words = vec!["-m", model, "--predict"];
+    words.extend_from_slice(extra);
+    let args: plan::Args = parse_args(words).unwrap();
+    plan::predict(&args).unwrap().to_json()
 }
 
 fn gpu_neurons(v: &Value) -> Vec<u64> {
@@ -40,8 +50,7 @@ fn plan_lifecycle_on_a_synthetic_model() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m.gguf");
     let m = model.to_str().unwrap();
-    let o = powerinfer(&["synth", "--shape", "tiny", "--layers", "3", "--out", m]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    cli::synth(&model, &["--shape", "tiny", "--layers", "3"]);
 
     // 5 MiB: dense (1.6 MiB) and KV (0.75 MiB at ctx 512) fit, the FFN gets the rest.
     let (v, err) = plan(m, &["--vram-budget", "0.005"]);
@@ -172,15 +181,13 @@ fn plan_predict_compares_static_and_balanced() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m.gguf");
     let m = model.to_str().unwrap();
-    let o = powerinfer(&["synth", "--shape", "tiny", "--layers", "3", "--out", m]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    cli::synth(&model, &["--shape", "tiny", "--layers", "3"]);
     let predict = |gpu_bw: &str| {
-        let (v, _) = plan(
+        predict(
             m,
             &[
                 "--vram-budget",
                 "0.005",
-                "--predict",
                 "--cpu-bw",
                 "20",
                 "--gpu-bw",
@@ -190,8 +197,7 @@ fn plan_predict_compares_static_and_balanced() {
                 "--link-bw",
                 "1000",
             ],
-        );
-        v
+        )
     };
     let slow = predict("20");
     assert!(!dir.path().join("m.gguf.generated.gpuidx").exists());

@@ -8,6 +8,9 @@ use powerinfer_predictor::predictor::F32Predictor;
 use powerinfer_predictor::stats::ActivationStats;
 use serde_json::Value;
 
+#[path = "support/cli.rs"]
+mod cli;
+
 fn powerinfer(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_powerinfer"))
         .args(args)
@@ -50,18 +53,17 @@ fn profile_eval_and_train_on_a_synthetic_model() {
     let model = d.join("m.gguf");
     let m = model.to_str().unwrap();
     let twin = d.join("dense.gguf");
-    let o = powerinfer(&[
-        "synth",
-        "--shape",
-        "tiny",
-        "--layers",
-        "2",
-        "--out",
-        m,
-        "--dense-out",
-        twin.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    cli::synth(
+        &model,
+        &[
+            "--shape",
+            "tiny",
+            "--layers",
+            "2",
+            "--dense-out",
+            twin.to_str().unwrap(),
+        ],
+    );
     let text = d.join("text.txt");
     write_text(&text);
     let t = text.to_str().unwrap();

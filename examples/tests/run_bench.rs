@@ -6,6 +6,9 @@ use std::process::{Command, Output};
 
 use serde_json::Value as Json;
 
+#[path = "support/cli.rs"]
+mod cli;
+
 fn powerinfer(args: &[&str]) -> Output {
     let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
         .args(args)
@@ -43,21 +46,7 @@ struct Files {
 
 fn synth() -> Files {
     let dir = tempfile::tempdir().unwrap();
-    let sparse = dir.path().join("m.powerinfer.gguf");
-    let dense = dir.path().join("m.gguf");
-    powerinfer(&[
-        "synth",
-        "--shape",
-        "tiny",
-        "--type",
-        "q8_0",
-        "--seed",
-        "3",
-        "--out",
-        sparse.to_str().unwrap(),
-        "--dense-out",
-        dense.to_str().unwrap(),
-    ]);
+    let (sparse, dense) = cli::tiny_with_twin(dir.path(), "3");
     Files {
         _dir: dir,
         sparse,
@@ -296,19 +285,19 @@ fn bench_decode_pairs_each_file_with_the_llama_run_of_its_twin() {
         dir.path().join("f.powerinfer.gguf"),
         dir.path().join("f.gguf"),
     );
-    powerinfer(&[
-        "synth",
-        "--shape",
-        "tiny",
-        "--type",
-        "f16",
-        "--seed",
-        "3",
-        "--out",
-        s(&f16_sparse),
-        "--dense-out",
-        s(&f16_dense),
-    ]);
+    cli::synth(
+        &f16_sparse,
+        &[
+            "--shape",
+            "tiny",
+            "--type",
+            "f16",
+            "--seed",
+            "3",
+            "--dense-out",
+            s(&f16_dense),
+        ],
+    );
     // llama.cpp's speed names the file it ran: 100 tok/s for the Q8_0 file, 400 for the F16.
     let fake = dir.path().join("llama-bench");
     std::fs::write(

@@ -9,6 +9,12 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+#[path = "support/cli.rs"]
+mod cli;
+#[path = "support/python.rs"]
+mod python;
+use python::python_with;
+
 /// A running server, killed when dropped.
 struct Server {
     child: Child,
@@ -68,14 +74,10 @@ struct Files {
 fn model() -> Files {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m.powerinfer.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_powerinfer"))
-        .args([
-            "synth", "--shape", "tiny", "--type", "q8_0", "--seed", "11", "--out",
-        ])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    cli::synth(
+        &model,
+        &["--shape", "tiny", "--type", "q8_0", "--seed", "11"],
+    );
     Files { _dir: dir, model }
 }
 
@@ -105,6 +107,194 @@ async fn greedy(url: &str, prompt: &str, n: u32) -> String {
     assert_eq!(s, 200, "{v}");
     v["choices"][0]["text"].as_str().unwrap().to_string()
 }
+
+/// Request bodies with one bad field: (route, bodies, the field named, the whole message).
+type Malformed = (
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    &'static str,
+);
+
+/// Request bodies with one bad field, each with the 400 it gets.
+const MALFORMED: &[Malformed] = &[
+    (
+        C,
+        &[r#"{"max_tokens": 4}"#],
+        "prompt",
+        "'prompt' is required",
+    ),
+    (
+        C,
+        &[
+            r#"{"prompt": null}"#,
+            r#"{"prompt": ["a", "b"]}"#,
+            r#"{"prompt": [1, -2]}"#,
+            r#"{"prompt": [1, 4294967296]}"#,
+        ],
+        "prompt",
+        "'prompt' must be a string, one string in an array, or an array of token ids",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "temperature": "hot"}"#],
+        "temperature",
+        "'temperature' must be a number",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "max_completion_tokens": 1.5}"#],
+        "max_completion_tokens",
+        "'max_completion_tokens' must be an integer",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "n": 9}"#],
+        "n",
+        "'n' must be 1 to 8, got 9",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "n": 2, "stream": true}"#],
+        "n",
+        "'n' > 1 cannot be streamed",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "stream": "yes"}"#],
+        "stream",
+        "'stream' must be a boolean",
+    ),
+    (
+        C,
+        &[
+            r#"{"prompt": "hi", "stop": ["a", 1]}"#,
+            r#"{"prompt": "hi", "stop": 5}"#,
+        ],
+        "stop",
+        "'stop' must be a string or strings",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "seed": "x"}"#],
+        "seed",
+        "'seed' must be an integer",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "top_k": -1}"#],
+        "top_k",
+        "'top_k' must be 0 or more",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "min_p": 1.5}"#],
+        "min_p",
+        "'min_p' must be in [0, 1], got 1.5",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "dry_penalty_last_n": -2}"#],
+        "dry_penalty_last_n",
+        "'dry_penalty_last_n' must be -1 (all), 0 (off) or more",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logit_bias": [1]}"#],
+        "logit_bias",
+        "'logit_bias' must be an object of token ids to biases",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logit_bias": {"5": "up"}}"#],
+        "logit_bias",
+        "'logit_bias' maps token ids (below 512) to numbers in [-100, 100]: 5",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logit_bias": {"99999": 1}}"#],
+        "logit_bias",
+        "'logit_bias' maps token ids (below 512) to numbers in [-100, 100]: 99999",
+    ),
+    (
+        C,
+        &[
+            r#"{"prompt": "hi", "top_p": 2}"#,
+            r#"{"prompt": "hi", "top_p": 0}"#,
+        ],
+        "top_p",
+        "",
+    ),
+    (
+        C,
+        &[r#"{"prompt": "hi", "logprobs": 5}"#],
+        "logprobs",
+        "log probabilities are not supported by this server ('logprobs': 5)",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}"#],
+        "logprobs",
+        "log probabilities are not supported by this server ('logprobs': true)",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#],
+        "top_logprobs",
+        "log probabilities are not supported by this server ('top_logprobs': 2)",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "wizard", "content": "hi"}]}"#],
+        "messages",
+        "a message's 'role' is one of system, user, assistant, tool, not 'wizard'",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": "hi"}"#, r#"{"max_tokens": 2}"#],
+        "messages",
+        "'messages' must be an array of messages",
+    ),
+    (
+        CHAT,
+        &[
+            r#"{"messages": [5]}"#,
+            r#"{"messages": [["user", "hi"]]}"#,
+            r#"{"messages": [{"role": 1, "content": "hi"}]}"#,
+        ],
+        "messages",
+        "every message needs a 'role' string",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": 5}]}"#],
+        "messages",
+        "a message's 'content' must be a string or text parts",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}"#],
+        "messages",
+        "only text content parts are supported",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": []}"#],
+        "temperature",
+        "'temperature' must be a number",
+    ),
+    (
+        CHAT,
+        &[r#"{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}"#],
+        "presence_penalty",
+        "'presence_penalty' must be in [-2, 2], got 3",
+    ),
+];
+
+/// The completions route.
+const C: &str = "/v1/completions";
+/// The chat route.
+const CHAT: &str = "/v1/chat/completions";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_bad_input_and_load() {
@@ -199,6 +389,77 @@ async fn routes_bad_input_and_load() {
     );
     let (s, v) = post(&url, "/v1/chat/completions", r#"{"messages": []}"#).await;
     assert_eq!(s, 400, "{v}");
+    // Fields of the wrong kind or out of range: a 400 that names the field, in `param` and in
+    // the message.
+    for &(path, bodies, param, message) in MALFORMED {
+        for body in bodies {
+            let (s, v) = post(&url, path, body).await;
+            assert_eq!(s, 400, "{body}: {v}");
+            assert_eq!(v["error"]["param"].as_str(), Some(param), "{body}: {v}");
+            if message.is_empty() {
+                // Said per body below.
+                assert!(v["error"]["message"].is_string(), "{body}: {v}");
+            } else {
+                assert_eq!(v["error"]["message"], message, "{body}: {v}");
+            }
+            assert_eq!(v["error"]["type"], "invalid_request_error", "{body}: {v}");
+        }
+    }
+    // An open range is written as one, not with the smallest double.
+    for (body, says) in [
+        (
+            r#"{"prompt": "hi", "top_p": 2}"#,
+            "'top_p' must be in (0, 1], got 2",
+        ),
+        (
+            r#"{"prompt": "hi", "top_p": 0}"#,
+            "'top_p' must be in (0, 1], got 0",
+        ),
+        (
+            r#"{"prompt": "hi", "mirostat_eta": 0}"#,
+            "'mirostat_eta' must be in (0, 10], got 0",
+        ),
+    ] {
+        let (_, v) = post(&url, "/v1/completions", body).await;
+        assert_eq!(v["error"]["message"], says, "{body}: {v}");
+    }
+    // `false` asks for no log probabilities.
+    let (s, v) = post(
+        &url,
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": false}"#,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    // A route asked with the wrong method: 405 with an OpenAI-style error body.
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let r = client().get(format!("{url}{path}")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 405, "{path}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("GET"),
+            "{v}"
+        );
+    }
+    // Unknown fields are ignored, and so is a model name that is not a string.
+    let (s, v) = post(
+        &url,
+        "/v1/completions",
+        r#"{"prompt": "hi", "max_tokens": 2, "user": "me", "echo": false, "model": 5,
+            "suffix": {"x": [1]}}"#,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = post(
+        &url,
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}],
+            "name": "me"}], "max_tokens": 2, "user": "me"}"#,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
     // The other samplers are taken.
     let (s, v) = post(
         &url,
@@ -273,9 +534,42 @@ async fn api_key_queue_bound_and_disconnects() {
     );
     let url = s.url.clone();
     let body = json!({"prompt": "hello", "max_tokens": 4}).to_string();
-    let (status, v) = post(&url, "/v1/completions", &body).await;
-    assert_eq!(status, 401, "{v}");
-    assert_eq!(v["error"]["code"], "invalid_api_key");
+    // Every /v1 route needs the key (a wrong one too is refused); the others do not.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let v1 = [
+        ("/v1/models", None),
+        (
+            "/v1/completions",
+            Some(json!({"prompt": "hi", "max_tokens": 2})),
+        ),
+        ("/v1/chat/completions", Some(chat)),
+    ];
+    for (path, body) in &v1 {
+        for key in [None, Some("wrong"), Some("secret")] {
+            let mut r = match body {
+                None => client().get(format!("{url}{path}")),
+                Some(b) => client().post(format!("{url}{path}")).json(b),
+            };
+            if let Some(k) = key {
+                r = r.bearer_auth(k);
+            }
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap();
+            if key == Some("secret") {
+                assert_eq!(status, 200, "{path}: {v}");
+            } else {
+                assert_eq!(status, 401, "{path} with {key:?}: {v}");
+                assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+            }
+        }
+    }
+    for path in ["/health", "/metrics", "/"] {
+        let r = client().get(format!("{url}{path}")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{path}");
+    }
+    let (status, v) = post(&url, "/v1/nothing", "{}").await;
+    assert_eq!(status, 404, "{v}");
     let authed = |body: String| {
         let url = url.clone();
         async move {
@@ -327,25 +621,6 @@ async fn api_key_queue_bound_and_disconnects() {
         metrics.contains("powerinfer_cancelled_total 1"),
         "{metrics}"
     );
-}
-
-/// The Python interpreter of `scripts/setup-python` when it has `module`; `None` (skipped
-/// with a reason) otherwise, unless `CI` is set.
-fn python_with(module: &str) -> Option<String> {
-    let py = std::env::var("POWERINFER_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", &format!("import {module}")])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if ok {
-        return Some(py);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{py} has no `{module}` (scripts/setup-python installs it)"
-    );
-    println!("skipped: {py} has no `{module}`");
-    None
 }
 
 fn script(name: &str) -> PathBuf {

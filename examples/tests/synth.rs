@@ -705,6 +705,30 @@ fn bad_input_is_a_clear_error_and_leaves_nothing_behind() {
     };
     assert!(synthesize(&SynthConfig::new(tiny(1)), &bad, &mut |_, _| {}).is_err());
     assert!(dir_names(dir.path()).is_empty());
+    // No folder is made that the caller did not ask for: statistics in a missing folder are
+    // refused before anything is written.
+    for missing in ["activation", "predictor"] {
+        let folder = dir.path().join("no/such").join(missing);
+        let bad = SynthOutputs {
+            model: dir.path().join("m.gguf"),
+            dense: None,
+            activation_dir: Some(if missing == "activation" {
+                folder.clone()
+            } else {
+                dir.path().join("activation")
+            }),
+            predictor_dir: (missing == "predictor").then(|| folder.clone()),
+        };
+        let err = synthesize(&SynthConfig::new(tiny(1)), &bad, &mut |_, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not exist"), "{err}");
+        assert!(
+            dir_names(dir.path()).is_empty(),
+            "{:?}",
+            dir_names(dir.path())
+        );
+    }
 
     // quantize: missing input, unsupported type, same file.
     let q = |i: &Path, o: &Path, t| quantize(i, o, t, QuantizeOptions::default(), &mut |_, _| {});

@@ -1,9 +1,13 @@
-//! `powerinfer synth` and `powerinfer quantize`, run as processes.
+//! `powerinfer synth` and `powerinfer quantize`: models made in-process, `quantize` and
+//! `reorder` run as processes (their printed tables and warnings), bad arguments' exit codes.
 
 use std::path::Path;
 use std::process::{Command, Output};
 
 use powerinfer_gguf::{FileKind, GgmlType, GgufFile, GgufWriter};
+
+#[path = "support/cli.rs"]
+mod cli;
 
 fn powerinfer(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_powerinfer"))
@@ -25,24 +29,23 @@ fn names(dir: &Path) -> Vec<String> {
 fn synth_then_quantize() {
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
-    let o = powerinfer(&[
-        "synth",
-        "--shape",
-        "tiny",
-        "--layers",
-        "1",
-        "--type",
-        "f32",
-        "--arch",
-        "bamboo",
-        "--sparse-threshold",
-        "0.1",
-        "--out",
-        &p("m.gguf"),
-        "--dense-out",
-        &p("d.gguf"),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    cli::synth(
+        Path::new(&p("m.gguf")),
+        &[
+            "--shape",
+            "tiny",
+            "--layers",
+            "1",
+            "--type",
+            "f32",
+            "--arch",
+            "bamboo",
+            "--sparse-threshold",
+            "0.1",
+            "--dense-out",
+            &p("d.gguf"),
+        ],
+    );
     assert_eq!(names(dir.path()), ["activation", "d.gguf", "m.gguf"]);
     assert_eq!(
         names(&dir.path().join("activation")),
@@ -185,18 +188,10 @@ fn bad_arguments_fail_cleanly() {
 fn synth_then_reorder() {
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
-    let o = powerinfer(&[
-        "synth",
-        "--shape",
-        "tiny",
-        "--layers",
-        "2",
-        "--type",
-        "q4_0",
-        "--out",
-        &p("m.gguf"),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    cli::synth(
+        Path::new(&p("m.gguf")),
+        &["--shape", "tiny", "--layers", "2", "--type", "q4_0"],
+    );
     std::fs::create_dir(dir.path().join("out")).unwrap();
     let o = powerinfer(&["reorder", &p("m.gguf"), &p("out/s.gguf")]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -238,18 +233,10 @@ fn a_predictor_that_does_not_survive_f16_is_kept_in_f32() {
     // underflow it: stored in F16, layer 1 would select no neuron at all.
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
-    let o = powerinfer(&[
-        "synth",
-        "--shape",
-        "tiny",
-        "--layers",
-        "2",
-        "--type",
-        "f32",
-        "--out",
-        &p("m.gguf"),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    cli::synth(
+        Path::new(&p("m.gguf")),
+        &["--shape", "tiny", "--layers", "2", "--type", "f32"],
+    );
     let src = GgufFile::open(p("m.gguf")).unwrap();
     let mut w = GgufWriter::create(Path::new(&p("x.gguf")), src.kind()).unwrap();
     w.add_metadata(src.metadata()).unwrap();

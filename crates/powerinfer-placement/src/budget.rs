@@ -217,14 +217,27 @@ impl VramBudget {
                 });
             }
         }
+        if !has_down_t.iter().any(|&d| d) && file.tensor_info("blk.0.ffn_down.weight").is_some() {
+            return Err(PlacementError::Model(
+                "a dense GGUF file: it has no PowerInfer predictor (blk.N.fc1/fc2) or \
+                 ffn_down_t tensors, so there are no neuron rows to place; use the model's \
+                 PowerInfer file (*.powerinfer.gguf)"
+                    .into(),
+            ));
+        }
         let mut widths = Vec::with_capacity(n_layer);
         for (l, w) in n_ff.into_iter().enumerate() {
             match (w, has_down_t[l]) {
                 (Some(w), true) => widths.push(w),
-                _ => {
+                (None, _) => {
                     return Err(PlacementError::Model(format!(
-                        "layer {l} has no blk.{l}.ffn_up.weight and blk.{l}.ffn_down_t.weight \
-                         (not a PowerInfer sparse file?)"
+                        "layer {l} has no blk.{l}.ffn_up.weight"
+                    )))
+                }
+                (Some(_), false) => {
+                    return Err(PlacementError::Model(format!(
+                        "layer {l} has no blk.{l}.ffn_down_t.weight (not a PowerInfer sparse \
+                         file?)"
                     )))
                 }
             }

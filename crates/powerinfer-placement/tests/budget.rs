@@ -136,6 +136,9 @@ fn rejects_files_without_sparse_ffn() {
     let f = GgufFile::from_bytes(w.finish().unwrap()).unwrap();
     let e = VramBudget::from_gguf(&f).unwrap_err().to_string();
     assert!(e.contains("ffn_down_t"), "{e}");
+    // It has its ffn_up: the message says what the file is instead.
+    assert!(e.contains("a dense GGUF file"), "{e}");
+    assert!(!e.contains("ffn_up"), "{e}");
 }
 
 fn class_strategy() -> impl Strategy<Value = DenseClass> {

@@ -4,7 +4,6 @@
 //! token of every unfinished sequence in one batch. The same N continuations are then decoded
 //! one sequence after another, and the two speeds are printed side by side.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use powerinfer_engine::{
@@ -15,9 +14,9 @@ use serde_json::json;
 /// Arguments of `powerinfer batched`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    model: super::model::ModelArgs,
     /// The prompt every sequence continues.
     #[arg(short = 'p', long = "prompt", default_value = "Hello my name is")]
     prompt: String,
@@ -28,7 +27,7 @@ pub struct Args {
     #[arg(short = 'n', long = "n-predict", default_value_t = 32)]
     n_predict: usize,
     /// Threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Temperature (llama.cpp's example samples with 0.4, top-k 40, top-p 0.9).
     #[arg(long = "temp", default_value_t = 0.4)]
@@ -154,12 +153,13 @@ pub fn run(a: Args) -> Result<(), String> {
     if a.parallel == 0 {
         return Err("--parallel 0: at least one sequence".into());
     }
-    let probe = Engine::load(&a.model, {
+    let model = a.model.path()?;
+    let probe = Engine::load(&model, {
         let mut o = super::engine_options(a.threads, a.sparse_threshold);
         o.ctx_len = 1;
         o
     })
-    .map_err(|e| format!("{}: {e}", a.model.display()))?;
+    .map_err(|e| super::file_error(&model, e))?;
     let prompt = probe.tokenizer().encode(&a.prompt, true, false);
     drop(probe);
     if prompt.is_empty() {
@@ -170,7 +170,7 @@ pub fn run(a: Args) -> Result<(), String> {
     // The prompt's sequence and its continuations keep their KV rows on a device together.
     o.device.kv_sequences = a.parallel + 1;
     o.ctx_len = prompt.len() + a.n_predict + 1;
-    let engine = Engine::load(&a.model, o).map_err(|e| format!("{}: {e}", a.model.display()))?;
+    let engine = super::load_engine(&model, o)?;
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }
@@ -208,7 +208,7 @@ pub fn run(a: Args) -> Result<(), String> {
         println!(
             "{}",
             json!({
-                "model": a.model.display().to_string(),
+                "model": model.display().to_string(),
                 "parallel": a.parallel,
                 "prompt_tokens": prompt.len(),
                 "prompt_ms": prompt_time.as_secs_f64() * 1e3,

@@ -17,6 +17,8 @@ use powerinfer_kernels_cpu::{
     AxpyCoefficients, Backend, MatMul, PoolKind, RowSelect, ThreadPool, Weights,
 };
 use serde_json::json;
+
+use super::bench_shared::median;
 use std::time::{Duration, Instant};
 
 /// Arguments of `powerinfer bench`.
@@ -129,19 +131,9 @@ impl Timing {
     fn of(secs: &mut [f64]) -> Timing {
         secs.sort_by(f64::total_cmp);
         Timing {
-            median: median_sorted(secs),
+            median: median(secs),
             best: secs[0],
         }
-    }
-}
-
-/// The median of sorted, non-empty `v`.
-fn median_sorted(v: &[f64]) -> f64 {
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
     }
 }
 

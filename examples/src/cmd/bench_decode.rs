@@ -58,6 +58,8 @@ use powerinfer_gguf::{FileKind, GgufFile};
 use powerinfer_kernels_cpu::ThreadPool;
 use serde_json::json;
 
+use super::bench_shared::{budget_for, median};
+
 /// Arguments of `powerinfer bench decode`.
 #[derive(clap::Args)]
 pub struct DecodeArgs {
@@ -65,8 +67,12 @@ pub struct DecodeArgs {
     /// model and its dense twin.
     #[arg(short = 'm', long = "model")]
     models: Vec<PathBuf>,
+    /// Models on the Hugging Face Hub (`OWNER/NAME[:FILE]`, as `run -hf`), fetched into its
+    /// cache and measured after the `-m` files; repeat the flag for several.
+    #[arg(long = "hf-repo", visible_alias = "hf", value_name = "REPO[:FILE]")]
+    hf_repos: Vec<crate::hub::HubModel>,
     /// Threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Tokens decoded per run.
     #[arg(short = 'n', long, default_value_t = 64)]
@@ -265,7 +271,7 @@ struct ByteModel {
 }
 
 fn byte_model(path: &Path) -> Result<ByteModel, String> {
-    let f = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|e| super::file_error(path, e))?;
     let md = f.metadata();
     let arch = md
         .get_str("general.architecture")
@@ -332,15 +338,6 @@ impl ByteModel {
     }
 }
 
-/// The device budget that holds everything but `1 − frac` of the FFN's bytes of `path`
-/// ([`super::bench_schedule::budget_for`]), with `a`'s device flags.
-fn budget_for(path: &Path, a: &DecodeArgs, frac: f64) -> Result<u64, String> {
-    let mut o = super::engine_options(a.threads, a.sparse_threshold);
-    a.device.apply(&mut o)?;
-    o.ctx_len = (a.prompt + a.tokens + 8).max(64);
-    super::bench_schedule::budget_for(path, &o, frac)
-}
-
 fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
     let dense = mode == Mode::Dense;
     let mut opts = super::engine_options(a.threads, a.sparse_threshold);
@@ -351,7 +348,9 @@ fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
         Mode::Sparse => {}
         Mode::Hybrid(frac) => {
             a.device.apply(&mut opts)?;
-            opts.device.vram_budget = Some(budget_for(path, a, frac)?);
+            let mut probe = opts.clone();
+            probe.ctx_len = (a.prompt + a.tokens + 8).max(64);
+            opts.device.vram_budget = Some(budget_for(path, &probe, frac)?);
         }
     }
     opts.ctx_len = (a.prompt + a.tokens + 8).max(64);
@@ -362,7 +361,7 @@ fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
         opts.axpy = AxpyCoefficients::Int8;
     }
     let t0 = Instant::now();
-    let engine = Engine::load(path, opts).map_err(|e| format!("{}: {e}", path.display()))?;
+    let engine = Engine::load(path, opts).map_err(|e| super::file_error(path, e))?;
     engine
         .repack_now()
         .map_err(|e| format!("{}: {e}", path.display()))?;
@@ -469,17 +468,6 @@ fn hybrid_totals(p: &powerinfer_engine::OpProfile) -> serde_json::Value {
     })
 }
 
-/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
-}
-
 /// The index in `v` of its (lower) median element.
 fn median_index(v: &[f64]) -> usize {
     let mut idx: Vec<usize> = (0..v.len()).collect();
@@ -566,7 +554,7 @@ fn llama_bench(
 /// The text PowerInfer's `main` is given: our prompt's tokens after BOS, decoded (`main` adds
 /// its own BOS; it re-tokenizes the text, and the prompt count it reports is the one used).
 fn prompt_text(path: &Path, a: &DecodeArgs) -> Result<String, String> {
-    let f = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|e| super::file_error(path, e))?;
     let tok = Tokenizer::from_gguf(&f).map_err(|e| format!("{}: {e}", path.display()))?;
     let n_vocab = tok.n_tokens() as u32;
     let ids: Vec<u32> = (0..a.prompt.saturating_sub(1) as u32)
@@ -648,12 +636,17 @@ fn powerinfer_main(
 
 /// Runs `powerinfer bench decode`.
 pub fn run(a: DecodeArgs) -> Result<(), String> {
-    let models = if a.models.is_empty() {
+    let mut models = a.models.clone();
+    if !a.hf_repos.is_empty() {
+        let options = crate::hub::HubOptions::from_env();
+        for m in &a.hf_repos {
+            models.push(super::model::fetch(m, &options)?);
+        }
+    }
+    if models.is_empty() {
         let (sparse, twin) = super::run::demo_files()?;
-        vec![twin, sparse]
-    } else {
-        a.models.clone()
-    };
+        models = vec![twin, sparse];
+    }
     let threads = if a.threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {

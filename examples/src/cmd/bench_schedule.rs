@@ -27,11 +27,12 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::bench_shared::{budget_for, median};
 use crate::synth::{self, SynthConfig, SynthOutputs};
 use powerinfer_engine::device::SimSpeed;
 use powerinfer_engine::schedule::LayerBalance;
 use powerinfer_engine::{BalanceReport, DeviceChoice, Engine, EngineOptions, GpuIndexMode};
-use powerinfer_gguf::{GgmlType, GgufFile};
+use powerinfer_gguf::GgmlType;
 use powerinfer_placement::cost::{Hardware, Workload};
 use serde_json::json;
 
@@ -39,10 +40,10 @@ use serde_json::json;
 #[derive(clap::Args)]
 pub struct ScheduleArgs {
     /// A PowerInfer model with `activation/` beside it (default: the demo model).
-    #[arg(short = 'm', long = "model")]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: super::model::ModelArgs<false>,
     /// CPU threads (the simulated device has one more of its own).
-    #[arg(short = 't', long, default_value_t = 1)]
+    #[arg(short = 't', long, default_value_t = 1, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Tokens decoded per run.
     #[arg(short = 'n', long, default_value_t = 128)]
@@ -140,46 +141,9 @@ fn base_options(a: &ScheduleArgs, bandwidth: Option<f64>) -> EngineOptions {
     o
 }
 
-/// Bytes of the FFN rows (`ffn_up`, `ffn_gate`, `ffn_down_t`) of `path`.
-fn ffn_bytes(path: &Path) -> Result<u64, String> {
-    let file = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(file
-        .tensors()
-        .iter()
-        .filter(|t| {
-            let n = t.name();
-            n.ends_with("ffn_up.weight")
-                || n.ends_with("ffn_gate.weight")
-                || n.ends_with("ffn_down_t.weight")
-        })
-        .map(|t| t.n_bytes())
-        .sum())
-}
-
-/// The device budget that holds everything but `1 − share` of the FFN's bytes of `path`: the
-/// memory the device used holding everything (with `o`'s device), less that share of the FFN
-/// rows.
-pub(crate) fn budget_for(path: &Path, o: &EngineOptions, share: f64) -> Result<u64, String> {
-    let mut o = o.clone();
-    o.device.vram_budget = None;
-    let e = Engine::load(path, o).map_err(|e| format!("{}: {e}", path.display()))?;
-    let r = e.device_report();
-    if r.kind == "none" {
-        return Err(format!(
-            "a share of the FFN on the device needs a device (--gpu sim or a GPU){}",
-            r.note.map_or_else(String::new, |n| format!(": {n}"))
-        ));
-    }
-    let ffn = ffn_bytes(path)?;
-    let base = r
-        .peak_bytes
-        .saturating_sub((ffn as f64 * r.resident_share()) as u64);
-    Ok(base + (ffn as f64 * share.clamp(0.0, 1.0)) as u64)
-}
-
 /// Loads `path` with `o`, evaluates a prompt, decodes `n` tokens greedily.
 fn decode(path: &Path, o: EngineOptions, n: usize) -> Result<Run, String> {
-    let e = Engine::load(path, o).map_err(|e| format!("{}: {e}", path.display()))?;
+    let e = Engine::load(path, o).map_err(|e| super::file_error(path, e))?;
     let vocab = e.model().hparams().n_vocab as u32;
     let mut s = e.session();
     let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (100 + 37 * i) % vocab).collect();
@@ -200,19 +164,6 @@ fn decode(path: &Path, o: EngineOptions, n: usize) -> Result<Run, String> {
         tps_late: (n - n / 2) as f64 / late.max(1e-9),
         report: e.balance_report().unwrap_or_default(),
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
 }
 
 /// The share of the FFN's bytes on the device that makes the static split's device `target`
@@ -256,8 +207,8 @@ fn search_share(
 /// Runs `powerinfer bench schedule`.
 pub fn run(a: ScheduleArgs) -> Result<(), String> {
     let quiet = a.json;
-    let path = match &a.model {
-        Some(p) => p.clone(),
+    let path = match a.model.path_if_given()? {
+        Some(p) => p,
         None => cached_synth(super::run::demo_shape(), false, quiet)?,
     };
     if !(a.sim_bandwidth.is_finite() && a.sim_bandwidth > 0.0) {
@@ -310,12 +261,12 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
             let t = last.report.total();
             json!({
                 "schedule": name,
-                "tps": median(rs.iter().map(|r| r.tps).collect()),
-                "tps_second_half": median(rs.iter().map(|r| r.tps_late).collect()),
+                "tps": median(&rs.iter().map(|r| r.tps).collect::<Vec<_>>()),
+                "tps_second_half": median(&rs.iter().map(|r| r.tps_late).collect::<Vec<_>>()),
                 "converged_at_eval": last.converged_at(),
-                "ffn_ms_per_token": median(rs.iter().map(Run::ffn_ms).collect()),
-                "mean_abs_imbalance": median(rs.iter().map(Run::imbalance).collect()),
-                "device_over_cpu_time": median(rs.iter().map(Run::time_ratio).collect()),
+                "ffn_ms_per_token": median(&rs.iter().map(Run::ffn_ms).collect::<Vec<_>>()),
+                "mean_abs_imbalance": median(&rs.iter().map(Run::imbalance).collect::<Vec<_>>()),
+                "device_over_cpu_time": median(&rs.iter().map(Run::time_ratio).collect::<Vec<_>>()),
                 "device_share": t.device_share(),
                 "rebalances": t.rebalances,
                 "enabled": t.enabled, "held": t.held,
@@ -333,7 +284,7 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
                 _ => r.tps_late / s.tps_late,
             })
             .collect();
-        median(per_round)
+        median(&per_round)
     };
 
     // The cost model's prediction for the same placement.
@@ -365,11 +316,11 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
         },
     )?;
     let ffn_gain = median(
-        runs[1]
+        &runs[1]
             .iter()
             .zip(&runs[0])
             .map(|(b, s)| s.ffn_ms() / b.ffn_ms().max(1e-12))
-            .collect(),
+            .collect::<Vec<_>>(),
     );
     let measured_static = summary[0]["tps"].as_f64().unwrap_or(f64::NAN);
     let measured_bal = summary[1]["tps_second_half"].as_f64().unwrap_or(f64::NAN);
@@ -586,7 +537,7 @@ fn topic_shift(a: &ScheduleArgs, like: &Path, quiet: bool) -> Result<serde_json:
     for cache in [false, true] {
         for parity in 0..2usize {
             let f = &figures[2 * cache as usize + parity];
-            let col = |k: usize| median(f.iter().map(|x| x[k]).collect());
+            let col = |k: usize| median(&f.iter().map(|x| x[k]).collect::<Vec<_>>());
             rows.push(json!({
                 "hot_cache": if cache { "on" } else { "off" },
                 "topic": if parity == 0 { "A" } else { "B" },

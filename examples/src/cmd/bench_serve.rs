@@ -6,7 +6,7 @@
 //! time between tokens (p50, p99), and every failed request.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,9 +18,9 @@ use tokio::sync::Mutex;
 /// Arguments of `powerinfer bench serve`.
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// Model file (the server `powerinfer serve` is started on).
-    #[arg(short = 'm', long = "model", required_unless_present = "url")]
-    model: Option<PathBuf>,
+    /// The model (the server `powerinfer serve` is started on), unless `--url` is given.
+    #[command(flatten)]
+    model: super::model::ModelArgs<false>,
     /// Load-test a server that is already running at this address instead (e.g. llama.cpp's
     /// `llama-server` at `http://127.0.0.1:8080`, for the same clients against it): no server
     /// is started, and `--parallel`, `-t`, `--server-args` are that server's business.
@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8)]
     parallel: usize,
     /// The server's threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Send this prompt to `/v1/completions` (no chat template) instead of a chat message per
     /// request: the same work as `powerinfer batched -p PROMPT`, for a like-for-like comparison.
@@ -222,13 +222,17 @@ fn start_server(model: &Path, a: &ServeArgs) -> Result<(Child, String), String> 
 
 /// Runs `powerinfer bench serve`.
 pub fn run(a: ServeArgs) -> Result<(), String> {
-    let (mut child, url) = match (&a.url, &a.model) {
+    let model = match &a.url {
+        Some(_) => None,
+        None => a.model.path_if_given()?,
+    };
+    let (mut child, url) = match (&a.url, &model) {
         (Some(u), _) => (None, u.trim_end_matches('/').to_string()),
         (None, Some(model)) => {
             let (c, u) = start_server(model, &a)?;
             (Some(c), u)
         }
-        (None, None) => return Err("give -m MODEL or --url URL".into()),
+        (None, None) => return Err("give -m MODEL, -hf REPO or --url URL".into()),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -300,7 +304,7 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
     // Prompt and generated tokens evaluated per second: what `batched` counts too, once.
     let evaluated = (tokens + prompt_tokens) as f64 / wall.as_secs_f64();
     let report = json!({
-        "model": a.model.as_ref().map_or(url.clone(), |m| m.display().to_string()),
+        "model": model.as_ref().map_or(url.clone(), |m| m.display().to_string()),
         "clients": a.clients, "requests": samples.len(), "failed": failed.len(),
         "parallel": a.parallel, "max_tokens": a.max_tokens,
         "tokens": tokens, "seconds": wall.as_secs_f64(), "tokens_per_second": tps,

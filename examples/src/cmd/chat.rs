@@ -6,20 +6,32 @@
 //! an answer is generated stops that answer; at the prompt it ends the program; so does the end
 //! of input.
 
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use powerinfer_engine::{ChatMessage, Engine};
+use powerinfer_engine::{ChatMessage, ChatTemplate, Engine};
 
-/// Runs the conversation of `powerinfer run -cnv`.
-pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
-    let source = match &args.chat_template {
-        Some(t) if std::path::Path::new(t).is_file() => {
-            Some(std::fs::read_to_string(t).map_err(|e| format!("{t}: {e}"))?)
-        }
-        other => other.clone(),
-    };
+/// What a `--chat-template` value (of `run -cnv` and `serve`) gives the engine: the Jinja text
+/// of a file, or the name of a known template; `None`: the model's own. Anything else is
+/// refused, so that a misspelt name is not taken as a template of its own.
+pub fn template_source(arg: Option<&str>) -> Result<Option<String>, String> {
+    match arg {
+        None => Ok(None),
+        Some(t) if std::path::Path::new(t).is_file() => std::fs::read_to_string(t)
+            .map(Some)
+            .map_err(|e| super::file_error(t, e)),
+        Some(t) if ChatTemplate::named(t).is_some() => Ok(Some(t.to_string())),
+        Some(t) => Err(format!(
+            "--chat-template {t}: neither a file nor a known name ({})",
+            ChatTemplate::names().collect::<Vec<_>>().join(", ")
+        )),
+    }
+}
+
+/// Runs the conversation of `powerinfer run -cnv` with the chat template `source` (see
+/// [`template_source`]).
+pub fn run(engine: &Engine, args: &super::run::Args, source: Option<String>) -> Result<(), String> {
     let template = engine
         .chat_template(source.as_deref())
         .map_err(|e| e.to_string())?;
@@ -47,8 +59,9 @@ pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
     session.set_context_shift((!args.no_context_shift).then_some(args.keep));
     // The tokens the session's cache holds, in order.
     let mut held: Vec<u32> = Vec::new();
+    let mut generated = 0;
     let stdin = std::io::stdin();
-    let mut out = std::io::stdout();
+    let out = super::terminal::ModelText::stdout();
     let bos = template.bos_token().to_string();
     eprintln!("== chat: type a message and press Enter; Ctrl-C stops an answer, Ctrl-D ends ==");
     loop {
@@ -93,10 +106,10 @@ pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
             }
             match tok {
                 Ok(t) => {
-                    let _ = out.write_all(t.text.as_bytes());
-                    let _ = out.flush();
+                    out.write(&t.text);
                     answer.push_str(&t.text);
                     held.push(t.id);
+                    generated += 1;
                 }
                 Err(e) => {
                     result = Err(e.to_string());
@@ -105,7 +118,7 @@ pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
             }
         }
         generating.store(false, Ordering::SeqCst);
-        let _ = writeln!(out);
+        out.write("\n");
         if interrupted.load(Ordering::SeqCst) {
             eprintln!("[stopped]");
         }
@@ -114,7 +127,8 @@ pub fn run(engine: &Engine, args: &super::run::Args) -> Result<(), String> {
     }
     let st = session.stats();
     eprintln!(
-        "{} turns: {} prompt tokens evaluated ({:.1} tokens/s), {} generated ({:.1} tokens/s)",
+        "{} turns: {} prompt tokens evaluated ({:.1} tokens/s), {generated} tokens generated \
+         ({} decode runs, {:.1} tokens/s)",
         messages.iter().filter(|m| m.role == "user").count(),
         st.prompt_tokens,
         st.prompt_tps(),

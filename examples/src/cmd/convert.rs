@@ -119,7 +119,7 @@ fn write(opts: &ConvertOptions) -> Result<crate::convert::ConvertReport, String>
 
 /// The type of each layer's `fc1` in a written file.
 fn predictor_types(path: &std::path::Path) -> Result<Vec<GgmlType>, String> {
-    let f = GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|e| super::file_error(path, e))?;
     Ok((0..)
         .map_while(|l| f.tensor_info(&format!("blk.{l}.fc1.weight")))
         .map(|t| t.ggml_type())

@@ -20,7 +20,7 @@ pub struct DeviceArgs {
     /// VRAM budget in GiB (default: 90% of the GPU's memory less 256 MiB; `sim`: everything
     /// the model could place there). PowerInfer files: dense parts first, then the hottest
     /// neurons' rows (`<model>.generated.gpuidx`, from `activation/` beside the model).
-    #[arg(long = "vram-budget")]
+    #[arg(long = "vram-budget", value_parser = gib)]
     pub vram_budget: Option<f64>,
     /// Rebuild the GPU index even if a cached one is valid.
     #[arg(long = "reset-gpu-index")]
@@ -86,6 +86,14 @@ pub struct DeviceArgs {
     /// Largest change of a layer's share of attended positions on the device per move.
     #[arg(long = "attention-step", default_value_t = 0.05)]
     pub attention_step: f64,
+}
+
+/// A size in GiB: a number ≥ 0 (fractions allowed).
+pub fn gib(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("`{s}`: expected a size in GiB ≥ 0")),
+    }
 }
 
 /// `on`/`off` (also `true`/`false`, `1`/`0`).
@@ -190,22 +198,24 @@ pub fn describe(engine: &Engine) -> Vec<String> {
         }
         return lines;
     }
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    lines.push(format!(
-        "device: {}: budget {:.3} GiB; {} of {} layers, {} of {} dense matrices ({:.3} GiB), {} \
-         of {} FFN rows ({:.1}%); {}",
-        r.kind,
-        gib(r.budget_bytes),
-        r.layers,
-        r.layers_total,
-        r.dense_matrices,
-        r.dense_total,
-        gib(r.dense_bytes),
-        r.ffn_rows,
-        r.ffn_total,
-        100.0 * r.resident_share(),
-        r.placement
-    ));
+    let mut parts = vec![
+        format!("budget {}", super::human_bytes(r.budget_bytes)),
+        format!(
+            "{} of {} layers, {} of {} dense matrices ({}), {} of {} FFN rows ({:.1}%)",
+            r.layers,
+            r.layers_total,
+            r.dense_matrices,
+            r.dense_total,
+            super::human_bytes(r.dense_bytes),
+            r.ffn_rows,
+            r.ffn_total,
+            100.0 * r.resident_share()
+        ),
+    ];
+    if !r.placement.is_empty() {
+        parts.push(r.placement.clone());
+    }
+    lines.push(format!("device: {}: {}", r.kind, parts.join("; ")));
     if let Some(n) = &r.note {
         lines.push(format!("note: {n}"));
     }

@@ -9,8 +9,8 @@
 //! (an f32 0.1 prints as 0.1), and NaN or infinite floats, which JSON cannot express, print
 //! as `null`.
 
-use std::io::{self, BufWriter, Write};
-use std::path::PathBuf;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
 
 use powerinfer_gguf::{Array, FileKind, GgufFile, Value};
 use serde_json::{json, Map, Value as Json};
@@ -30,25 +30,25 @@ const TABLE_ARRAY_ITEMS: usize = 8;
 /// Characters of a string shown in the table.
 const TABLE_STRING_CHARS: usize = 80;
 
+fn open(path: &Path) -> Result<GgufFile, String> {
+    GgufFile::open(path).map_err(|e| super::file_error(path, e))
+}
+
+/// The JSON object `powerinfer inspect FILE --json` prints (see the module's documentation).
+pub fn describe(path: &Path) -> Result<Json, String> {
+    Ok(to_json(&open(path)?))
+}
+
 /// Runs `powerinfer inspect`.
 pub fn run(args: Args) -> Result<(), String> {
-    let file = GgufFile::open(&args.file).map_err(|e| format!("{}: {e}", args.file.display()))?;
-    let stdout = io::stdout();
-    let mut out = BufWriter::new(stdout.lock());
-    let written = if args.json {
-        serde_json::to_writer(&mut out, &to_json(&file))
-            .map_err(io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        write_table(&mut out, &args.file, &file)
-    };
-    written
-        .and_then(|()| out.flush())
-        .or_else(|e| match e.kind() {
-            // `powerinfer inspect x | head` is fine.
-            io::ErrorKind::BrokenPipe => Ok(()),
-            _ => Err(format!("writing output: {e}")),
-        })
+    let file = open(&args.file)?;
+    super::write_stdout(|out| {
+        if args.json {
+            super::json_line(out, &to_json(&file))
+        } else {
+            write_table(out, &args.file, &file)
+        }
+    })
 }
 
 fn float_json(x: f64, as_f32: bool) -> Json {
@@ -101,7 +101,6 @@ fn array_json(a: &Array) -> Json {
     })
 }
 
-/// The whole file description as one JSON object.
 /// A layer's predictor as stored: `(layer, fc1 type, fc2 type, rank)`.
 type StoredPredictor = (usize, &'static str, &'static str, u64);
 
@@ -118,6 +117,7 @@ fn predictors(file: &GgufFile) -> Vec<StoredPredictor> {
         .collect()
 }
 
+/// The whole description of an open file as one JSON object (what [`describe`] returns).
 pub fn to_json(file: &GgufFile) -> Json {
     let mut metadata = Map::new();
     for (k, v) in file.metadata().iter() {
@@ -196,7 +196,7 @@ fn array_type_label(a: &Array) -> String {
     }
 }
 
-fn write_table(out: &mut impl Write, path: &std::path::Path, file: &GgufFile) -> io::Result<()> {
+fn write_table(out: &mut dyn Write, path: &std::path::Path, file: &GgufFile) -> io::Result<()> {
     let kind = match file.kind() {
         FileKind::Gguf => "GGUF (dense)",
         FileKind::PowerInfer => "PWRI (PowerInfer sparse)",

@@ -4,14 +4,12 @@
 
 use std::path::PathBuf;
 
-use powerinfer_engine::Engine;
-
 /// Arguments of `powerinfer logits`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// Token ids, separated by spaces or commas.
     #[arg(long)]
     pub tokens: String,
@@ -19,7 +17,7 @@ pub struct Args {
     #[arg(short = 'o', long = "out")]
     pub out: PathBuf,
     /// Threads (0 = all cores).
-    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    #[arg(short = 't', long = "threads", default_value_t = 0, value_parser = crate::cmd::whole_number)]
     pub threads: usize,
     /// Compute every FFN neuron (ignore the predictor).
     #[arg(long)]
@@ -43,14 +41,13 @@ pub fn run(args: Args) -> Result<(), String> {
     let mut options = super::engine_options(args.threads, args.sparse_threshold);
     options.dense = args.dense;
     options.ctx_len = tokens.len().max(1);
-    let engine =
-        Engine::load(&args.model, options).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let engine = super::load_engine(&args.model.path()?, options)?;
     let logits = engine
         .session()
         .eval_all(&tokens)
         .map_err(|e| e.to_string())?;
     let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
-    std::fs::write(&args.out, bytes).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    std::fs::write(&args.out, bytes).map_err(|e| super::file_error(&args.out, e))?;
     eprintln!(
         "wrote {} rows of {} logits to {}",
         tokens.len(),

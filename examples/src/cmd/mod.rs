@@ -6,11 +6,13 @@ pub mod bench;
 pub mod bench_decode;
 pub mod bench_schedule;
 pub mod bench_serve;
+pub mod bench_shared;
 pub mod chat;
 pub mod convert;
 pub mod device;
 pub mod inspect;
 pub mod logits;
+pub mod model;
 pub mod perplexity;
 pub mod plan;
 pub mod predictor_check;
@@ -21,10 +23,83 @@ pub mod reorder;
 pub mod run;
 pub mod serve;
 pub mod synth;
+pub mod terminal;
 pub mod tokenize;
 pub mod train_predictor;
 
-use powerinfer_engine::EngineOptions;
+use std::fmt::Display;
+use std::io::{self, BufWriter, Write};
+use std::path::Path;
+
+use powerinfer_engine::{Engine, EngineOptions};
+
+/// The one-line error for `error`, which happened on the file `path`: the path said once (the
+/// libraries' I/O errors already start with it), and a folder given for a file named as one.
+pub fn file_error(path: impl AsRef<Path>, error: impl Display) -> String {
+    let path = path.as_ref();
+    if path.is_dir() {
+        return format!("{}: is a directory, not a file", path.display());
+    }
+    let prefix = format!("{}: ", path.display());
+    let text = error.to_string();
+    if text.starts_with(&prefix) {
+        text
+    } else {
+        prefix + &text
+    }
+}
+
+/// Loads the model at `path`; its errors as [`file_error`] words them. A context longer than
+/// the model was trained for is allowed with a warning, as llama.cpp does.
+pub fn load_engine(path: &Path, options: EngineOptions) -> Result<Engine, String> {
+    let engine = Engine::load(path, options).map_err(|e| file_error(path, e))?;
+    let trained = engine.model().hparams().n_ctx_train;
+    if engine.ctx_len() > trained {
+        eprintln!(
+            "warning: the context of {} positions is longer than the {trained} the model was \
+             trained on; expect worse text past {trained}",
+            engine.ctx_len()
+        );
+    }
+    Ok(engine)
+}
+
+/// `bytes` in the largest binary unit it fills (GiB, MiB, KiB), with two decimals: 2 MiB of a
+/// GiB budget reads `2.00 MiB`, not `0.00 GiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    match UNITS.iter().find(|(_, size)| bytes >= *size) {
+        Some((unit, size)) => format!("{:.2} {unit}", bytes as f64 / *size as f64),
+        None => format!("{bytes} bytes"),
+    }
+}
+
+/// A whole number ≥ 0 (thread counts, context sizes), with a message that says so for a
+/// negative one.
+pub fn whole_number(s: &str) -> Result<usize, String> {
+    s.trim()
+        .parse::<usize>()
+        .map_err(|_| format!("`{s}`: expected a whole number ≥ 0"))
+}
+
+/// Writes a command's result on stdout through `write`; a closed pipe (`powerinfer inspect F |
+/// head`) is not an error.
+pub fn write_stdout(write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<(), String> {
+    let stdout = io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    write(&mut out)
+        .and_then(|()| out.flush())
+        .or_else(|e| match e.kind() {
+            io::ErrorKind::BrokenPipe => Ok(()),
+            _ => Err(format!("writing output: {e}")),
+        })
+}
+
+/// Writes `value` as one line of JSON.
+pub fn json_line(out: &mut dyn Write, value: &serde_json::Value) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, value).map_err(io::Error::from)?;
+    writeln!(out)
+}
 
 /// Engine options with the environment variables PowerInfer and earlier versions of this tool
 /// read applied (the engine library reads none): `LLAMA_SPARSE_PRED_THRESHOLD` (predictor

@@ -17,14 +17,14 @@ use serde_json::json;
 /// Arguments of `powerinfer perplexity`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    model: super::model::ModelArgs,
     /// The text (UTF-8).
     #[arg(short = 'f', long = "file")]
     file: PathBuf,
     /// Tokens per chunk.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 512)]
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 512, value_parser = crate::cmd::whole_number)]
     ctx: usize,
     /// Chunks to evaluate at most (default: all).
     #[arg(long = "chunks")]
@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     batch: usize,
     /// Threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Predictor threshold (default: as `powerinfer run`).
     #[arg(long)]
@@ -146,15 +146,14 @@ pub fn perplexity(
 
 /// Runs `powerinfer perplexity`.
 pub fn run(args: Args) -> Result<(), String> {
-    let text =
-        std::fs::read_to_string(&args.file).map_err(|e| format!("{}: {e}", args.file.display()))?;
+    let text = std::fs::read_to_string(&args.file).map_err(|e| super::file_error(&args.file, e))?;
     let mut o = super::engine_options(args.threads, args.sparse_threshold);
     args.device.apply(&mut o)?;
     o.dense = args.dense;
     o.ctx_len = args.ctx.max(2);
     o.batch = args.batch.clamp(1, args.ctx.max(1));
-    let engine =
-        Engine::load(&args.model, o).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let model = args.model.path()?;
+    let engine = super::load_engine(&model, o)?;
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }
@@ -180,7 +179,7 @@ pub fn run(args: Args) -> Result<(), String> {
         println!(
             "{}",
             json!({
-                "model": args.model.display().to_string(),
+                "model": model.display().to_string(),
                 "mode": if engine.is_sparse() { "sparse" } else { "dense" },
                 "n_ctx": args.ctx,
                 "tokens": r.tokens,

@@ -15,7 +15,7 @@
 //! and for the balanced one, on this machine's CPU (its measured read bandwidth, or
 //! `--cpu-bw`) and a GPU of `--gpu-bw`, `--gpu-launch-us` and `--link-bw`.
 
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Write};
 use std::path::PathBuf;
 
 use powerinfer_placement::cost::{self, Hardware, Policy, StepCost, Workload};
@@ -29,11 +29,11 @@ use serde_json::json;
 /// Arguments of `powerinfer plan`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The PowerInfer model file.
-    #[arg(short, long)]
-    pub model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// VRAM budget in GiB (fractions allowed).
-    #[arg(long)]
+    #[arg(long, value_parser = super::device::gib)]
     pub vram_budget: f64,
     /// Activation statistics folder (default: `activation/` next to the model).
     #[arg(long)]
@@ -107,8 +107,30 @@ fn bytes_of(amount: f64, unit: f64, what: &str) -> Result<u64, String> {
 /// Runs `powerinfer plan`.
 pub fn run(args: Args) -> Result<(), String> {
     if args.predict {
-        return predict(&args);
+        let p = predict(&args)?;
+        if args.json {
+            println!("{}", p.to_json());
+        } else {
+            p.print_table();
+        }
+        return Ok(());
     }
+    let plan = plan(&args)?;
+    if let Some(note) = note(&plan) {
+        eprintln!("{note}");
+    }
+    super::write_stdout(|out| {
+        if args.json {
+            super::json_line(out, &to_json(&plan))
+        } else {
+            write_table(out, &plan)
+        }
+    })
+}
+
+/// The placement `args` ask for: the GPU index reused, (re)built and written next to the
+/// model, or none (disabled, or no statistics).
+pub fn plan(args: &Args) -> Result<ModelPlan, String> {
     let opts = PlanOptions {
         budget_bytes: bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?,
         n_ctx: args.ctx,
@@ -121,37 +143,27 @@ pub fn run(args: Args) -> Result<(), String> {
         reset: args.reset_gpu_index,
         disable: args.disable_gpu_index,
     };
-    let plan =
-        plan_model(&args.model, &opts).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let model = args.model.path()?;
+    plan_model(&model, &opts).map_err(|e| super::file_error(&model, e))
+}
+
+/// What `powerinfer plan` says on stderr about where `plan`'s GPU index came from, if anything.
+pub fn note(plan: &ModelPlan) -> Option<String> {
     match &plan.source {
-        IndexSource::NoStatistics { looked_in } => eprintln!(
+        IndexSource::NoStatistics { looked_in } => Some(format!(
             "note: no activation statistics in {}; all FFN neurons stay on the CPU \
              (give them with --activation DIR)",
             looked_in.display()
-        ),
-        IndexSource::Disabled => eprintln!("note: GPU index disabled; all FFN neurons on the CPU"),
-        IndexSource::Built { reason, .. } => {
-            if let Some(p) = &plan.gpuidx {
-                eprintln!("wrote {} ({reason})", p.display());
-            }
+        )),
+        IndexSource::Disabled => {
+            Some("note: GPU index disabled; all FFN neurons on the CPU".into())
         }
-        IndexSource::Reused => {}
+        IndexSource::Built { reason, .. } => plan
+            .gpuidx
+            .as_ref()
+            .map(|p| format!("wrote {} ({reason})", p.display())),
+        IndexSource::Reused => None,
     }
-    let stdout = io::stdout();
-    let mut out = BufWriter::new(stdout.lock());
-    let written = if args.json {
-        serde_json::to_writer(&mut out, &to_json(&plan))
-            .map_err(io::Error::from)
-            .and_then(|()| writeln!(out))
-    } else {
-        write_table(&mut out, &plan)
-    };
-    written
-        .and_then(|()| out.flush())
-        .or_else(|e| match e.kind() {
-            io::ErrorKind::BrokenPipe => Ok(()),
-            _ => Err(format!("writing output: {e}")),
-        })
 }
 
 fn source_text(s: &IndexSource) -> String {
@@ -168,7 +180,8 @@ fn source_text(s: &IndexSource) -> String {
     }
 }
 
-fn to_json(p: &ModelPlan) -> serde_json::Value {
+/// The JSON object `powerinfer plan --json` prints (see the module's documentation).
+pub fn to_json(p: &ModelPlan) -> serde_json::Value {
     let layers: Vec<_> = p
         .split
         .layers
@@ -193,7 +206,7 @@ fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
 
-fn write_table(out: &mut impl Write, p: &ModelPlan) -> io::Result<()> {
+fn write_table(out: &mut dyn Write, p: &ModelPlan) -> io::Result<()> {
     writeln!(
         out,
         "{:>5} {:>8} {:>11} {:>10} {:>12}",
@@ -298,9 +311,8 @@ pub(crate) fn prediction(
     hw: &Hardware,
     work: Workload,
 ) -> Result<Prediction, String> {
-    let err = |e: powerinfer_placement::PlacementError| format!("{}: {e}", model.display());
-    let file =
-        powerinfer_gguf::GgufFile::open(model).map_err(|e| format!("{}: {e}", model.display()))?;
+    let err = |e: powerinfer_placement::PlacementError| super::file_error(model, e);
+    let file = powerinfer_gguf::GgufFile::open(model).map_err(|e| super::file_error(model, e))?;
     let budget = VramBudget::from_gguf(&file).map_err(err)?;
     drop(file);
     let dir = match activation {
@@ -335,7 +347,18 @@ pub(crate) fn prediction(
     })
 }
 
-fn predict(args: &Args) -> Result<(), String> {
+/// What `plan --predict` found: the cost model's decode step for both policies.
+pub struct Predicted {
+    model: PathBuf,
+    budget: u64,
+    hw: Hardware,
+    work: Workload,
+    p: Prediction,
+}
+
+/// The cost model's prediction for the placement `args` ask for (`--predict`; nothing
+/// written).
+pub fn predict(args: &Args) -> Result<Predicted, String> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hw = hardware(args, threads)?;
     let work = Workload {
@@ -343,66 +366,81 @@ fn predict(args: &Args) -> Result<(), String> {
         context: args.attended,
     };
     let budget = bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?;
+    let model = args.model.path()?;
     let p = prediction(
-        &args.model,
+        &model,
         args.activation.as_deref(),
         budget,
         args.ctx,
         &hw,
         work,
     )?;
-    let row = |name: &str, c: &StepCost| {
+    Ok(Predicted {
+        model,
+        budget,
+        hw,
+        work,
+        p,
+    })
+}
+
+impl Predicted {
+    /// The JSON object `plan --predict --json` prints.
+    pub fn to_json(&self) -> serde_json::Value {
+        let row = |name: &str, c: &StepCost| {
+            json!({
+                "policy": name, "tokens_per_s": c.tokens_per_s(), "step_ms": c.step_us() / 1e3,
+                "gpu_share": c.gpu_share(),
+                "computed_on_gpu": c.layers.iter().map(|l| l.computed).sum::<usize>(),
+            })
+        };
+        let (p, hw, work) = (&self.p, &self.hw, &self.work);
         json!({
-            "policy": name, "tokens_per_s": c.tokens_per_s(), "step_ms": c.step_us() / 1e3,
-            "gpu_share": c.gpu_share(),
-            "computed_on_gpu": c.layers.iter().map(|l| l.computed).sum::<usize>(),
-        })
-    };
-    if args.json {
-        let v = json!({
-            "budget_bytes": budget, "held_neurons": p.held, "neurons": p.total,
+            "budget_bytes": self.budget, "held_neurons": p.held, "neurons": p.total,
             "dense_on_gpu": p.dense_on_gpu, "batch": work.batch, "attended": work.context,
             "cpu_gbps": hw.cpu_bandwidth / 1e9, "gpu_gbps": hw.gpu_bandwidth / 1e9,
             "link_gbps": hw.link_bandwidth / 1e9,
             "static": row("static", &p.fixed), "balanced": row("balanced", &p.balanced),
-        });
-        println!("{v}");
-        return Ok(());
+        })
     }
-    println!(
-        "{}: {:.2} GiB of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
-        args.model.display(),
-        args.vram_budget,
-        p.dense_on_gpu,
-        p.held,
-        p.total,
-        100.0 * p.held as f64 / p.total.max(1) as f64
-    );
-    println!(
-        "CPU {:.1} GB/s, GPU {:.0} GB/s (launch {} us), link {:.0} GB/s; batch {}, {} positions attended",
-        hw.cpu_bandwidth / 1e9,
-        hw.gpu_bandwidth / 1e9,
-        hw.gpu_launch_us,
-        hw.link_bandwidth / 1e9,
-        work.batch,
-        work.context
-    );
-    println!(
-        "{:<10} {:>10} {:>10} {:>10} {:>12}",
-        "policy", "tok/s", "ms/step", "gpu share", "on GPU"
-    );
-    for (name, c) in [("static", &p.fixed), ("balanced", &p.balanced)] {
+
+    /// Prints the prediction as a table.
+    fn print_table(&self) {
+        let (p, hw, work) = (&self.p, &self.hw, &self.work);
         println!(
-            "{name:<10} {:>10.2} {:>10.3} {:>9.1}% {:>12}",
-            c.tokens_per_s(),
-            c.step_us() / 1e3,
-            100.0 * c.gpu_share(),
-            c.layers.iter().map(|l| l.computed).sum::<usize>()
+            "{}: {} of VRAM holds {} dense tensors and {} of {} FFN neurons ({:.1}%)",
+            self.model.display(),
+            super::human_bytes(self.budget),
+            p.dense_on_gpu,
+            p.held,
+            p.total,
+            100.0 * p.held as f64 / p.total.max(1) as f64
+        );
+        println!(
+            "CPU {:.1} GB/s, GPU {:.0} GB/s (launch {} us), link {:.0} GB/s; batch {}, {} positions attended",
+            hw.cpu_bandwidth / 1e9,
+            hw.gpu_bandwidth / 1e9,
+            hw.gpu_launch_us,
+            hw.link_bandwidth / 1e9,
+            work.batch,
+            work.context
+        );
+        println!(
+            "{:<10} {:>10} {:>10} {:>10} {:>12}",
+            "policy", "tok/s", "ms/step", "gpu share", "on GPU"
+        );
+        for (name, c) in [("static", &p.fixed), ("balanced", &p.balanced)] {
+            println!(
+                "{name:<10} {:>10.2} {:>10.3} {:>9.1}% {:>12}",
+                c.tokens_per_s(),
+                c.step_us() / 1e3,
+                100.0 * c.gpu_share(),
+                c.layers.iter().map(|l| l.computed).sum::<usize>()
+            );
+        }
+        println!(
+            "balanced / static: {:.2}x",
+            p.balanced.tokens_per_s() / p.fixed.tokens_per_s()
         );
     }
-    println!(
-        "balanced / static: {:.2}x",
-        p.balanced.tokens_per_s() / p.fixed.tokens_per_s()
-    );
-    Ok(())
 }

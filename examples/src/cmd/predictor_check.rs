@@ -70,11 +70,11 @@ pub fn check(
         return Ok(None);
     }
     let text = match &args.calib_file {
-        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?,
+        Some(p) => std::fs::read_to_string(p).map_err(|e| super::file_error(p, e))?,
         None => CALIBRATION_TEXT.to_string(),
     };
     let engine = Engine::load(model, super::engine_options(0, None))
-        .map_err(|e| format!("{}: {e}", model.display()))?;
+        .map_err(|e| super::file_error(model, e))?;
     if !engine.model().is_sparse() {
         return Ok(None);
     }

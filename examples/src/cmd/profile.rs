@@ -22,9 +22,9 @@ use serde_json::{json, Value};
 /// for itself).
 #[derive(clap::Args)]
 pub struct Input {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// Text file.
     #[arg(short = 'f', long = "file")]
     pub file: PathBuf,
@@ -44,7 +44,7 @@ pub fn input_help(model: &'static str, file: &'static str) -> impl FnMut(clap::A
 #[derive(clap::Args)]
 pub struct Chunks {
     /// Threads (0 = all cores).
-    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    #[arg(short = 't', long = "threads", default_value_t = 0, value_parser = crate::cmd::whole_number)]
     pub threads: usize,
     /// Tokens per chunk (each chunk is a fresh sequence).
     #[arg(long, default_value_t = 512)]
@@ -82,13 +82,14 @@ pub struct Args {
     pub json: bool,
 }
 
-/// Loads the model for observation and tokenizes the text (BOS first, at most `max_tokens`).
+/// Loads the model for observation and tokenizes the text (BOS first, at most `max_tokens`);
+/// the model file's path beside them.
 pub fn load(
     input: &Input,
     chunks: &Chunks,
     sparse_threshold: Option<f32>,
-) -> Result<(Engine, Vec<u32>), String> {
-    let (model, file) = (&input.model, &input.file);
+) -> Result<(Engine, Vec<u32>, PathBuf), String> {
+    let (model, file) = (input.model.path()?, &input.file);
     let Chunks {
         threads,
         ctx,
@@ -97,10 +98,10 @@ pub fn load(
     if ctx == 0 {
         return Err("--ctx must be positive".into());
     }
-    let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let text = std::fs::read_to_string(file).map_err(|e| super::file_error(file, e))?;
     let mut options = super::engine_options(threads, sparse_threshold);
     options.ctx_len = ctx;
-    let engine = Engine::load(model, options).map_err(|e| format!("{}: {e}", model.display()))?;
+    let engine = super::load_engine(&model, options)?;
     let mut tokens = engine.tokenizer().encode(&text, true, false);
     if max_tokens > 0 {
         tokens.truncate(max_tokens);
@@ -108,7 +109,7 @@ pub fn load(
     if tokens.is_empty() {
         return Err(format!("{}: no tokens", file.display()));
     }
-    Ok((engine, tokens))
+    Ok((engine, tokens, model))
 }
 
 /// Runs `tokens` through the engine in chunks of `ctx` (fresh sequence each) with `observer`.
@@ -176,14 +177,14 @@ pub fn run(args: Args) -> Result<(), String> {
     if args.out.is_none() && !args.eval_predictor {
         return Err("nothing to do: pass --out DIR and/or --eval-predictor".into());
     }
-    let (engine, tokens) = load(&args.input, &args.chunks, args.sparse_threshold)?;
+    let (engine, tokens, model) = load(&args.input, &args.chunks, args.sparse_threshold)?;
     let hp = &engine.model().hparams();
     let (n_layer, n_ff) = (hp.n_layer, hp.n_ff);
     let theta = engine.threshold();
     if args.eval_predictor && !engine.is_sparse() {
         return Err(format!(
             "{}: --eval-predictor needs a PowerInfer file (this one has no predictor)",
-            args.input.model.display()
+            model.display()
         ));
     }
     let mut obs = ProfileObserver {
@@ -230,7 +231,7 @@ pub fn run(args: Args) -> Result<(), String> {
             })
             .collect();
         let mut v = json!({
-            "model": args.input.model.display().to_string(),
+            "model": model.display().to_string(),
             "tokens": n_tok,
             "n_layer": n_layer,
             "n_ff": n_ff,

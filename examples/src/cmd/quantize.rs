@@ -74,7 +74,7 @@ pub fn run(args: Args) -> Result<(), String> {
         &mut progress::callback(&bar),
     );
     bar.finish_and_clear();
-    let report = report.map_err(|e| format!("{}: {e}", args.input.display()))?;
+    let report = report.map_err(|e| super::file_error(&args.input, e))?;
     let changed = report.tensors.iter().filter(|(_, a, b)| a != b).count();
     println!(
         "wrote {}: {} tensors ({changed} converted), {:.1} MiB -> {:.1} MiB",

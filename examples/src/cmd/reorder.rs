@@ -61,7 +61,7 @@ pub fn run(args: Args) -> Result<(), String> {
     }
     let stats = read_stats(&in_dir)?;
     let report = reorder_neurons(&args.input, &args.output, &stats)
-        .map_err(|e| format!("{}: {e}", args.input.display()))?;
+        .map_err(|e| super::file_error(&args.input, e))?;
     std::fs::create_dir_all(&out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
     report
         .stats

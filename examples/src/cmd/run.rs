@@ -6,7 +6,6 @@
 //! decoded densely (the twin: full GEMVs over every neuron) and with the predictor-driven sparse
 //! FFN, and the two decode speeds side by side.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -22,9 +21,10 @@ use powerinfer_predictor::stats::ActivationStats;
 /// Arguments of `powerinfer run`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file (PowerInfer `PWRI` or dense GGUF, `llama`, `bamboo`, `falcon` or `opt`). Without it: the demo.
-    #[arg(short = 'm', long = "model")]
-    pub model: Option<PathBuf>,
+    /// The model (PowerInfer `PWRI` or dense GGUF, `llama`, `bamboo`, `falcon` or `opt`).
+    /// Without one: the demo.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs<false>,
     /// Prompt.
     #[arg(short = 'p', long = "prompt", default_value = "Once upon a time")]
     pub prompt: String,
@@ -37,7 +37,8 @@ pub struct Args {
         short = 'n',
         long = "n-predict",
         default_value_t = 64,
-        allow_negative_numbers = true
+        allow_negative_numbers = true,
+        value_parser = tokens_to_generate
     )]
     pub n_predict: i64,
     /// Context shift: tokens kept at the start (besides a BOS) when a full context is halved.
@@ -59,7 +60,7 @@ pub struct Args {
     #[arg(long = "chat-template")]
     pub chat_template: Option<String>,
     /// Threads (0 = all cores).
-    #[arg(short = 't', long = "threads", default_value_t = 0)]
+    #[arg(short = 't', long = "threads", default_value_t = 0, value_parser = crate::cmd::whole_number)]
     pub threads: usize,
     /// Temperature (≤ 0: greedy, as llama.cpp).
     #[arg(long = "temp", default_value_t = 0.8, allow_negative_numbers = true, value_parser = finite)]
@@ -99,7 +100,7 @@ pub struct Args {
     #[arg(long = "dry-multiplier", default_value_t = 0.0, allow_negative_numbers = true, value_parser = non_negative)]
     pub dry_multiplier: f32,
     /// DRY: growth of the penalty per token of repeat (at least 1).
-    #[arg(long = "dry-base", default_value_t = 1.75, allow_negative_numbers = true, value_parser = finite)]
+    #[arg(long = "dry-base", default_value_t = 1.75, allow_negative_numbers = true, value_parser = at_least_one)]
     pub dry_base: f32,
     /// DRY: repeats up to this many tokens are free.
     #[arg(long = "dry-allowed-length", default_value_t = 2)]
@@ -133,7 +134,7 @@ pub struct Args {
     #[arg(short = 's', long = "seed", default_value_t = 0)]
     pub seed: u64,
     /// Context size (0 = the model's).
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 0)]
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 0, value_parser = crate::cmd::whole_number)]
     pub ctx_size: usize,
     /// Most prompt tokens evaluated per block (the prompt is cut into equal blocks).
     #[arg(short = 'b', long = "batch-size", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
@@ -227,52 +228,65 @@ pub(crate) fn dry_breaker_tokens(engine: &Engine, breakers: &[String]) -> Vec<u3
         .collect()
 }
 
-/// A number ≥ 0.
-fn non_negative(s: &str) -> Result<f32, String> {
+/// A finite number that `ok` accepts; otherwise the error says it expected `expected`.
+fn number_where(s: &str, ok: impl Fn(f32) -> bool, expected: &str) -> Result<f32, String> {
     let v = finite(s)?;
-    if v >= 0.0 {
+    if ok(v) {
         Ok(v)
     } else {
-        Err(format!("{v}: expected a number ≥ 0"))
+        Err(format!("{v}: expected {expected}"))
     }
+}
+
+/// A number ≥ 0.
+fn non_negative(s: &str) -> Result<f32, String> {
+    number_where(s, |v| v >= 0.0, "a number ≥ 0")
 }
 
 /// A share in [0, 1].
 fn share(s: &str) -> Result<f32, String> {
-    let v = finite(s)?;
-    if (0.0..=1.0).contains(&v) {
-        Ok(v)
-    } else {
-        Err(format!("{v}: expected a value in [0, 1]"))
-    }
+    number_where(s, |v| (0.0..=1.0).contains(&v), "a value in [0, 1]")
 }
 
 /// A share in (0, 1].
 fn share_above_zero(s: &str) -> Result<f32, String> {
-    let v = share(s)?;
-    if v > 0.0 {
-        Ok(v)
-    } else {
-        Err(format!("{v}: expected a value in (0, 1]"))
+    number_where(s, |v| v > 0.0 && v <= 1.0, "a value in (0, 1]")
+}
+
+/// `-n`: a count of tokens, -1 or -2.
+fn tokens_to_generate(s: &str) -> Result<i64, String> {
+    match s.trim().parse::<i64>() {
+        Ok(n) if n >= -2 => Ok(n),
+        _ => Err(format!(
+            "`{s}`: expected a number of tokens, -1 (until an end-of-generation token) or -2 \
+             (until the context is full)"
+        )),
     }
+}
+
+/// A number ≥ 1 (DRY's base).
+fn at_least_one(s: &str) -> Result<f32, String> {
+    number_where(s, |v| v >= 1.0, "a number ≥ 1")
 }
 
 /// A positive number.
 fn positive(s: &str) -> Result<f32, String> {
-    let v = finite(s)?;
-    if v > 0.0 {
-        Ok(v)
-    } else {
-        Err(format!("{v}: expected a positive number"))
-    }
+    number_where(s, |v| v > 0.0, "a positive number")
 }
 
 impl Args {
     /// The sampling flags; DRY's breakers are the tokens of `engine`'s vocabulary containing
     /// one of the breaker strings.
     pub(crate) fn sampling(&self, engine: &Engine) -> Result<SamplingParams, String> {
-        if self.dry_multiplier > 0.0 && self.dry_base < 1.0 {
-            return Err(format!("--dry-base {}: expected at least 1", self.dry_base));
+        let n_vocab = engine.model().hparams().n_vocab;
+        if let Some((id, _)) = self
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= n_vocab)
+        {
+            return Err(format!(
+                "--logit-bias: token id {id} is outside the vocabulary of {n_vocab} tokens"
+            ));
         }
         let dry_breakers = if self.dry_multiplier > 0.0 {
             dry_breaker_tokens(engine, &self.dry_sequence_breaker)
@@ -352,14 +366,14 @@ fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<
     session.set_context_shift((!args.no_context_shift && !until_full).then_some(args.keep));
     let mut tokens = Vec::new();
     let mut text = String::new();
-    let mut out = std::io::stdout().lock();
+    let out = super::terminal::ModelText::stdout();
     for tok in session.generate(prompt, args.sampling(engine)?) {
         let tok = match tok {
             Ok(t) => t,
             Err(powerinfer_engine::EngineError::ContextFull { .. }) if until_full => break,
             Err(e) => {
                 if stream {
-                    let _ = writeln!(out);
+                    out.write("\n");
                 }
                 return Err(format!(
                     "{e} after {} generated tokens{}",
@@ -373,14 +387,13 @@ fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<
             }
         };
         if stream {
-            let _ = out.write_all(tok.text.as_bytes());
-            let _ = out.flush();
+            out.write(&tok.text);
         }
         tokens.push(tok.id);
         text.push_str(&tok.text);
     }
     if stream {
-        let _ = writeln!(out);
+        out.write("\n");
     }
     let stats = session.stats().clone();
     let profile = session.profile().cloned();
@@ -395,7 +408,10 @@ fn generate(engine: &Engine, args: &Args, prompt: &str, stream: bool) -> Result<
     })
 }
 
-fn summary(label: &str, engine: &Engine, s: &Stats) {
+/// The timing summary of a generation of `generated` tokens, on stderr. The first token is
+/// sampled from the prompt's evaluation, so `decode eval` counts one run fewer than the
+/// tokens generated; both are said.
+fn summary(label: &str, engine: &Engine, s: &Stats, generated: usize) {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     eprintln!("{label}load time = {:9.2} ms", ms(s.load_time));
     eprintln!(
@@ -405,11 +421,12 @@ fn summary(label: &str, engine: &Engine, s: &Stats) {
         s.prompt_tps()
     );
     eprintln!(
-        "{label}decode eval = {:9.2} ms / {:4} tokens ({:8.2} tokens per second)",
+        "{label}decode eval = {:9.2} ms / {:4} runs   ({:8.2} tokens per second)",
         ms(s.decode_time),
         s.decode_tokens,
         s.decode_tps()
     );
+    eprintln!("{label}generated   = {generated:4} tokens (the first from the prompt's evaluation)");
     eprintln!(
         "{label}FFN density = {:.4} ({}, θ = {}, {} threads)",
         s.ffn_density(),
@@ -544,19 +561,23 @@ fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
 
 /// Runs `powerinfer run`.
 pub fn run(args: Args) -> Result<(), String> {
-    // Read before the model loads, so that a wrong path fails at once.
+    // Read before the model loads, so that a wrong path or template name fails at once.
     let prompt = args.prompt_text()?;
-    let Some(model) = &args.model else {
+    let template = if args.conversation {
+        super::chat::template_source(args.chat_template.as_deref())?
+    } else {
+        None
+    };
+    let Some(model) = &args.model.path_if_given()? else {
         return demo(&args, &prompt);
     };
-    let engine = Engine::load(model, args.options(args.dense)?)
-        .map_err(|e| format!("{}: {e}", model.display()))?;
+    let engine = super::load_engine(model, args.options(args.dense)?)?;
     warn_unused(&engine);
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }
     if args.conversation {
-        return super::chat::run(&engine, &args);
+        return super::chat::run(&engine, &args, template);
     }
     let run = generate(&engine, &args, &prompt, !args.json)?;
     let bw = run.profile.as_ref().map(|_| bandwidth(&engine));
@@ -584,7 +605,7 @@ pub fn run(args: Args) -> Result<(), String> {
         }
         println!("{}", json(&run, &extra));
     } else {
-        summary("", &engine, &run.stats);
+        summary("", &engine, &run.stats, run.tokens.len());
         if let Some(p) = &run.prompt_profile {
             print_prompt_profile(p);
         }
@@ -709,10 +730,10 @@ fn demo(args: &Args, prompt: &str) -> Result<(), String> {
     let dense = Engine::load(&twin, cpu).map_err(|e| e.to_string())?;
     eprintln!("--- dense FFN (dense twin, every neuron) ---");
     let d = generate(&dense, args, prompt, false)?;
-    summary("dense  ", &dense, &d.stats);
+    summary("dense  ", &dense, &d.stats, d.tokens.len());
     eprintln!("--- sparse FFN (predictor) ---");
     let s = generate(&sparse, args, prompt, !args.json)?;
-    summary("sparse ", &sparse, &s.stats);
+    summary("sparse ", &sparse, &s.stats, s.tokens.len());
     let ratio = s.stats.decode_tps() / d.stats.decode_tps().max(1e-9);
     let bw = s.profile.as_ref().map(|_| bandwidth(&sparse));
     if args.json {

@@ -67,7 +67,8 @@ pub struct Args {
     /// Share of all activations carried by the most active 20% of neurons (0.2 = uniform).
     #[arg(long, default_value_t = 0.8)]
     pub skew: f64,
-    /// Predictor rank r (hidden width 2r; a multiple of 16; default n_embd/16).
+    /// Rank r of the predictor's low-rank signal (a multiple of 16; default n_embd/16); the
+    /// stored predictor's rank, its hidden width (fc1's rows, what `inspect` shows), is 2r.
     #[arg(long)]
     pub predictor_rank: Option<usize>,
     /// Share of the gate variance the predictor cannot see, in [0, 1) (0 = exact predictor).
@@ -218,7 +219,7 @@ pub fn run(args: Args) -> Result<(), String> {
         s.n_ff,
         report.n_vocab,
         cfg.ty,
-        report.rank,
+        report.predictor_rank(),
         report.predictor_type,
         report.model_bytes as f64 / (1 << 20) as f64
     );

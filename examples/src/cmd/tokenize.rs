@@ -1,17 +1,15 @@
 //! `powerinfer tokenize -m FILE [--no-bos] [--no-parse-special] [--pieces] TEXT`: the token
 //! ids of TEXT under the tokenizer stored in a GGUF file, space-separated on one line.
 
-use std::path::PathBuf;
-
 use powerinfer_engine::tokenizer::Tokenizer;
 use powerinfer_gguf::GgufFile;
 
 /// Arguments of `powerinfer tokenize`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The GGUF or PowerInfer file whose `tokenizer.ggml.*` metadata to use.
-    #[arg(short = 'm', long = "model")]
-    pub model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// Do not add the BOS (or EOS) token that the vocabulary asks for.
     #[arg(long)]
     pub no_bos: bool,
@@ -27,8 +25,9 @@ pub struct Args {
 
 /// Runs `powerinfer tokenize`.
 pub fn run(args: Args) -> Result<(), String> {
-    let file = GgufFile::open(&args.model).map_err(|e| e.to_string())?;
-    let tok = Tokenizer::from_gguf(&file).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let model = args.model.path()?;
+    let file = GgufFile::open(&model).map_err(|e| super::file_error(&model, e))?;
+    let tok = Tokenizer::from_gguf(&file).map_err(|e| super::file_error(&model, e))?;
     let ids = tok.encode(&args.text, !args.no_bos, !args.no_parse_special);
     if args.pieces {
         for &id in &ids {

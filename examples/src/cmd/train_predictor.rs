@@ -113,7 +113,7 @@ pub fn run(args: Args) -> Result<(), String> {
     if !(0.0..1.0).contains(&args.holdout) {
         return Err("--holdout must be in [0, 1)".into());
     }
-    let (engine, tokens) = load(&args.input, &args.chunks, None)?;
+    let (engine, tokens, model) = load(&args.input, &args.chunks, None)?;
     let hp = &engine.model().hparams();
     let (n_layer, n_embd, n_ff) = (hp.n_layer, hp.n_embd, hp.n_ff);
     let mut c = Collector {
@@ -144,7 +144,7 @@ pub fn run(args: Args) -> Result<(), String> {
              {}: the FFN is not sparse, so a predictor would select nearly every neuron. Is it a \
              ReLU model run with its activation (a ReLU checkpoint converted as SiLU reads as \
              dense)?",
-            args.input.model.display(),
+            model.display(),
             c.layers[worst].density(),
             args.max_density
         ));
@@ -261,7 +261,7 @@ pub fn run(args: Args) -> Result<(), String> {
     }
     if args.json {
         let mut v = json!({
-            "model": args.input.model.display().to_string(),
+            "model": model.display().to_string(),
             "tokens": tokens.len(),
             "rank": args.rank,
             "threshold": args.threshold,

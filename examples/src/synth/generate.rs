@@ -87,12 +87,29 @@ pub struct LayerPlan {
     pub topics: Option<[Vec<f32>; 2]>,
 }
 
+/// Refuses an output whose parent folder does not exist: the tool writes its files and its
+/// own statistics folders there, and creates no folder elsewhere.
+fn folder_exists(path: &Path) -> Result<(), SynthError> {
+    match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() && !parent.is_dir() => {
+            Err(SynthError::Config(format!(
+                "{}: the folder {} does not exist (synth creates no folders there; make it \
+                 first)",
+                path.display(),
+                parent.display()
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// What [`synthesize`] produced.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthReport {
     /// Vocabulary size.
     pub n_vocab: usize,
-    /// Predictor rank (hidden width is twice this).
+    /// Rank of the predictor's low-rank signal ([`SynthConfig::predictor_rank`]); the stored
+    /// predictor's rank is [`predictor_rank`](SynthReport::predictor_rank).
     pub rank: usize,
     /// Type of the predictor tensors.
     pub predictor_type: GgmlType,
@@ -100,6 +117,14 @@ pub struct SynthReport {
     pub layers: Vec<LayerPlan>,
     /// Bytes of the PowerInfer file.
     pub model_bytes: u64,
+}
+
+impl SynthReport {
+    /// The stored predictor's rank: its hidden width, the rows of `fc1` (twice [`rank`](SynthReport::rank)),
+    /// as `inspect` and the predictor crate count it.
+    pub fn predictor_rank(&self) -> usize {
+        2 * self.rank
+    }
 }
 
 /// Types the generator writes 2-D weights in.
@@ -964,6 +989,12 @@ pub fn synthesize(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<SynthReport, SynthError> {
     validate(cfg)?;
+    let outputs = [Some(&out.model), out.dense.as_ref()]
+        .into_iter()
+        .chain([out.activation_dir.as_ref(), out.predictor_dir.as_ref()]);
+    for path in outputs.flatten() {
+        folder_exists(path)?;
+    }
     if out.dense.as_ref() == Some(&out.model) {
         return Err(SynthError::Config(
             "the dense twin and the PowerInfer file must be different files".into(),

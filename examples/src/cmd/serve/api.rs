@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -19,6 +20,10 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::metrics::Metrics;
+use super::request::{
+    self, ChatBody, CompletionBody, Content, FieldError, Lenient, Logprobs, Object, Prompt,
+    Sampling,
+};
 use super::worker::{Command, Refused, Update};
 
 /// What every handler shares.
@@ -46,23 +51,23 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     kind: &'static str,
-    param: Option<&'static str>,
+    param: Option<String>,
     code: Option<&'static str>,
 }
 
 impl ApiError {
-    fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+    fn bad(message: impl Into<String>, param: Option<&str>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(String::from),
             code: None,
         }
     }
 
     /// 401 for a wrong or missing key.
-    pub fn unauthorized() -> ApiError {
+    fn unauthorized() -> ApiError {
         ApiError {
             status: StatusCode::UNAUTHORIZED,
             message: "Invalid or missing API key (Authorization: Bearer ...)".into(),
@@ -100,8 +105,8 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}-{n:x}")
 }
 
-/// Checks the API key of a request.
-pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+/// Whether `headers` carry the API key `state` asks for (always, without one).
+fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     match &state.api_key {
         None => true,
         Some(key) => headers
@@ -112,42 +117,76 @@ pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     }
 }
 
-/// An optional field read by `get`; a value `get` refuses is a 400 saying that the field must
-/// be `what`.
-fn field<T>(
-    body: &Value,
-    key: &'static str,
-    what: &str,
-    get: impl Fn(&Value) -> Option<T>,
-) -> Result<Option<T>, ApiError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => get(v)
-            .map(Some)
-            .ok_or_else(|| ApiError::bad(format!("'{key}' must be {what}"), Some(key))),
+/// The layer in front of the `/v1` routes: a request without the API key is answered 401
+/// here, so that no handler checks it.
+pub async fn require_api_key(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if authorized(&state, request.headers()) {
+        next.run(request).await
+    } else {
+        ApiError::unauthorized().respond(&state.metrics)
     }
 }
 
-/// An optional number field.
-fn num(body: &Value, key: &'static str) -> Result<Option<f64>, ApiError> {
-    field(body, key, "a number", Value::as_f64)
+impl From<FieldError> for ApiError {
+    fn from(e: FieldError) -> ApiError {
+        ApiError::bad(e.message, e.field.as_deref())
+    }
 }
 
-/// An optional integer field.
-fn int(body: &Value, key: &'static str) -> Result<Option<i64>, ApiError> {
-    field(body, key, "an integer", Value::as_i64)
+/// The values a number field may take: from `lo` (included, or not when `lo_open`) to `hi`
+/// (included).
+#[derive(Clone, Copy)]
+struct Span {
+    lo: f64,
+    lo_open: bool,
+    hi: f64,
 }
 
-/// An optional boolean field (absent: false).
-fn boolean(body: &Value, key: &'static str) -> Result<bool, ApiError> {
-    Ok(field(body, key, "a boolean", Value::as_bool)?.unwrap_or(false))
+/// `[lo, hi]`.
+const fn closed(lo: f64, hi: f64) -> Span {
+    Span {
+        lo,
+        lo_open: false,
+        hi,
+    }
 }
 
-/// A number field within `lo ..= hi`.
-fn ranged(body: &Value, key: &'static str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
-    match num(body, key)? {
-        Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::bad(
-            format!("'{key}' must be between {lo} and {hi}, got {v}"),
+/// `(lo, hi]`.
+const fn open_below(lo: f64, hi: f64) -> Span {
+    Span {
+        lo,
+        lo_open: true,
+        hi,
+    }
+}
+
+impl Span {
+    fn contains(self, v: f64) -> bool {
+        (if self.lo_open {
+            v > self.lo
+        } else {
+            v >= self.lo
+        }) && v <= self.hi
+    }
+}
+
+impl std::fmt::Display for Span {
+    /// Interval notation: `[0, 2]`, `(0, 1]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let open = if self.lo_open { '(' } else { '[' };
+        write!(f, "{open}{}, {}]", self.lo, self.hi)
+    }
+}
+
+/// `v` when it is within `span`, else the 400 naming `key`.
+fn ranged(v: Option<f64>, key: &str, span: Span) -> Result<Option<f64>, ApiError> {
+    match v {
+        Some(v) if !span.contains(v) => Err(ApiError::bad(
+            format!("'{key}' must be in {span}, got {v}"),
             Some(key),
         )),
         v => Ok(v),
@@ -163,8 +202,20 @@ struct Ask {
 
 /// Sampling parameters of `body` for a prompt of `prompt_len` tokens.
 fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiError> {
-    if let Some(m) = body.get("model").and_then(Value::as_str) {
-        if m != state.model_id {
+    let r: Sampling = request::read(body)?;
+    let logprobs = match (r.logprobs.and_then(Logprobs::asked), r.top_logprobs) {
+        (Some(v), _) => Some(("logprobs", v)),
+        (None, Some(n)) => Some(("top_logprobs", n.to_string())),
+        (None, None) => None,
+    };
+    if let Some((key, value)) = logprobs {
+        return Err(ApiError::bad(
+            format!("log probabilities are not supported by this server ('{key}': {value})"),
+            Some(key),
+        ));
+    }
+    if let Some(m) = &r.model {
+        if *m != state.model_id {
             return Err(ApiError {
                 status: StatusCode::NOT_FOUND,
                 message: format!(
@@ -172,7 +223,7 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
                     state.model_id
                 ),
                 kind: "invalid_request_error",
-                param: Some("model"),
+                param: Some("model".into()),
                 code: Some("model_not_found"),
             });
         }
@@ -191,7 +242,7 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         ));
     }
     let room = state.ctx - prompt_len;
-    let max_tokens = match int(body, "max_tokens")?.or(int(body, "max_completion_tokens")?) {
+    let max_tokens = match r.max_tokens.or(r.max_completion_tokens) {
         None => room,
         Some(n) if n <= 0 => {
             return Err(ApiError::bad(
@@ -210,22 +261,7 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         }
         Some(n) => n as usize,
     };
-    let stop = match body.get("stop") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| v.as_str().map(String::from))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| ApiError::bad("'stop' must be a string or strings", Some("stop")))?,
-        Some(_) => {
-            return Err(ApiError::bad(
-                "'stop' must be a string or strings",
-                Some("stop"),
-            ))
-        }
-    };
-    let n = match int(body, "n")? {
+    let n = match r.n {
         None => 1,
         Some(n) if (1..=8).contains(&n) => n as usize,
         Some(n) => {
@@ -235,20 +271,19 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
             ))
         }
     };
-    let stream = boolean(body, "stream")?;
-    if stream && n > 1 {
+    if r.stream && n > 1 {
         return Err(ApiError::bad("'n' > 1 cannot be streamed", Some("n")));
     }
-    let temperature = ranged(body, "temperature", 0.0, 2.0)?;
-    let top_p = ranged(body, "top_p", f64::MIN_POSITIVE, 1.0)?;
-    let min_p = ranged(body, "min_p", 0.0, 1.0)?;
-    let presence = ranged(body, "presence_penalty", -2.0, 2.0)?;
-    let frequency = ranged(body, "frequency_penalty", -2.0, 2.0)?;
-    let repeat = ranged(body, "repeat_penalty", 0.0, 10.0)?;
-    let typical = ranged(body, "typical_p", f64::MIN_POSITIVE, 1.0)?;
-    let xtc_probability = ranged(body, "xtc_probability", 0.0, 1.0)?;
-    let xtc_threshold = ranged(body, "xtc_threshold", 0.0, 1.0)?;
-    let mirostat = match int(body, "mirostat")? {
+    let temperature = ranged(r.temperature, "temperature", closed(0.0, 2.0))?;
+    let top_p = ranged(r.top_p, "top_p", open_below(0.0, 1.0))?;
+    let min_p = ranged(r.min_p, "min_p", closed(0.0, 1.0))?;
+    let presence = ranged(r.presence_penalty, "presence_penalty", closed(-2.0, 2.0))?;
+    let frequency = ranged(r.frequency_penalty, "frequency_penalty", closed(-2.0, 2.0))?;
+    let repeat = ranged(r.repeat_penalty, "repeat_penalty", closed(0.0, 10.0))?;
+    let typical = ranged(r.typical_p, "typical_p", open_below(0.0, 1.0))?;
+    let xtc_probability = ranged(r.xtc_probability, "xtc_probability", closed(0.0, 1.0))?;
+    let xtc_threshold = ranged(r.xtc_threshold, "xtc_threshold", closed(0.0, 1.0))?;
+    let mirostat = match r.mirostat {
         Some(m) if !(0..=2).contains(&m) => {
             return Err(ApiError::bad(
                 "'mirostat' must be 0, 1 or 2",
@@ -257,10 +292,10 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         }
         m => m,
     };
-    let mirostat_tau = ranged(body, "mirostat_tau", f64::MIN_POSITIVE, 100.0)?;
-    let dry_multiplier = ranged(body, "dry_multiplier", 0.0, 100.0)?;
-    let dry_base = ranged(body, "dry_base", 1.0, 100.0)?;
-    let dry_allowed_length = match int(body, "dry_allowed_length")? {
+    let mirostat_tau = ranged(r.mirostat_tau, "mirostat_tau", open_below(0.0, 100.0))?;
+    let dry_multiplier = ranged(r.dry_multiplier, "dry_multiplier", closed(0.0, 100.0))?;
+    let dry_base = ranged(r.dry_base, "dry_base", closed(1.0, 100.0))?;
+    let dry_allowed_length = match r.dry_allowed_length {
         Some(n) if n < 0 => {
             return Err(ApiError::bad(
                 "'dry_allowed_length' must be 0 or more",
@@ -269,7 +304,7 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         }
         n => n,
     };
-    let dry_last_n = match int(body, "dry_penalty_last_n")? {
+    let dry_last_n = match r.dry_penalty_last_n {
         Some(n) if n < -1 => {
             return Err(ApiError::bad(
                 "'dry_penalty_last_n' must be -1 (all), 0 (off) or more",
@@ -278,58 +313,38 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         }
         n => n,
     };
-    let dry_breakers = match body.get("dry_sequence_breakers") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a
-            .iter()
-            .filter_map(|v| v.as_str().map(String::from))
-            .collect(),
-        Some(_) => {
-            return Err(ApiError::bad(
-                "'dry_sequence_breakers' must be an array of strings",
-                Some("dry_sequence_breakers"),
-            ))
-        }
-    };
     let dry_on = dry_multiplier.is_some_and(|m| m > 0.0);
     let dry_breaker_ids = if dry_on {
-        crate::cmd::run::dry_breaker_tokens(&state.engine, &dry_breakers)
+        crate::cmd::run::dry_breaker_tokens(&state.engine, &r.dry_sequence_breakers)
     } else {
         Vec::new()
     };
-    let mirostat_eta = ranged(body, "mirostat_eta", f64::MIN_POSITIVE, 10.0)?;
-    // OpenAI's map of token ids (as strings) to biases in [-100, 100].
-    let logit_bias = match body.get("logit_bias") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Object(m)) => {
-            let mut v = Vec::with_capacity(m.len());
-            for (k, b) in m {
-                let id = k.parse::<u32>().ok();
-                let bias = b.as_f64().filter(|b| (-100.0..=100.0).contains(b));
-                match (id, bias) {
-                    (Some(id), Some(b)) => v.push((id, b as f32)),
-                    _ => {
-                        return Err(ApiError::bad(
-                            format!("'logit_bias' maps token ids to numbers in [-100, 100]: {k}"),
-                            Some("logit_bias"),
-                        ))
-                    }
-                }
+    let mirostat_eta = ranged(r.mirostat_eta, "mirostat_eta", open_below(0.0, 10.0))?;
+    let n_vocab = state.engine.model().hparams().n_vocab;
+    let logit_bias = r
+        .logit_bias
+        .iter()
+        .flatten()
+        .map(|(k, b)| {
+            let id = k.parse::<u32>().ok().filter(|&id| (id as usize) < n_vocab);
+            let bias = b.as_f64().filter(|b| (-100.0..=100.0).contains(b));
+            match (id, bias) {
+                (Some(id), Some(b)) => Ok((id, b as f32)),
+                _ => Err(ApiError::bad(
+                    format!(
+                        "'logit_bias' maps token ids (below {n_vocab}) to numbers in \
+                         [-100, 100]: {k}"
+                    ),
+                    Some("logit_bias"),
+                )),
             }
-            v
-        }
-        Some(_) => {
-            return Err(ApiError::bad(
-                "'logit_bias' must be an object of token ids to biases",
-                Some("logit_bias"),
-            ))
-        }
-    };
-    let top_k = match int(body, "top_k")? {
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let top_k = match r.top_k {
         Some(k) if k < 0 => return Err(ApiError::bad("'top_k' must be 0 or more", Some("top_k"))),
         k => k,
     };
-    let seed = int(body, "seed")?.map(|s| s as u64).unwrap_or_else(|| {
+    let seed = r.seed.map(|s| s as u64).unwrap_or_else(|| {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
@@ -344,7 +359,7 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
         p.top_k = top_k.map_or(p.top_k, |k| k as usize);
         p.seed = seed;
         p.max_tokens = max_tokens;
-        p.stop = stop;
+        p.stop = r.stop;
         p.typical_p = typical.map_or(1.0, |v| v as f32);
         p.xtc_probability = xtc_probability.map_or(0.0, |v| v as f32);
         p.xtc_threshold = xtc_threshold.map_or(p.xtc_threshold, |v| v as f32);
@@ -365,7 +380,11 @@ fn ask(state: &AppState, body: &Value, prompt_len: usize) -> Result<Ask, ApiErro
             .map(|(t, b)| (t, if b <= -100.0 { f32::NEG_INFINITY } else { b }))
             .collect();
     });
-    Ok(Ask { params, n, stream })
+    Ok(Ask {
+        params,
+        n,
+        stream: r.stream,
+    })
 }
 
 /// Starts a sequence on the decoding thread; its updates.
@@ -578,15 +597,11 @@ const CHAT: Endpoint = Endpoint {
     },
 };
 
-/// A POST endpoint's response: 401 without the API key, else `inner`'s response or its error.
+/// A POST endpoint's response: `inner`'s response or its error.
 async fn respond(
     state: &AppState,
-    headers: &HeaderMap,
     inner: impl Future<Output = Result<Response, ApiError>>,
 ) -> Response {
-    if !authorized(state, headers) {
-        return ApiError::unauthorized().respond(&state.metrics);
-    }
     match inner.await {
         Ok(r) => r,
         Err(e) => e.respond(&state.metrics),
@@ -660,67 +675,62 @@ async fn complete(
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Response {
-    respond(&state, &headers, completions_inner(&state, &bytes)).await
+pub async fn completions(State(state): State<AppState>, bytes: Bytes) -> Response {
+    respond(&state, completions_inner(&state, &bytes)).await
 }
 
 async fn completions_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiError> {
     let body = body_json(bytes)?;
+    let request: CompletionBody = request::read(&body)?;
     let tok = state.engine.tokenizer();
-    let bad_prompt = || {
-        ApiError::bad(
-            "'prompt' must be a string, one string in an array, or an array of token ids",
-            Some("prompt"),
-        )
-    };
-    let tokens: Vec<u32> = match body.get("prompt") {
-        Some(Value::String(s)) => tok.encode(s, true, false),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            tok.encode(a[0].as_str().unwrap_or(""), true, false)
-        }
-        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
-            .iter()
-            .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(bad_prompt)?,
+    let tokens = match request.prompt {
+        Some(Prompt::Text(s) | Prompt::OneText([s])) => tok.encode(&s, true, false),
+        Some(Prompt::Tokens(t)) => t,
         None => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
-        _ => return Err(bad_prompt()),
     };
     complete(state, &body, tokens, &COMPLETIONS).await
 }
 
-/// The messages of a chat request.
-fn messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+/// The roles a chat message may have.
+const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+/// The messages of a chat request, or the 400 saying what is wrong with them.
+fn messages(body: ChatBody) -> Result<Vec<ChatMessage>, ApiError> {
     let bad = |m: &str| ApiError::bad(m, Some("messages"));
     let list = body
-        .get("messages")
-        .and_then(Value::as_array)
+        .messages
         .ok_or_else(|| bad("'messages' must be an array of messages"))?;
     if list.is_empty() {
         return Err(bad("'messages' is empty"));
     }
-    list.iter()
+    list.into_iter()
         .map(|m| {
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("every message needs a 'role' string"))?;
-            let content = match m.get("content") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .map(|p| match (p.get("type"), p.get("text")) {
-                        (Some(t), Some(Value::String(s))) if t == "text" => Ok(s.as_str()),
+            let Lenient::Valid(Object(m)) = m else {
+                return Err(bad("every message needs a 'role' string"));
+            };
+            let Some(Lenient::Valid(role)) = m.role else {
+                return Err(bad("every message needs a 'role' string"));
+            };
+            if !ROLES.contains(&role.as_str()) {
+                return Err(bad(&format!(
+                    "a message's 'role' is one of {}, not '{role}'",
+                    ROLES.join(", ")
+                )));
+            }
+            let content = match m.content {
+                None => String::new(),
+                Some(Lenient::Valid(Content::Text(s))) => s,
+                Some(Lenient::Valid(Content::Parts(parts))) => parts
+                    .into_iter()
+                    .map(|p| match p {
+                        Lenient::Valid(Object(p)) if p.kind == "text" => Ok(p.text),
                         _ => Err(bad("only text content parts are supported")),
                     })
                     .collect::<Result<Vec<_>, _>>()?
                     .concat(),
-                Some(Value::Null) | None => String::new(),
-                _ => return Err(bad("a message's 'content' must be a string or text parts")),
+                Some(Lenient::Other(_)) => {
+                    return Err(bad("a message's 'content' must be a string or text parts"))
+                }
             };
             Ok(ChatMessage::new(role, content))
         })
@@ -728,17 +738,13 @@ fn messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    bytes: Bytes,
-) -> Response {
-    respond(&state, &headers, chat_inner(&state, &bytes)).await
+pub async fn chat_completions(State(state): State<AppState>, bytes: Bytes) -> Response {
+    respond(&state, chat_inner(&state, &bytes)).await
 }
 
 async fn chat_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiError> {
     let body = body_json(bytes)?;
-    let msgs = messages(&body)?;
+    let msgs = messages(request::read(&body)?)?;
     let prompt = state
         .template
         .render(&msgs, true)
@@ -750,10 +756,7 @@ async fn chat_inner(state: &AppState, bytes: &Bytes) -> Result<Response, ApiErro
 }
 
 /// `GET /v1/models`.
-pub async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    if !authorized(&state, &headers) {
-        return ApiError::unauthorized().respond(&state.metrics);
-    }
+pub async fn models(State(state): State<AppState>) -> Response {
     state.metrics.response(200);
     Json(json!({
         "object": "list",

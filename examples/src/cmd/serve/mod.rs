@@ -12,18 +12,18 @@
 
 mod api;
 mod metrics;
+mod request;
 mod worker;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use powerinfer_engine::{Engine, SchedulerOptions};
+use axum::{middleware, Json, Router};
+use powerinfer_engine::SchedulerOptions;
 use serde_json::json;
 
 use api::AppState;
@@ -32,9 +32,9 @@ use metrics::Metrics;
 /// Arguments of `powerinfer serve`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file.
-    #[arg(short = 'm', long = "model")]
-    model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: super::model::ModelArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -48,10 +48,10 @@ pub struct Args {
     #[arg(long = "queue", default_value_t = 64)]
     queue: usize,
     /// Context size per sequence (0: the model's).
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 2048)]
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 2048, value_parser = crate::cmd::whole_number)]
     ctx_size: usize,
     /// Threads (0: all cores).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cmd::whole_number)]
     threads: usize,
     /// Prompt tokens evaluated per step, over all waiting prompts.
     #[arg(short = 'b', long = "batch-size", default_value_t = 64)]
@@ -94,11 +94,26 @@ async fn page() -> Html<&'static str> {
     Html(PAGE)
 }
 
+/// An OpenAI-style error body with `status`, `message` and `code`, counted in the metrics.
+fn route_error(state: &AppState, status: StatusCode, message: &str, code: &str) -> Response {
+    let e = json!({"error": {"message": message, "type": "invalid_request_error",
+                             "param": null, "code": code}});
+    state.metrics.response(status.as_u16());
+    (status, Json(e)).into_response()
+}
+
 async fn not_found(State(state): State<AppState>) -> Response {
-    let e = json!({"error": {"message": "no such route", "type": "invalid_request_error",
-                             "param": null, "code": "not_found"}});
-    state.metrics.response(404);
-    (StatusCode::NOT_FOUND, Json(e)).into_response()
+    route_error(&state, StatusCode::NOT_FOUND, "no such route", "not_found")
+}
+
+async fn method_not_allowed(State(state): State<AppState>, method: Method, uri: Uri) -> Response {
+    let message = format!("{method} is not allowed on {}", uri.path());
+    route_error(
+        &state,
+        StatusCode::METHOD_NOT_ALLOWED,
+        &message,
+        "method_not_allowed",
+    )
 }
 
 /// The server's routes over `state`.
@@ -107,10 +122,18 @@ pub fn router(state: AppState) -> Router {
         .route("/", get(page))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
-        .route("/v1/models", get(api::models))
-        .route("/v1/completions", post(api::completions))
-        .route("/v1/chat/completions", post(api::chat_completions))
+        .merge(
+            Router::new()
+                .route("/v1/models", get(api::models))
+                .route("/v1/completions", post(api::completions))
+                .route("/v1/chat/completions", post(api::chat_completions))
+                .route_layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    api::require_api_key,
+                )),
+        )
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -119,37 +142,24 @@ pub fn run(a: Args) -> Result<(), String> {
     if a.parallel == 0 {
         return Err("--parallel 0: at least one sequence".into());
     }
+    // Before the model loads, so that a misspelt name fails at once.
+    let template_source = super::chat::template_source(a.chat_template.as_deref())?;
     let mut o = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut o)?;
     // Every sequence decoded at once keeps its KV rows on a device.
     o.device.kv_sequences = a.parallel;
     o.ctx_len = a.ctx_size;
     o.batch = a.batch_size.max(1);
-    let engine =
-        Arc::new(Engine::load(&a.model, o).map_err(|e| format!("{}: {e}", a.model.display()))?);
+    let model = a.model.path()?;
+    let engine = Arc::new(super::load_engine(&model, o)?);
     for line in super::device::describe(&engine) {
         eprintln!("{line}");
     }
-    let template_source = match &a.chat_template {
-        Some(t) if std::path::Path::new(t).is_file() => {
-            Some(std::fs::read_to_string(t).map_err(|e| format!("{t}: {e}"))?)
-        }
-        Some(t) if powerinfer_engine::ChatTemplate::named(t).is_some() => Some(t.clone()),
-        Some(t) => {
-            return Err(format!(
-                "--chat-template {t}: neither a file nor a known name ({})",
-                powerinfer_engine::ChatTemplate::names()
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        }
-        None => None,
-    };
     let template = engine
         .chat_template(template_source.as_deref())
         .map_err(|e| e.to_string())?;
     let model_id = a.alias.clone().unwrap_or_else(|| {
-        a.model
+        model
             .file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned())
     });
