@@ -58,7 +58,7 @@ use powerinfer_gguf::{FileKind, GgufFile};
 use powerinfer_kernels_cpu::ThreadPool;
 use serde_json::json;
 
-use super::bench_shared::{budget_for, median};
+use super::bench_shared::{argmax, budget_for, median};
 
 /// Arguments of `powerinfer bench decode`.
 #[derive(clap::Args)]
@@ -183,7 +183,7 @@ struct Row {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct WeightsMemory {
     /// Bytes/s of a read of the whole file image the engine decodes from (the benchmark's
-    /// threads, the faster of the kernels' two reading paths, medians of 3: `bench::read_bps`).
+    /// threads, the faster of the kernels' two reading paths, medians of 3: `bandwidth::read_bps`).
     pub(crate) read_bps: f64,
     /// Of the file's resident mapped bytes, the share mapped with 2 MiB pages (`FilePmdMapped`
     /// over `Rss` of its mappings in `/proc/self/smaps`); `None` when not mapped or unknown.
@@ -196,7 +196,7 @@ impl WeightsMemory {
     pub(crate) fn of(engine: &Engine, path: &Path, copied: bool) -> WeightsMemory {
         let pool = ThreadPool::new(engine.threads());
         WeightsMemory {
-            read_bps: super::bench::read_bps(&pool, engine.model().file().bytes(), 3),
+            read_bps: super::bandwidth::read_bps(&pool, engine.model().file().bytes(), 3),
             huge_share: if copied { None } else { huge_page_share(path) },
         }
     }
@@ -475,16 +475,6 @@ fn median_index(v: &[f64]) -> usize {
     idx.get(v.len().saturating_sub(1) / 2).copied().unwrap_or(0)
 }
 
-pub(crate) fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// What `llama-bench` measured on one file.
 #[derive(Clone, Copy, Debug)]
 struct LlamaRun {
@@ -644,7 +634,7 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         }
     }
     if models.is_empty() {
-        let (sparse, twin) = super::run::demo_files()?;
+        let (sparse, twin) = super::demo_model::demo_files()?;
         models = vec![twin, sparse];
     }
     let threads = if a.threads == 0 {
@@ -653,7 +643,7 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         a.threads
     };
     let pool = ThreadPool::new(threads);
-    let bw = super::bench::read_bandwidth(&pool, 1 << 30, 5);
+    let bw = super::bandwidth::read_bandwidth(&pool, 1 << 30, 5);
     drop(pool);
     if !a.json {
         eprintln!(

@@ -154,7 +154,7 @@ fn decode(path: &Path, o: EngineOptions, n: usize) -> Result<Run, String> {
         if i == n / 2 {
             half = Instant::now();
         }
-        let tok = super::bench_decode::argmax(&logits);
+        let tok = super::bench_shared::argmax(&logits);
         logits = s.eval(&[tok]).map_err(|e| e.to_string())?;
     }
     let end = t.elapsed().as_secs_f64();
@@ -209,7 +209,7 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
     let quiet = a.json;
     let path = match a.model.path_if_given()? {
         Some(p) => p,
-        None => cached_synth(super::run::demo_shape(), false, quiet)?,
+        None => cached_synth(super::demo_model::demo_shape(), false, quiet)?,
     };
     if !(a.sim_bandwidth.is_finite() && a.sim_bandwidth > 0.0) {
         return Err(format!(
@@ -293,7 +293,7 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
         .and_then(|r| r.report.calibration.as_ref())
         .map(|c| c.cpu.per_row_us);
     let pool = powerinfer_kernels_cpu::ThreadPool::new(a.threads.max(1));
-    let cpu_bw = super::bench::read_bandwidth(&pool, 1 << 30, 3);
+    let cpu_bw = super::bandwidth::read_bandwidth(&pool, 1 << 30, 3);
     let hw = Hardware {
         cpu_bandwidth: cpu_bw,
         cpu_row_us,
@@ -552,7 +552,7 @@ fn topic_shift(a: &ScheduleArgs, like: &Path, quiet: bool) -> Result<serde_json:
 /// A synthetic Q4_0 PowerInfer model of `shape` with its `activation/` statistics (two topics
 /// with `topics`), written once to a folder of the demo's cache.
 fn cached_synth(shape: synth::Shape, topics: bool, quiet: bool) -> Result<PathBuf, String> {
-    let dir = super::run::cache_dir().join(format!(
+    let dir = super::demo_model::cache_dir().join(format!(
         "{}-v1-l{}-e{}-f{}-q4_0",
         if topics { "topics" } else { "schedule" },
         shape.n_layer,

@@ -1,4 +1,4 @@
-//! What the benchmarks share: the median of their rounds and the device budget that holds a
+//! What the benchmarks share: the median of their rounds, the greedy token and the device budget that holds a
 //! given share of a model's FFN.
 
 use std::path::Path;
@@ -52,6 +52,17 @@ pub fn budget_for(path: &Path, o: &EngineOptions, share: f64) -> Result<u64, Str
         .peak_bytes
         .saturating_sub((ffn as f64 * r.resident_share()) as u64);
     Ok(base + (ffn as f64 * share.clamp(0.0, 1.0)) as u64)
+}
+
+/// The index of the greatest of `v` (the first of equals; 0 when empty): a greedy token.
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 #[cfg(test)]

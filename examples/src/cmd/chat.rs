@@ -10,7 +10,7 @@ use std::io::BufRead;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use powerinfer_engine::{ChatMessage, ChatTemplate, Engine};
+use powerinfer_engine::{ChatMessage, ChatTemplate, Engine, SamplingParams};
 
 /// What a `--chat-template` value (of `run -cnv` and `serve`) gives the engine: the Jinja text
 /// of a file, or the name of a known template; `None`: the model's own. Anything else is
@@ -30,8 +30,15 @@ pub fn template_source(arg: Option<&str>) -> Result<Option<String>, String> {
 }
 
 /// Runs the conversation of `powerinfer run -cnv` with the chat template `source` (see
-/// [`template_source`]).
-pub fn run(engine: &Engine, args: &super::run::Args, source: Option<String>) -> Result<(), String> {
+/// [`template_source`]), an optional system message, the sampling `params` and the context
+/// shift's `keep` (`None`: no shift).
+pub fn run(
+    engine: &Engine,
+    system_prompt: Option<&str>,
+    params: SamplingParams,
+    context_shift: Option<usize>,
+    source: Option<String>,
+) -> Result<(), String> {
     let template = engine
         .chat_template(source.as_deref())
         .map_err(|e| e.to_string())?;
@@ -49,14 +56,12 @@ pub fn run(engine: &Engine, args: &super::run::Args, source: Option<String>) -> 
         })
         .map_err(|e| format!("Ctrl-C handler: {e}"))?;
     }
-    let mut messages: Vec<ChatMessage> = args
-        .system_prompt
+    let mut messages: Vec<ChatMessage> = system_prompt
         .iter()
-        .map(|s| ChatMessage::new("system", s.clone()))
+        .map(|s| ChatMessage::new("system", *s))
         .collect();
-    let params = args.sampling(engine)?;
     let mut session = engine.session();
-    session.set_context_shift((!args.no_context_shift).then_some(args.keep));
+    session.set_context_shift(context_shift);
     // The tokens the session's cache holds, in order.
     let mut held: Vec<u32> = Vec::new();
     let mut generated = 0;

@@ -1,6 +1,7 @@
 //! The subcommands, one module each. Each has an `Args` struct and a `run(Args) -> Result<(), String>`;
 //! an `Err` is printed as a one-line error and the process exits with status 1.
 
+pub mod bandwidth;
 pub mod batched;
 pub mod bench;
 pub mod bench_decode;
@@ -9,6 +10,7 @@ pub mod bench_serve;
 pub mod bench_shared;
 pub mod chat;
 pub mod convert;
+pub mod demo_model;
 pub mod device;
 pub mod inspect;
 pub mod logits;

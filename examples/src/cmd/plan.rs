@@ -276,7 +276,7 @@ fn hardware(args: &Args, threads: usize) -> Result<Hardware, String> {
         Some(v) => positive(v, "--cpu-bw")? * 1e9,
         None => {
             let pool = powerinfer_kernels_cpu::ThreadPool::new(threads);
-            super::bench::read_bandwidth(&pool, 1 << 30, 3)
+            super::bandwidth::read_bandwidth(&pool, 1 << 30, 3)
         }
     };
     Ok(Hardware {

@@ -7,16 +7,11 @@
 //! FFN, and the two decode speeds side by side.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
-use crate::reorder::reorder_neurons;
-use crate::synth::{self, PredictorRule, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::OpProfile;
 use powerinfer_engine::{AxpyCoefficients, Engine, EngineOptions, Stats};
-use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ThreadPool;
-use powerinfer_predictor::stats::ActivationStats;
 
 /// Arguments of `powerinfer run`.
 #[derive(clap::Args)]
@@ -539,7 +534,7 @@ pub(crate) fn profile_json(p: &OpProfile, bandwidth: f64) -> serde_json::Value {
 /// This machine's read bandwidth with the engine's thread count (bytes/s), for `--profile`.
 pub(crate) fn bandwidth(engine: &Engine) -> f64 {
     let pool = ThreadPool::new(engine.threads());
-    super::bench::read_bandwidth(&pool, 1 << 30, 3)
+    super::bandwidth::read_bandwidth(&pool, 1 << 30, 3)
 }
 
 fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
@@ -577,7 +572,13 @@ pub fn run(args: Args) -> Result<(), String> {
         eprintln!("{line}");
     }
     if args.conversation {
-        return super::chat::run(&engine, &args, template);
+        return super::chat::run(
+            &engine,
+            args.system_prompt.as_deref(),
+            args.sampling(&engine)?,
+            (!args.no_context_shift).then_some(args.keep),
+            template,
+        );
     }
     let run = generate(&engine, &args, &prompt, !args.json)?;
     let bw = run.profile.as_ref().map(|_| bandwidth(&engine));
@@ -648,69 +649,8 @@ pub(crate) fn warn_unused(engine: &Engine) {
     );
 }
 
-/// Shape of the demo model: 12 layers of width 1024 and 4096 neurons (~180 M weights, ~100 MB
-/// in Q4_0), small enough to write in seconds and to decode quickly on two cores.
-pub(crate) fn demo_shape() -> Shape {
-    Shape {
-        n_layer: 12,
-        n_embd: 1024,
-        n_ff: 4096,
-        n_head: 16,
-        n_head_kv: 4,
-        n_vocab: None,
-        n_ctx: 1024,
-    }
-}
-
-/// The folder of the demo model and the benchmarks' synthetic models.
-pub(crate) fn cache_dir() -> PathBuf {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir);
-    base.join("powerinfer-rs").join("demo")
-}
-
-/// The demo model and its dense twin in the cache directory, written on first use:
-/// `(PowerInfer file, dense GGUF twin)`. The PowerInfer file has its FFN neurons sorted by
-/// activation frequency (`powerinfer reorder`), as its statistics give them.
-pub fn demo_files() -> Result<(PathBuf, PathBuf), String> {
-    let dir = cache_dir();
-    let path = dir.join("demo-v3-l12-e1024-f4096-q4_0.powerinfer.gguf");
-    let twin = dir.join("demo-v3-l12-e1024-f4096-q4_0.dense.gguf");
-    if !path.exists() || !twin.exists() {
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        eprintln!("writing the demo model once to {} ...", path.display());
-        let t = Instant::now();
-        let mut cfg = SynthConfig::new(demo_shape());
-        cfg.ty = GgmlType::Q4_0;
-        cfg.seed = 2024;
-        // PowerInfer's own rule (Q4_0 predictor for a Q4_0 model): an F16 predictor would cost
-        // more memory traffic per token than the 10% of the FFN it selects.
-        cfg.predictor_rule = PredictorRule::PowerInfer;
-        // The converter's neuron order first, with its statistics, then sorted.
-        let work = dir.join(format!(".demo-work-{}", std::process::id()));
-        std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
-        let unsorted = work.join("unsorted.powerinfer.gguf");
-        let act = work.join("activation");
-        let out = SynthOutputs {
-            model: unsorted.clone(),
-            dense: Some(twin.clone()),
-            activation_dir: Some(act.clone()),
-            predictor_dir: None,
-        };
-        synth::synthesize(&cfg, &out, &mut |_, _| {}).map_err(|e| e.to_string())?;
-        let stats = ActivationStats::read_pt_dir(&act).map_err(|e| e.to_string())?;
-        reorder_neurons(&unsorted, &path, &stats).map_err(|e| e.to_string())?;
-        // Only the sorted file is kept.
-        let _ = std::fs::remove_dir_all(&work);
-        eprintln!("done in {:.1} s", t.elapsed().as_secs_f64());
-    }
-    Ok((path, twin))
-}
-
 fn demo(args: &Args, prompt: &str) -> Result<(), String> {
-    let (path, twin) = demo_files()?;
+    let (path, twin) = super::demo_model::demo_files()?;
     eprintln!("================================================================");
     eprintln!(" powerinfer-rs demo: a SYNTHETIC ReLU-sparse model (random weights,");
     eprintln!(" ~10% of FFN neurons fire per token, sorted by how often they fire:");

@@ -67,6 +67,7 @@
 mod generate;
 pub mod math;
 mod quantize;
+mod rows;
 pub mod vocab;
 
 use std::path::PathBuf;

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use powerinfer_gguf::quants::{can_dequantize, dequantize};
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter, Value};
 
-use super::generate::RowReader;
+use super::rows::RowReader;
 use super::SynthError;
 use powerinfer_predictor::predictor::predictor_layer;
 
