@@ -232,6 +232,10 @@ impl<'a> Args<'a> {
                 detail: format!("arguments {:?}, parameters {expected:?}", self.pushed),
             });
         }
+        // A grid without a block has no work, and the driver refuses to launch it.
+        if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
+            return Ok(());
+        }
         let cfg = LaunchConfig {
             grid_dim: l.grid,
             block_dim: (l.block, 1, 1),
@@ -391,6 +395,10 @@ impl Gpu {
         check_len("x", t * w.cols(), x.len())?;
         check_len("scores", t * n, p.len())?;
         check_len("dst", t * n, dst.len())?;
+        // An empty view's memory is not its own (it may stand at another view's start).
+        if dst.is_empty() {
+            return Ok(());
+        }
         stream.inner.memset_zeros(&mut dst.inner)?;
         let l = geometry::matmul(w.ty(), w.rows(), t)?;
         if w.rows() == 0 || t == 0 {
@@ -436,6 +444,9 @@ impl Gpu {
             check_len("scores", t * n, p.len())?;
         }
         check_len("dst", t * m, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
         stream.inner.memset_zeros(&mut dst.inner)?;
         let l = geometry::axpy(w.ty(), m, w.rows(), t)?;
         if m == 0 {

@@ -23,8 +23,8 @@ use powerinfer_kernels_cuda::{
 };
 
 use super::{
-    free_entry, launches_of, BufId, Device, HotId, HotSpec, HotSwap, KvId, KvShape, MatId, Op,
-    ReadId, RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
+    converts_activation, free_entry, launches_of, BufId, Device, HotId, HotSpec, HotSwap, KvId,
+    KvShape, MatId, Op, ReadId, RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -46,9 +46,11 @@ struct CudaHot {
     down: GpuSlice,
     /// Host copy of the bucket (device row `j` = neuron `bucket[j]`).
     bucket: Vec<u32>,
-    /// Per neuron, 0 where the device computes it and `-inf` where it does not (added to the
-    /// scores; `None`: every held neuron).
-    mask: Option<DeviceBuffer<f32>>,
+    /// Per neuron, 0 where the device computes it and NaN where it does not (added to the
+    /// scores when `masked`; allocated with the slice, so enabling allocates nothing).
+    mask: DeviceBuffer<f32>,
+    /// Whether `mask` applies (else the device computes every held neuron).
+    masked: bool,
     /// `ffn_up.bias` of every neuron (gate-less FFNs).
     up_bias: Option<DeviceBuffer<f32>>,
     act: FfnAct,
@@ -72,6 +74,8 @@ struct Scratch {
 /// A copy to the host in flight: its pinned buffer.
 struct PendingRead {
     buf: PinnedBuffer<f32>,
+    /// Values read (the buffer may be longer).
+    len: usize,
 }
 
 /// Everything on the device, behind one lock: operations queue under it.
@@ -417,8 +421,8 @@ impl CudaDevice {
             sc.masked.view_mut(0, tn).map_err(cuda)?,
         )
         .map_err(cuda)?;
-        if let Some(mask) = &h.mask {
-            g.add_rows(s, sc.masked.view_mut(0, tn).map_err(cuda)?, mask)
+        if h.masked {
+            g.add_rows(s, sc.masked.view_mut(0, tn).map_err(cuda)?, &h.mask)
                 .map_err(cuda)?;
         }
         let Scratch {
@@ -588,7 +592,11 @@ impl Device for CudaDevice {
             up: self.slice(&spec.up, spec.bucket)?,
             down: self.slice(&spec.down_t, spec.bucket)?,
             bucket: spec.bucket.to_vec(),
-            mask: None,
+            mask: self
+                .gpu
+                .alloc_zeros::<f32>(s, spec.up.rows())
+                .map_err(cuda)?,
+            masked: false,
             up_bias: spec
                 .up_bias
                 .map(|b| self.gpu.upload(s, b))
@@ -610,6 +618,12 @@ impl Device for CudaDevice {
             .get_mut(hot.0)
             .and_then(Option::as_mut)
             .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+        if h.gate.is_some() != spec.gate.is_some() || h.up_bias.is_some() != spec.up_bias.is_some()
+        {
+            return Err(EngineError::Device(
+                "replacement rows do not match the hot slice's matrices".into(),
+            ));
+        }
         let mut bucket = h.bucket.clone();
         for (&s, &n) in slots.iter().zip(neurons) {
             let slot = bucket.get_mut(s as usize).ok_or_else(|| {
@@ -635,12 +649,12 @@ impl Device for CudaDevice {
         h.bucket = bucket;
         // The new rows are computed (their neurons' mask entries opened); the old neurons'
         // entries no longer matter (the bucket does not hold them).
-        if let Some(m) = h.mask.as_mut() {
-            let mut host = m.to_host(s).map_err(cuda)?;
+        if h.masked {
+            let mut host = h.mask.to_host(s).map_err(cuda)?;
             for &n in neurons {
                 host[n as usize] = 0.0;
             }
-            m.copy_from(s, &host).map_err(cuda)?;
+            h.mask.copy_from(s, &host).map_err(cuda)?;
         }
         // The copies are waited for: the measured time prices the next migrations.
         s.synchronize().map_err(cuda)?;
@@ -658,7 +672,7 @@ impl Device for CudaDevice {
             .and_then(Option::as_mut)
             .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
         let Some(e) = enabled else {
-            h.mask = None;
+            h.masked = false;
             return Ok(());
         };
         if e.len() != h.bucket.len() {
@@ -668,16 +682,15 @@ impl Device for CudaDevice {
                 h.bucket.len()
             )));
         }
+        // NaN, not -inf: a score plus NaN is below every threshold, -inf included.
         let mut host = vec![0f32; h.up.n_neurons()];
         for (&n, &on) in h.bucket.iter().zip(e) {
             if !on {
-                host[n as usize] = f32::NEG_INFINITY;
+                host[n as usize] = f32::NAN;
             }
         }
-        match h.mask.as_mut() {
-            Some(m) => m.copy_from(s, &host).map_err(cuda)?,
-            None => h.mask = Some(self.gpu.upload(s, &host).map_err(cuda)?),
-        }
+        h.mask.copy_from(s, &host).map_err(cuda)?;
+        h.masked = true;
         self.traffic.moved(4 * host.len() as u64);
         Ok(())
     }
@@ -773,6 +786,9 @@ impl Device for CudaDevice {
         if t == 0 {
             return Ok(());
         }
+        // Two staging buffers taken before either is given back: reusing the first for the
+        // positions would wait for its copy of the ids.
+        let mut staging = Vec::with_capacity(2);
         for (src, dst) in [(ids, &mut sc.ids), (positions, &mut sc.pos)] {
             let mut p = match pinned_i32.get_mut(&t).and_then(Vec::pop) {
                 Some(b) => b,
@@ -785,8 +801,9 @@ impl Device for CudaDevice {
                 .map_err(cuda)?
                 .copy_from_pinned(s, &p)
                 .map_err(cuda)?;
-            pinned_i32.entry(t).or_default().push(p);
+            staging.push(p);
         }
+        pinned_i32.entry(t).or_default().extend(staging);
         self.traffic.moved(8 * t as u64);
         Ok(())
     }
@@ -796,9 +813,9 @@ impl Device for CudaDevice {
         let mut launches = 0;
         for op in ops {
             launches += launches_of(op, |m| {
-                st.mats.get(m.0).is_some_and(|d| {
-                    matches!(d.ty(), GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::F16)
-                })
+                st.mats
+                    .get(m.0)
+                    .is_some_and(|d| converts_activation(d.ty()))
             });
             self.op(&mut st, op)?;
         }
@@ -840,7 +857,13 @@ impl Device for CudaDevice {
         }
         let id = st.next_read;
         st.next_read += 1;
-        st.reads.insert(id, PendingRead { buf: p });
+        st.reads.insert(
+            id,
+            PendingRead {
+                buf: p,
+                len: src.len,
+            },
+        );
         self.traffic.moved(4 * src.len as u64);
         Ok(ReadId(id))
     }
@@ -851,18 +874,22 @@ impl Device for CudaDevice {
             .reads
             .remove(&read.0)
             .ok_or_else(|| EngineError::Device(format!("unknown read {}", read.0)))?;
-        // The pinned buffer's own event: the host waits for this copy (and what the stream
-        // queued before it), not for the whole device.
-        let got = r.buf.as_slice().map_err(cuda)?;
-        self.traffic.waited();
-        if dst.len() > got.len() {
+        if dst.len() != r.len {
             return Err(EngineError::Device(format!(
                 "a read of {} values into {}",
-                got.len(),
+                r.len,
                 dst.len()
             )));
         }
-        dst.copy_from_slice(&got[..dst.len()]);
+        // The pinned buffer's own event: the host waits for this copy (and what the stream
+        // queued before it), not for the whole device; an empty read queued no copy, so it
+        // waits for the stream.
+        if r.len == 0 {
+            self.gpu.stream().synchronize().map_err(cuda)?;
+        } else {
+            dst.copy_from_slice(&r.buf.as_slice().map_err(cuda)?[..r.len]);
+        }
+        self.traffic.waited();
         let len = r.buf.len();
         self.state().pinned.entry(len).or_default().push(r.buf);
         Ok(())

@@ -302,6 +302,17 @@ pub(crate) struct KvShape {
     pub(crate) head_dim: usize,
 }
 
+/// Bytes a hot slice of `k` of a layer's `n_ff` neurons holds beside its rows: each matrix's
+/// copy of the neuron indices (`gated`: three matrices, else two), the enabled mask over every
+/// neuron, and the up bias of every neuron where the FFN has one. What the CUDA device
+/// allocates, the simulated one charges, and placement sets aside (at `k = n_ff`) before the
+/// solver spends the rest on rows.
+pub(crate) fn hot_slice_overhead(n_ff: usize, k: usize, gated: bool, up_bias: bool) -> u64 {
+    let indices = (2 + usize::from(gated)) * k;
+    let per_neuron = n_ff * (1 + usize::from(up_bias));
+    4 * (indices + per_neuron) as u64
+}
+
 /// Frees entry `id` of a device's table of `what`s (its memory goes back to the budget when the
 /// entry drops); an unknown or freed id is an error.
 pub(crate) fn free_entry<T>(table: &mut [Option<T>], id: usize, what: &str) -> Result<()> {
@@ -424,9 +435,16 @@ pub(crate) enum Op {
     Mark { slot: usize },
 }
 
-/// Kernel launches of `op` on a GPU with this project's kernels: what every device counts.
-pub(crate) fn launches_of(op: &Op, quantized: impl Fn(MatId) -> bool) -> u64 {
-    let mm = |m: MatId| 1 + u64::from(quantized(m));
+/// Whether a product with a matrix of type `ty` first converts its activations in a launch of
+/// its own (quantized to Q8_0 for the quantized types, rounded to f16 for F16).
+pub(crate) fn converts_activation(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::F16)
+}
+
+/// Kernel launches of `op` on a GPU with this project's kernels: what every device counts
+/// (`converts`: whether a matrix's products convert their activations first).
+pub(crate) fn launches_of(op: &Op, converts: impl Fn(MatId) -> bool) -> u64 {
+    let mm = |m: MatId| 1 + u64::from(converts(m));
     match op {
         Op::MatMul { m, .. } => mm(*m),
         Op::Predictor { fc1, fc2, .. } => mm(*fc1) + 1 + mm(*fc2),

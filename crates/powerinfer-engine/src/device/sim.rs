@@ -42,9 +42,9 @@ use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::{
-    free_entry, launches_of, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap,
-    KvId, KvShape, MatId, Op, Queue, ReadId, RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic,
-    TrafficCounters,
+    converts_activation, free_entry, hot_slice_overhead, launches_of, AttentionDevice,
+    AttentionJob, BufId, Device, HotId, HotSpec, HotSwap, KvId, KvShape, MatId, Op, Queue, ReadId,
+    RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -69,6 +69,8 @@ struct DevHot {
     up: DevMat,
     down: DevMat,
     bucket: Vec<u32>,
+    /// Neurons of the layer (the enabled mask a GPU keeps covers every one).
+    n_ff: usize,
     /// Per slot, whether the device computes it (`None`: every slot).
     enabled: Option<Vec<bool>>,
     up_bias: Option<Vec<f32>>,
@@ -396,7 +398,12 @@ impl Device for SimDevice {
     fn upload_hot(&self, spec: &HotSpec<'_>) -> Result<HotId> {
         let held = self
             .budget
-            .try_reserve(bytes_of::<u32>(spec.bucket.len()))
+            .try_reserve(hot_slice_overhead(
+                spec.up.rows(),
+                spec.bucket.len(),
+                spec.gate.is_some(),
+                spec.up_bias.is_some(),
+            ))
             .map_err(budget_error)?;
         let gate = spec
             .gate
@@ -413,6 +420,7 @@ impl Device for SimDevice {
             up,
             down,
             bucket: spec.bucket.to_vec(),
+            n_ff: spec.up.rows(),
             enabled: None,
             up_bias,
             act: spec.act,
@@ -447,8 +455,16 @@ impl Device for SimDevice {
     }
 
     fn set_enabled(&self, hot: HotId, enabled: Option<&[bool]>) -> Result<()> {
-        self.traffic
-            .moved(enabled.map_or(0, |e| e.len().div_ceil(8) as u64));
+        // A GPU copies its mask over every neuron of the layer (an f32 each).
+        if enabled.is_some() {
+            let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
+            let n_ff = mem
+                .hots
+                .get(hot.0)
+                .and_then(Option::as_ref)
+                .map_or(0, |h| h.n_ff);
+            self.traffic.moved(bytes_of::<f32>(n_ff));
+        }
         self.send(Cmd::Enabled {
             hot,
             enabled: enabled.map(<[bool]>::to_vec),
@@ -520,12 +536,8 @@ impl Device for SimDevice {
 
     fn enqueue(&self, ops: &[Op]) -> Result<()> {
         let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        let quantized = |m: MatId| {
-            mem.mats
-                .get(m.0)
-                .is_some_and(|d| matches!(d.ty, GgmlType::Q4_0 | GgmlType::Q8_0))
-        };
-        let launches: u64 = ops.iter().map(|op| launches_of(op, quantized)).sum();
+        let converts = |m: MatId| mem.mats.get(m.0).is_some_and(|d| converts_activation(d.ty));
+        let launches: u64 = ops.iter().map(|op| launches_of(op, converts)).sum();
         drop(mem);
         self.traffic.launched(launches);
         self.send(Cmd::Ops(ops.to_vec()))
@@ -1133,10 +1145,21 @@ impl Stream {
             } => {
                 let (a, b) = (mat(&mem.mats, *fc1)?, mat(&mem.mats, *fc2)?);
                 let p = Predictor::new(a.view()?, b.view()?)?;
+                if hidden.len != t * p.rank() {
+                    return Err(EngineError::Device(format!(
+                        "a predictor's hidden span of {} values for {t} tokens of rank {}",
+                        hidden.len,
+                        p.rank()
+                    )));
+                }
                 let xv = span(&mem.bufs, *x)?.to_vec();
+                // The span checked, the product uses the buffer as its scratch; its length is
+                // given back as it was.
                 let mut h = std::mem::take(span_vec(&mut mem.bufs, *hidden)?);
+                let len = h.len();
                 let out = span_mut(&mut mem.bufs, *scores)?;
                 let r = p.scores_with(mm, &xv, *t, &mut h, out);
+                h.resize(len, 0.0);
                 *span_vec(&mut mem.bufs, *hidden)? = h;
                 r?;
                 Ok(Cost {

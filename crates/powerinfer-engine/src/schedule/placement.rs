@@ -37,7 +37,9 @@ use super::kv::KvStores;
 use super::{DeviceOptions, GpuIndexMode};
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::SimDevice;
-use crate::device::{BufId, Device, DeviceChoice, DeviceReport, HotSpec, MatId, ScratchShape};
+use crate::device::{
+    hot_slice_overhead, BufId, Device, DeviceChoice, DeviceReport, HotSpec, MatId, ScratchShape,
+};
 use crate::error::{EngineError, Result};
 use crate::model::{Ffn, Layer, Model, Norm, Qkv, TensorRef};
 
@@ -246,12 +248,6 @@ pub(crate) fn work_tokens(batch: usize) -> usize {
 /// buffers, the KV stores, every matrix, norm and bias, and the bucket entry of every neuron.
 fn everything(model: &Model, opts: &DeviceOptions, ctx_len: usize) -> u64 {
     let hp = &model.hparams;
-    let buckets: u64 = (model.layers.iter())
-        .filter_map(|layer| match &layer.ffn {
-            Ffn::Sparse { up, .. } => Some(4 * up.rows as u64),
-            Ffn::Dense { .. } => None,
-        })
-        .sum();
     let mats: u64 = model.matrices().map(|t| t.info.n_bytes()).sum();
     let embd =
         model.tok_embd.info.n_bytes() + model.pos_embd.as_ref().map_or(0, |p| p.info.n_bytes());
@@ -263,7 +259,24 @@ fn everything(model: &Model, opts: &DeviceOptions, ctx_len: usize) -> u64 {
         ctx_len,
         hp.n_embd_kv(),
     );
-    work_bytes(model, work_tokens(DEVICE_TOKENS)) + kv + buckets + mats + embd + vectors
+    work_bytes(model, work_tokens(DEVICE_TOKENS))
+        + kv
+        + hot_overheads(model)
+        + mats
+        + embd
+        + vectors
+}
+
+/// What the layers' hot slices hold beside their rows, at most (every neuron held).
+fn hot_overheads(model: &Model) -> u64 {
+    (model.layers.iter())
+        .map(|layer| match &layer.ffn {
+            Ffn::Sparse { gate, up, .. } => {
+                hot_slice_overhead(up.rows, up.rows, gate.is_some(), layer.up_b.is_some())
+            }
+            Ffn::Dense { .. } => 0,
+        })
+        .sum()
 }
 
 fn norm_bytes(n: &Norm) -> u64 {
@@ -885,7 +898,8 @@ fn place_sparse(
         }
     }
     // 4. The neurons' rows.
-    let index_bytes: u64 = 4 * (model.layers.len() * model.hparams.n_ff) as u64;
+    // What each layer's hot slice holds beside its rows, at most (every neuron held).
+    let index_bytes = hot_overheads(model);
     let (limit, used, _) = h.device.memory();
     let left = if complete {
         limit.saturating_sub(used + index_bytes)
