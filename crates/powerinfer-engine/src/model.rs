@@ -260,6 +260,21 @@ pub(crate) enum Ffn {
     },
 }
 
+impl Ffn {
+    /// The predictor's `fc1` and `fc2` of a sparse FFN.
+    pub(crate) fn predictor(&self) -> Option<(&TensorRef, &TensorRef)> {
+        match self {
+            Ffn::Sparse { fc1, fc2, .. } => Some((fc1, fc2)),
+            Ffn::Dense { .. } => None,
+        }
+    }
+
+    /// Rows of the predictor's hidden layer (0 for a dense FFN).
+    pub(crate) fn predictor_rank(&self) -> usize {
+        self.predictor().map_or(0, |(fc1, _)| fc1.rows)
+    }
+}
+
 /// The Q/K/V projections of a layer.
 // One per layer, built once: the size difference between the variants does not matter.
 #[allow(clippy::large_enum_variant)]
@@ -529,14 +544,14 @@ impl Model {
             let ffn: Vec<&TensorRef> = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => gate.iter().chain([up, down]).collect(),
                 Ffn::Sparse {
-                    gate,
-                    up,
-                    down_t,
-                    fc1,
-                    fc2,
-                } => gate.iter().chain([up, down_t, fc1, fc2]).collect(),
+                    gate, up, down_t, ..
+                } => gate.iter().chain([up, down_t]).collect(),
             };
-            qkv.into_iter().chain([&layer.wo]).chain(ffn)
+            let predictor = layer.ffn.predictor().into_iter().flat_map(|(a, b)| [a, b]);
+            qkv.into_iter()
+                .chain([&layer.wo])
+                .chain(ffn)
+                .chain(predictor)
         });
         std::iter::once(&self.output).chain(per_layer)
     }
@@ -572,13 +587,13 @@ impl Model {
     /// Layer `layer`'s activation predictor (`fc1`, `fc2` as stored in the file); `None` for a
     /// dense file or a layer outside the model.
     pub fn predictor(&self, layer: usize) -> Result<Option<Predictor<'_>>> {
-        match self.layers.get(layer).map(|l| &l.ffn) {
-            Some(Ffn::Sparse { fc1, fc2, .. }) => {
+        match self.layers.get(layer).and_then(|l| l.ffn.predictor()) {
+            Some((fc1, fc2)) => {
                 let view =
                     |t: &TensorRef| Weights::new(t.ty, t.rows, t.cols, self.file.data_of(&t.info));
                 Ok(Some(Predictor::new(view(fc1)?, view(fc2)?)?))
             }
-            _ => Ok(None),
+            None => Ok(None),
         }
     }
 

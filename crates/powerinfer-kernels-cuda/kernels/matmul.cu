@@ -77,7 +77,7 @@ extern "C" __global__ void quantize_q8(const float* x, long n_blocks, u8* xq) {
 
 // y[i] = x[i] rounded to f16 and back: what F16 products multiply (the CPU kernels, as
 // ggml's, round the activation to f16 before multiplying F16 rows).
-extern "C" __global__ void round_f16(const float* x, long n, float* y) {
+extern "C" __global__ void round_f16(const float* x, float* y, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = h2f(f2h(x[i]));
 }

@@ -90,7 +90,7 @@ extern "C" __global__ void add(const float* a, const float* b, float* y, long n)
 }
 
 // y[i] += x[i]
-extern "C" __global__ void add_inplace(float* y, const float* x, long n) {
+extern "C" __global__ void add_inplace(const float* x, float* y, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] += x[i];
 }

@@ -135,7 +135,7 @@ pub fn per_row(kernel: &'static str, rows: usize) -> Result<Launch> {
     launch(kernel, rows, 1, 1, BLOCK)
 }
 
-/// One thread per element (relu, add, relu_gate, kv_store, threshold_mask).
+/// One thread per element (the element-wise operators, kv_store, threshold_mask).
 pub fn per_element(kernel: &'static str, n: usize) -> Result<Launch> {
     launch(kernel, n.div_ceil(BLOCK), 1, 1, BLOCK)
 }

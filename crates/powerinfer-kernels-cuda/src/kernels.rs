@@ -154,7 +154,7 @@ pub fn params(kernel: &str) -> Option<&'static [Param]> {
     Some(match kernel {
         k if k.starts_with("matmul_") || k.starts_with("axpy_") => ROWS,
         "quantize_q8" => &[Ptr, I64, Ptr],
-        "round_f16" => &[Ptr, I64, Ptr],
+        "round_f16" => &[Ptr, Ptr, I64],
         "rms_norm" => &[Ptr, Ptr, Ptr, I32, F32],
         "layer_norm" => &[Ptr, Ptr, Ptr, Ptr, I32, F32],
         "rope" => &[Ptr, Ptr, I32, I32, I32, F32, F32, I32],

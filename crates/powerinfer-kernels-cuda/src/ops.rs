@@ -213,6 +213,14 @@ impl<'a> Args<'a> {
         self
     }
 
+    /// `v`'s pointer, or null.
+    fn view_or_null<T>(&mut self, v: Option<&'a DeviceView<'_, T>>) -> &mut Self {
+        match v {
+            Some(v) => self.view(v),
+            None => self.null(),
+        }
+    }
+
     fn scalar<T: Scalar>(&mut self, v: &'a T) -> &mut Self {
         self.b.arg(v);
         self.pushed.push(T::KIND);
@@ -254,6 +262,62 @@ pub type In<'a> = DeviceView<'a, f32>;
 /// A buffer or a view of one, written by an operator.
 pub type Out<'a> = DeviceViewMut<'a, f32>;
 
+/// An element-wise operator of one operand ([`Gpu::unary`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Unary {
+    /// `y = max(x, 0)`.
+    Relu,
+    /// `y = x` rounded to f16 and back (what the CPU kernels multiply F16 rows by).
+    RoundF16,
+    /// `y += x`.
+    Accumulate,
+}
+
+impl Unary {
+    fn kernel(self) -> &'static str {
+        match self {
+            Unary::Relu => "relu",
+            Unary::RoundF16 => "round_f16",
+            Unary::Accumulate => "add_inplace",
+        }
+    }
+}
+
+/// An element-wise operator of two operands ([`Gpu::binary`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Binary {
+    /// `y = a + b`.
+    Add,
+    /// SwiGLU: `y = silu(a) * b`, SiLU in the CPU kernels' form.
+    SiluGate,
+    /// ReLU gating: `y = max(a, 0) * b`.
+    ReluGate,
+    /// dReLU gating (Bamboo): `y = max(a, 0) * max(b, 0)`.
+    DreluGate,
+}
+
+impl Binary {
+    /// The kernel and its trailing integer argument.
+    fn kernel(self) -> (&'static str, Option<i32>) {
+        match self {
+            Binary::Add => ("add", None),
+            Binary::SiluGate => ("silu_gate", None),
+            Binary::ReluGate => ("relu_gate", Some(0)),
+            Binary::DreluGate => ("relu_gate", Some(1)),
+        }
+    }
+}
+
+/// The shape of a norm: `rows` rows of `n`, and its epsilon.
+#[derive(Clone, Copy, Debug)]
+struct NormShape {
+    eps: f32,
+    rows: usize,
+    n: usize,
+}
+
 impl Gpu {
     fn launch_rows(
         &self,
@@ -285,10 +349,7 @@ impl Gpu {
             .scalar(&k)
             .view(x)
             .scalar(&t32);
-        match p {
-            Some(p) => b.view(p),
-            None => b.null(),
-        };
+        b.view_or_null(p);
         match bucket {
             Some(bk) => b.ptr(&bk.slice),
             None => b.null(),
@@ -297,8 +358,7 @@ impl Gpu {
         // SAFETY: the kernel's parameters match the argument list above (see kernels/matmul.cu and
         // kernels/axpy.cu); the callers checked every buffer length against the shape, and the
         // bucket was validated (unique, < n) when the slice was made, so all accesses are in bounds.
-        unsafe { b.launch(l) }?;
-        Ok(())
+        unsafe { b.launch(l) }
     }
 
     /// Dense product: `dst[t, i] = W_i · x_t` for the `rows` rows of `w`, `t` tokens
@@ -354,7 +414,7 @@ impl Gpu {
             let xr = &mut cache[i].buf;
             let n64 = n as i64;
             let mut b = Args::new(self, stream, "round_f16");
-            b.view(x).scalar(&n64).ptr_mut(&mut xr.slice);
+            b.view(x).ptr_mut(&mut xr.slice).scalar(&n64);
             // SAFETY: parameters match round_f16 in kernels/matmul.cu; x holds n floats (checked
             // by the caller), the scratch at least n; it writes the n floats the product reads.
             unsafe { b.launch(geometry::per_element("round_f16", n)?) }?;
@@ -477,30 +537,13 @@ impl Gpu {
         n: usize,
         y: impl Into<Out<'y>>,
     ) -> Result<()> {
-        let (x, mut y) = (x.into(), y.into());
-        check_len("x", rows * n, x.len())?;
-        check_len("y", rows * n, y.len())?;
-        if let Some(w) = &w {
-            check_len("weight", n, w.len())?;
-        }
-        if rows == 0 || n == 0 {
-            return Ok(());
-        }
-        let n32 = i32_arg("n", n)?;
-        let mut b = Args::new(self, stream, "rms_norm");
-        b.view(&x);
-        match &w {
-            Some(w) => b.view(w),
-            None => b.null(),
-        };
-        b.view_mut(&mut y).scalar(&n32).scalar(&eps);
-        // SAFETY: parameters match rms_norm in kernels/ops.cu; lengths checked above.
-        unsafe { b.launch(geometry::per_row("rms_norm", rows)?) }?;
-        Ok(())
+        let shape = NormShape { eps, rows, n };
+        self.norm(stream, "rms_norm", x.into(), &[w.as_ref()], shape, y.into())
     }
 
     /// LayerNorm of `rows` rows of `n`: `y = (x - mean) / sqrt(var + eps) * w + b` (population
     /// variance; `w` and `b` of length n, or 1 and 0).
+    #[allow(clippy::too_many_arguments)]
     pub fn layer_norm<'x, 'w, 'b, 'y>(
         &self,
         stream: &Stream,
@@ -512,30 +555,41 @@ impl Gpu {
         n: usize,
         y: impl Into<Out<'y>>,
     ) -> Result<()> {
-        let (x, mut y) = (x.into(), y.into());
+        let shape = NormShape { eps, rows, n };
+        let params = [w.as_ref(), bias.as_ref()];
+        self.norm(stream, "layer_norm", x.into(), &params, shape, y.into())
+    }
+
+    /// A norm kernel over `rows` rows of `n`: `x`, its optional per-column parameters (each of
+    /// length n, null when absent), `y`, `n` and `eps`.
+    fn norm(
+        &self,
+        stream: &Stream,
+        kernel: &'static str,
+        x: In<'_>,
+        params: &[Option<&In<'_>>],
+        sh: NormShape,
+        mut y: Out<'_>,
+    ) -> Result<()> {
+        let NormShape { eps, rows, n } = sh;
         check_len("x", rows * n, x.len())?;
         check_len("y", rows * n, y.len())?;
-        for v in [&w, &bias].into_iter().flatten() {
+        for v in params.iter().flatten() {
             check_len("weight/bias", n, v.len())?;
         }
         if rows == 0 || n == 0 {
             return Ok(());
         }
         let n32 = i32_arg("n", n)?;
-        let mut b = Args::new(self, stream, "layer_norm");
+        let mut b = Args::new(self, stream, kernel);
         b.view(&x);
-        match &w {
-            Some(w) => b.view(w),
-            None => b.null(),
-        };
-        match &bias {
-            Some(v) => b.view(v),
-            None => b.null(),
-        };
+        for &v in params {
+            b.view_or_null(v);
+        }
         b.view_mut(&mut y).scalar(&n32).scalar(&eps);
-        // SAFETY: parameters match layer_norm in kernels/ops.cu; lengths checked above.
-        unsafe { b.launch(geometry::per_row("layer_norm", rows)?) }?;
-        Ok(())
+        // SAFETY: parameters match rms_norm and layer_norm in kernels/ops.cu (x, the optional
+        // parameters, y, n, eps); lengths checked above.
+        unsafe { b.launch(geometry::per_row(kernel, rows)?) }
     }
 
     /// RoPE in place on `t` tokens of `n_head` heads of `head_dim` (`pos`: t positions), angles
@@ -583,8 +637,7 @@ impl Gpu {
             .scalar(&freq_scale)
             .scalar(&neox);
         // SAFETY: parameters match rope in kernels/ops.cu; lengths checked above.
-        unsafe { b.launch(geometry::rope(t, n_head, n_rot)?) }?;
-        Ok(())
+        unsafe { b.launch(geometry::rope(t, n_head, n_rot)?) }
     }
 
     /// Softmax of `scale * x` over each of `rows` rows of `n`, in place.
@@ -605,10 +658,11 @@ impl Gpu {
         let mut b = Args::new(self, stream, "softmax");
         b.view_mut(&mut x).scalar(&n32).scalar(&scale);
         // SAFETY: parameters match softmax in kernels/ops.cu; length checked above.
-        unsafe { b.launch(geometry::per_row("softmax", rows)?) }?;
-        Ok(())
+        unsafe { b.launch(geometry::per_row("softmax", rows)?) }
     }
 
+    /// One thread per element of `a`: kernel `name` with `a` (and `b2`), then `y`, `n` (and
+    /// `extra`), every operand of `a`'s length.
     fn elementwise(
         &self,
         stream: &Stream,
@@ -636,42 +690,35 @@ impl Gpu {
         if let Some(e) = extra.as_ref() {
             b.scalar(e);
         }
-        // SAFETY: parameters match the element-wise kernels in kernels/ops.cu; lengths checked.
-        unsafe { b.launch(geometry::per_element(name, n)?) }?;
-        Ok(())
+        // SAFETY: parameters match the element-wise kernels in kernels/ops.cu and round_f16 in
+        // kernels/matmul.cu (inputs, output, n, then `extra`); lengths checked.
+        unsafe { b.launch(geometry::per_element(name, n)?) }
     }
 
-    /// `y = max(x, 0)` (`y` may be `x`'s own buffer: the kernel reads each value before it
-    /// writes it).
-    pub fn relu<'x, 'y>(
+    /// `y = op(x)` element-wise (`y` and `x` of one length).
+    pub fn unary<'x, 'y>(
         &self,
         stream: &Stream,
+        op: Unary,
         x: impl Into<In<'x>>,
         y: impl Into<Out<'y>>,
     ) -> Result<()> {
         let (x, mut y) = (x.into(), y.into());
-        self.elementwise(stream, "relu", &x, None, &mut y, None)
+        self.elementwise(stream, op.kernel(), &x, None, &mut y, None)
     }
 
-    /// `y = x` rounded to f16 and back (what the CPU kernels multiply F16 rows by).
-    pub fn round_f16<'x, 'y>(
+    /// `y = op(a, b)` element-wise (`a`, `b` and `y` of one length).
+    pub fn binary<'a, 'b, 'y>(
         &self,
         stream: &Stream,
-        x: impl Into<In<'x>>,
+        op: Binary,
+        a: impl Into<In<'a>>,
+        b: impl Into<In<'b>>,
         y: impl Into<Out<'y>>,
     ) -> Result<()> {
-        let (x, mut y) = (x.into(), y.into());
-        check_len("y", x.len(), y.len())?;
-        let n = x.len();
-        if n == 0 {
-            return Ok(());
-        }
-        let n64 = n as i64;
-        let mut b = Args::new(self, stream, "round_f16");
-        b.view(&x).scalar(&n64).view_mut(&mut y);
-        // SAFETY: parameters match round_f16 in kernels/matmul.cu; both hold n floats.
-        unsafe { b.launch(geometry::per_element("round_f16", n)?) }?;
-        Ok(())
+        let (a, b, mut y) = (a.into(), b.into(), y.into());
+        let (kernel, extra) = op.kernel();
+        self.elementwise(stream, kernel, &a, Some(&b), &mut y, extra)
     }
 
     /// `y = max(y, 0)` in place.
@@ -685,29 +732,7 @@ impl Gpu {
         let mut b = Args::new(self, stream, "relu_inplace");
         b.view_mut(&mut y).scalar(&n64);
         // SAFETY: parameters match relu_inplace in kernels/ops.cu; n = y's length.
-        unsafe { b.launch(geometry::per_element("relu_inplace", n)?) }?;
-        Ok(())
-    }
-
-    /// `y += x` (element-wise, equal lengths).
-    pub fn add_assign<'y, 'x>(
-        &self,
-        stream: &Stream,
-        y: impl Into<Out<'y>>,
-        x: impl Into<In<'x>>,
-    ) -> Result<()> {
-        let (mut y, x) = (y.into(), x.into());
-        let n = y.len();
-        check_len("x", n, x.len())?;
-        if n == 0 {
-            return Ok(());
-        }
-        let n64 = n as i64;
-        let mut b = Args::new(self, stream, "add_inplace");
-        b.view_mut(&mut y).view(&x).scalar(&n64);
-        // SAFETY: parameters match add_inplace in kernels/ops.cu; both hold n floats.
-        unsafe { b.launch(geometry::per_element("add_inplace", n)?) }?;
-        Ok(())
+        unsafe { b.launch(geometry::per_element("relu_inplace", n)?) }
     }
 
     /// `y[r] += bias` for every row `r` of `y` (rows of `bias.len()` values).
@@ -729,8 +754,7 @@ impl Gpu {
         b.view_mut(&mut y).view(&bias).scalar(&n32).scalar(&t64);
         // SAFETY: parameters match add_rows in kernels/ops.cu; y holds total floats, bias n,
         // and the kernel reads bias[i % n].
-        unsafe { b.launch(geometry::per_element("add_rows", total)?) }?;
-        Ok(())
+        unsafe { b.launch(geometry::per_element("add_rows", total)?) }
     }
 
     /// `y = x` (a copy on the stream, equal lengths).
@@ -747,18 +771,6 @@ impl Gpu {
         }
         stream.inner.memcpy_dtod(&x.inner, &mut y.inner)?;
         Ok(())
-    }
-
-    /// SwiGLU: `y = silu(g) * u`, SiLU in the CPU kernels' form.
-    pub fn silu_gate<'g, 'u, 'y>(
-        &self,
-        stream: &Stream,
-        g: impl Into<In<'g>>,
-        u: impl Into<In<'u>>,
-        y: impl Into<Out<'y>>,
-    ) -> Result<()> {
-        let (g, u, mut y) = (g.into(), u.into(), y.into());
-        self.elementwise(stream, "silu_gate", &g, Some(&u), &mut y, None)
     }
 
     /// Rows `rows[i] + offset` of `w` as floats into `y` (`rows.len() × cols`): token or
@@ -793,8 +805,7 @@ impl Gpu {
         // SAFETY: parameters match get_rows_* in kernels/ops.cu; y holds n rows of cols; the
         // row indices plus offset must be below w's rows: the caller's contract (the engine
         // checks token ids and positions against the tables before a step).
-        unsafe { b.launch(l) }?;
-        Ok(())
+        unsafe { b.launch(l) }
     }
 
     /// `out[t]` = how many of a hot slice's rows token `t` computes (`p[t, bucket[j]] >=
@@ -828,40 +839,7 @@ impl Gpu {
             .view_mut(&mut out);
         // SAFETY: parameters match count_active in kernels/ops.cu; p holds t × N scores, the
         // bucket k entries below N (validated when the slice was made), out t floats.
-        unsafe { b.launch(geometry::count_active(t)?) }?;
-        Ok(())
-    }
-
-    /// `y = a + b`.
-    pub fn add<'a, 'b, 'y>(
-        &self,
-        stream: &Stream,
-        a: impl Into<In<'a>>,
-        b: impl Into<In<'b>>,
-        y: impl Into<Out<'y>>,
-    ) -> Result<()> {
-        let (a, b, mut y) = (a.into(), b.into(), y.into());
-        self.elementwise(stream, "add", &a, Some(&b), &mut y, None)
-    }
-
-    /// ReLU gating: `y = max(g, 0) * u`, or `max(g, 0) * max(u, 0)` when `relu_u` (Bamboo).
-    pub fn relu_gate<'g, 'u, 'y>(
-        &self,
-        stream: &Stream,
-        g: impl Into<In<'g>>,
-        u: impl Into<In<'u>>,
-        relu_u: bool,
-        y: impl Into<Out<'y>>,
-    ) -> Result<()> {
-        let (g, u, mut y) = (g.into(), u.into(), y.into());
-        self.elementwise(
-            stream,
-            "relu_gate",
-            &g,
-            Some(&u),
-            &mut y,
-            Some(i32::from(relu_u)),
-        )
+        unsafe { b.launch(geometry::count_active(t)?) }
     }
 
     /// Stores K and V of `t` tokens (`t * n_kv_head * head_dim` floats each, token-major) at
@@ -901,8 +879,7 @@ impl Gpu {
             .scalar(&n32);
         // SAFETY: parameters match kv_store in kernels/ops.cu; pos + t <= n_ctx, so the n
         // elements from offset lie in the caches; k and v hold n floats.
-        unsafe { b.launch(geometry::per_element("kv_store", n)?) }?;
-        Ok(())
+        unsafe { b.launch(geometry::per_element("kv_store", n)?) }
     }
 
     /// Causal attention of the `t` query tokens at positions `len - t .. len` over positions
@@ -969,8 +946,7 @@ impl Gpu {
             .scalar(&scale);
         // SAFETY: parameters match attention_f16kv in kernels/ops.cu; t <= len <= n_ctx, scratch
         // has at least t * n_head * len floats, q and out lengths checked above.
-        unsafe { b.launch(geometry::attention(n_head, t)?) }?;
-        Ok(())
+        unsafe { b.launch(geometry::attention(n_head, t)?) }
     }
 
     /// `mask[i] = p[i] >= theta` (1 or 0) for every score.
@@ -993,8 +969,7 @@ impl Gpu {
             .scalar(&n)
             .scalar(&theta);
         // SAFETY: parameters match threshold_mask in kernels/ops.cu; lengths checked.
-        unsafe { b.launch(geometry::per_element("threshold_mask", p.len())?) }?;
-        Ok(())
+        unsafe { b.launch(geometry::per_element("threshold_mask", p.len())?) }
     }
 
     /// The ascending indices i with `p[i] >= theta` of one token's scores: writes them to the
@@ -1018,8 +993,7 @@ impl Gpu {
             .ptr_mut(&mut idx.slice)
             .ptr_mut(&mut count.slice);
         // SAFETY: parameters match active_list in kernels/ops.cu; idx holds n entries.
-        unsafe { b.launch(geometry::active_list()) }?;
-        Ok(())
+        unsafe { b.launch(geometry::active_list()) }
     }
 
     /// The predictor MLP: `scores = fc2 · ReLU(fc1 · h)` for `t` tokens (`fc1`: hidden × d,

@@ -616,13 +616,13 @@ proptest! {
         }
         let want: Vec<f64> = x.iter().enumerate().map(|(i, &v)| (v + w[i % n]) as f64).collect();
         close("add_rows", &yb, &want, &vec![0.0; want.len()])?;
-        type AddIn = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const f32, i64);
+        type AddIn = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *mut f32, i64);
         let f: AddIn = emu.sym("add_inplace");
         let l = geometry::per_element("add_inplace", yb.len()).unwrap();
         {
             let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: yb and x hold the same number of floats.
-            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, yb.as_mut_ptr(), x.as_ptr(), yb.len() as i64) };
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, x.as_ptr(), yb.as_mut_ptr(), yb.len() as i64) };
         }
         let want: Vec<f64> = x.iter().enumerate().map(|(i, &v)| ((v + w[i % n]) + v) as f64).collect();
         close("add_inplace", &yb, &want, &vec![0.0; want.len()])?;
@@ -760,12 +760,12 @@ proptest! {
         let x: Vec<f32> = rng.vec(t * cols).iter().map(|v| v * 300.0).collect();
         let mut r = vec![0.0f32; x.len()];
         let l = geometry::per_element("round_f16", x.len()).unwrap();
-        type Round = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, i64, *mut f32);
+        type Round = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *mut f32, i64);
         let f: Round = emu.sym("round_f16");
         {
             let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: x and r hold the same number of floats.
-            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, x.as_ptr(), x.len() as i64, r.as_mut_ptr()) };
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, x.as_ptr(), r.as_mut_ptr(), x.len() as i64) };
         }
         for (i, (&a, &b)) in x.iter().zip(&r).enumerate() {
             prop_assert_eq!(b.to_bits(), half::f16::from_f32(a).to_f32().to_bits(), "value {}", i);

@@ -9,7 +9,7 @@ use half::f16;
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::reference::{matmul as rm, ops as ro};
 use powerinfer_kernels_cuda::{
-    CudaError, DeviceTensor, Gpu, GpuSlice, KvCache, NoGpu, RopeMode, Stream,
+    Binary, CudaError, DeviceTensor, Gpu, GpuSlice, KvCache, NoGpu, RopeMode, Stream, Unary,
 };
 use proptest::prelude::*;
 
@@ -228,14 +228,15 @@ proptest! {
         let (gd, ud) = (gpu.upload(s, &x).unwrap(), gpu.upload(s, &x.iter().rev().copied().collect::<Vec<_>>()).unwrap());
         let u: Vec<f32> = x.iter().rev().copied().collect();
         for relu_u in [false, true] {
-            gpu.relu_gate(s, &gd, &ud, relu_u, &mut y).unwrap();
+            let op = if relu_u { Binary::DreluGate } else { Binary::ReluGate };
+            gpu.binary(s, op, &gd, &ud, &mut y).unwrap();
             let want: Vec<f64> = x.iter().zip(&u).map(|(&g, &u)| ro::relu(g as f64) * if relu_u { ro::relu(u as f64) } else { u as f64 }).collect();
             assert_close("relu_gate", &y.to_host(s).unwrap(), &want, &vec![0.0; want.len()]);
         }
-        gpu.add(s, &gd, &ud, &mut y).unwrap();
+        gpu.binary(s, Binary::Add, &gd, &ud, &mut y).unwrap();
         let want: Vec<f64> = x.iter().zip(&u).map(|(&a, &b)| (a + b) as f64).collect();
         assert_close("add", &y.to_host(s).unwrap(), &want, &vec![0.0; want.len()]);
-        gpu.relu(s, &gd, &mut y).unwrap();
+        gpu.unary(s, Unary::Relu, &gd, &mut y).unwrap();
         let want: Vec<f64> = x.iter().map(|&a| ro::relu(a as f64)).collect();
         assert_close("relu", &y.to_host(s).unwrap(), &want, &vec![0.0; want.len()]);
     }
@@ -442,7 +443,7 @@ fn pinned_buffers_round_trip_on_a_second_stream() {
     let compute = gpu.stream();
     compute.wait_for(&copy).unwrap();
     let mut y = gpu.alloc_zeros::<f32>(compute, 1000).unwrap();
-    gpu.relu(compute, &d, &mut y).unwrap();
+    gpu.unary(compute, Unary::Relu, &d, &mut y).unwrap();
     let mut back = gpu.alloc_pinned::<f32>(1000).unwrap();
     y.copy_to_pinned(compute, &mut back).unwrap();
     compute.synchronize().unwrap();

@@ -1263,25 +1263,38 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
     };
     let down = if opts.dense { "ffn_down" } else { "ffn_down_t" };
     match cfg.arch {
-        HfArch::Llama | HfArch::Bamboo => {
-            require(&plan, "token_embd.weight")?;
-            require(&plan, "output_norm.weight")?;
-            if !cfg.tie_word_embeddings {
+        HfArch::Llama | HfArch::Bamboo | HfArch::Opt => {
+            // OPT: learned positions, LayerNorms and biases everywhere, no gate.
+            let opt = cfg.arch == HfArch::Opt;
+            let globals: &[&str] = if opt {
+                &[
+                    "token_embd.weight",
+                    "position_embd.weight",
+                    "output_norm.weight",
+                    "output_norm.bias",
+                ]
+            } else {
+                &["token_embd.weight", "output_norm.weight"]
+            };
+            for t in globals {
+                require(&plan, t)?;
+            }
+            if !opt && !cfg.tie_word_embeddings {
                 require(&plan, "output.weight")?;
             }
+            let gate = (!opt).then_some("ffn_gate");
+            let kinds: &[&str] = if opt {
+                &["weight", "bias"]
+            } else {
+                &["weight"]
+            };
             for b in 0..cfg.n_layer {
-                for t in [
-                    "attn_norm",
-                    "attn_q",
-                    "attn_k",
-                    "attn_v",
-                    "attn_output",
-                    "ffn_norm",
-                    "ffn_gate",
-                    "ffn_up",
-                    down,
-                ] {
-                    require(&plan, &format!("blk.{b}.{t}.weight"))?;
+                let attn = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output"];
+                let ffn = ["ffn_norm"].into_iter().chain(gate).chain(["ffn_up", down]);
+                for t in attn.into_iter().chain(ffn) {
+                    for k in kinds {
+                        require(&plan, &format!("blk.{b}.{t}.{k}"))?;
+                    }
                 }
             }
         }
@@ -1329,32 +1342,6 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
                     ne: Vec::new(),
                     ty: GgmlType::F32,
                 });
-            }
-        }
-        HfArch::Opt => {
-            for t in [
-                "token_embd.weight",
-                "position_embd.weight",
-                "output_norm.weight",
-                "output_norm.bias",
-            ] {
-                require(&plan, t)?;
-            }
-            for b in 0..cfg.n_layer {
-                for t in [
-                    "attn_norm",
-                    "attn_q",
-                    "attn_k",
-                    "attn_v",
-                    "attn_output",
-                    "ffn_norm",
-                    "ffn_up",
-                    down,
-                ] {
-                    for s in ["weight", "bias"] {
-                        require(&plan, &format!("blk.{b}.{t}.{s}"))?;
-                    }
-                }
             }
         }
     }

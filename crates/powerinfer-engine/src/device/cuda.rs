@@ -18,13 +18,14 @@ use powerinfer_kernels_cpu::ffn::FfnAct;
 use powerinfer_kernels_cpu::ops::rope::RopeMode as CpuRope;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::{
-    CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gpu, GpuSlice, KvCache,
-    NoGpu, PinnedBuffer, RopeMode, TimedEvent,
+    Binary, CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gpu, GpuSlice,
+    KvCache, NoGpu, PinnedBuffer, RopeMode, TimedEvent, Unary,
 };
 
 use super::{
-    converts_activation, free_entry, launches_of, BufId, Device, HotId, HotSpec, HotSwap, KvId,
-    KvShape, MatId, Op, ReadId, RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
+    converts_activation, entry, entry_mut, free_entry, launches_of, unknown_kv, BufId, Device,
+    HotFfnOp, HotId, HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, ReadId,
+    RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -37,6 +38,29 @@ fn cuda(e: CudaError) -> EngineError {
         },
         other => EngineError::Device(other.to_string()),
     }
+}
+
+/// The gating kernel of a gated FFN's activation.
+fn gate_op(act: FfnAct) -> Binary {
+    match act {
+        FfnAct::Swiglu => Binary::SiluGate,
+        FfnAct::Drelu => Binary::DreluGate,
+        _ => Binary::ReluGate,
+    }
+}
+
+/// Layer `layer` of KV store `kv`.
+fn kv_layer(kvs: &[Vec<KvCache>], kv: KvId, layer: usize) -> Result<&KvCache> {
+    kvs.get(kv.0)
+        .and_then(|l| l.get(layer))
+        .ok_or_else(|| unknown_kv(kv))
+}
+
+/// Layer `layer` of KV store `kv`, to write.
+fn kv_layer_mut(kvs: &mut [Vec<KvCache>], kv: KvId, layer: usize) -> Result<&mut KvCache> {
+    kvs.get_mut(kv.0)
+        .and_then(|l| l.get_mut(layer))
+        .ok_or_else(|| unknown_kv(kv))
 }
 
 /// A layer's hot rows on the GPU.
@@ -237,96 +261,45 @@ impl CudaDevice {
                 g.add_rows(s, yv, buf(bf, *b)?).map_err(cuda)
             }),
             Op::Add { y, x } => with_out(bufs, *y, |bf, yv| {
-                g.add_assign(s, yv, view(bf, *x)?).map_err(cuda)
+                g.unary(s, Unary::Accumulate, view(bf, *x)?, yv)
+                    .map_err(cuda)
             }),
             Op::Copy { x, y } => with_out(bufs, *y, |bf, yv| {
                 g.copy(s, view(bf, *x)?, yv).map_err(cuda)
             }),
-            Op::Rope {
-                x,
-                n_head,
-                head_dim,
-                from,
-                n,
-                params,
-            } => {
+            Op::Rope(r) => {
                 let sc = scratch.as_ref().ok_or_else(no_scratch)?;
-                let mode = match params.mode {
+                let (p, n) = (&r.params, r.x.len / (r.n_head * r.head_dim).max(1));
+                let mode = match p.mode {
                     CpuRope::Normal => RopeMode::Normal,
                     CpuRope::NeoX => RopeMode::Neox,
                 };
-                let pos = sc.pos.view(*from, *n).map_err(cuda)?;
-                with_out(bufs, *x, |_, xv| {
+                let pos = sc.pos.view(0, n).map_err(cuda)?;
+                let (base, scale) = (p.freq_base, p.freq_scale);
+                with_out(bufs, r.x, |_, xv| {
                     g.rope(
-                        s,
-                        xv,
-                        pos,
-                        *n,
-                        *n_head,
-                        *head_dim,
-                        params.n_dims,
-                        params.freq_base,
-                        params.freq_scale,
-                        mode,
+                        s, xv, pos, n, r.n_head, r.head_dim, p.n_dims, base, scale, mode,
                     )
                     .map_err(cuda)
                 })
             }
-            Op::KvStore {
-                kv,
-                layer,
-                k,
-                v,
-                pos,
-                n,
-            } => {
-                let cache = kvs
-                    .get_mut(kv.0)
-                    .and_then(|l| l.get_mut(*layer))
-                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
-                g.kv_store(s, cache, view(bufs, *k)?, view(bufs, *v)?, *pos, *n)
-                    .map_err(cuda)
-            }
-            Op::Attention {
-                kv,
-                layer,
-                q,
-                out,
-                n,
-                len,
-                params,
-            } => {
-                let cache = kvs
-                    .get(kv.0)
-                    .and_then(|l| l.get(*layer))
-                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+            Op::Attention(a) => {
+                let cache = kv_layer_mut(kvs, a.kv, a.layer)?;
+                g.kv_store(s, cache, view(bufs, a.k)?, view(bufs, a.v)?, a.pos, a.n)
+                    .map_err(cuda)?;
                 let sc = scratch.as_mut().ok_or_else(no_scratch)?;
-                let need = n * params.n_head * len;
-                let sv = sc.attn.view_mut(0, need).map_err(cuda)?;
-                with_out(bufs, *out, |bf, ov| {
-                    g.attention(
-                        s,
-                        view(bf, *q)?,
-                        cache,
-                        params.n_head,
-                        *len,
-                        *n,
-                        params.scale,
-                        ov,
-                        sv,
-                    )
-                    .map_err(cuda)
+                let (n_head, len, n) = (a.params.n_head, a.pos + a.n, a.n);
+                let sv = sc.attn.view_mut(0, n * n_head * len).map_err(cuda)?;
+                with_out(bufs, a.out, |bf, ov| {
+                    let q = view(bf, a.q)?;
+                    (g.attention(s, q, cache, n_head, len, n, a.params.scale, ov, sv)).map_err(cuda)
                 })
             }
-            Op::Predictor {
-                fc1,
-                fc2,
-                x,
-                hidden,
-                scores,
-                t,
-            } => {
-                let (a, b) = (mat(*fc1)?, mat(*fc2)?);
+            Op::Predictor(p) => {
+                let PredictorOp {
+                    x, hidden, scores, ..
+                } = *p;
+                let (a, b) = (mat(p.fc1)?, mat(p.fc2)?);
                 // hidden and scores: two written buffers, each taken out of the table.
                 let mut hid = bufs
                     .get_mut(hidden.buf.0)
@@ -336,29 +309,18 @@ impl CudaDevice {
                     .view_mut(hidden.off, hidden.len)
                     .map_err(cuda)
                     .and_then(|hv| {
-                        with_out(bufs, *scores, |bf, sv| {
-                            g.predictor(s, a, b, view(bf, *x)?, *t, hv, sv)
+                        with_out(bufs, scores, |bf, sv| {
+                            g.predictor(s, a, b, view(bf, x)?, p.t, hv, sv)
                                 .map_err(cuda)
                         })
                     });
                 bufs[hidden.buf.0] = Some(hid);
                 r
             }
-            Op::HotFfn {
-                hot,
-                x,
-                scores,
-                threshold,
-                t,
-                y,
-                count,
-            } => {
-                let h = hots
-                    .get(hot.0)
-                    .and_then(Option::as_ref)
-                    .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+            Op::HotFfn(f) => {
+                let h = entry(hots, f.hot.0, "hot slice")?;
                 let sc = scratch.as_mut().ok_or_else(no_scratch)?;
-                self.hot_ffn(bufs, h, sc, *x, *scores, *threshold, *t, *y, *count)
+                self.hot_ffn(bufs, h, sc, f)
             }
             Op::Activate { act, gate, up } => {
                 if *act == FfnAct::Relu {
@@ -368,11 +330,7 @@ impl CudaDevice {
                 {
                     let tmp = sc.act.view_mut(0, gate.len).map_err(cuda)?;
                     let (gv, uv) = (view(bufs, *gate)?, view(bufs, *up)?);
-                    match act {
-                        FfnAct::Swiglu => g.silu_gate(s, gv, uv, tmp),
-                        _ => g.relu_gate(s, gv, uv, *act == FfnAct::Drelu, tmp),
-                    }
-                    .map_err(cuda)?;
+                    g.binary(s, gate_op(*act), gv, uv, tmp).map_err(cuda)?;
                 }
                 let back = sc.act.view(0, gate.len).map_err(cuda)?;
                 with_out(bufs, *gate, |_, gv| g.copy(s, back, gv).map_err(cuda))
@@ -397,13 +355,17 @@ impl CudaDevice {
         bufs: &mut [Option<DeviceBuffer<f32>>],
         h: &CudaHot,
         sc: &mut Scratch,
-        x: Span,
-        scores: Span,
-        theta: f32,
-        t: usize,
-        y: Span,
-        count: Option<Span>,
+        f: &HotFfnOp,
     ) -> Result<()> {
+        let HotFfnOp {
+            x,
+            scores,
+            threshold: theta,
+            t,
+            y,
+            count,
+            ..
+        } = *f;
         let (g, s) = (&self.gpu, self.gpu.stream());
         let n = h.up.n_neurons();
         if t > sc.t || scores.len != t * n {
@@ -461,19 +423,16 @@ impl CudaDevice {
                     up.view(0, tn).map_err(cuda)?,
                 );
                 let av = act.view_mut(0, tn).map_err(cuda)?;
-                match h.act {
-                    FfnAct::Swiglu => g.silu_gate(s, gv, uv, av),
-                    a => g.relu_gate(s, gv, uv, a == FfnAct::Drelu, av),
-                }
-                .map_err(cuda)?;
+                g.binary(s, gate_op(h.act), gv, uv, av).map_err(cuda)?;
             }
             None => {
                 if let Some(b) = &h.up_bias {
                     g.add_rows(s, up.view_mut(0, tn).map_err(cuda)?, b)
                         .map_err(cuda)?;
                 }
-                g.relu(
+                g.unary(
                     s,
+                    Unary::Relu,
                     up.view(0, tn).map_err(cuda)?,
                     act.view_mut(0, tn).map_err(cuda)?,
                 )
@@ -482,8 +441,9 @@ impl CudaDevice {
         }
         // F16 rows multiply activations rounded to f16, as the CPU's axpy does.
         let coeff = if h.down.weight().ty() == GgmlType::F16 {
-            g.round_f16(
+            g.unary(
                 s,
+                Unary::RoundF16,
                 act.view(0, tn).map_err(cuda)?,
                 gate.view_mut(0, tn).map_err(cuda)?,
             )
@@ -613,11 +573,7 @@ impl Device for CudaDevice {
         let (slots, neurons, spec) = (swap.slots(), swap.neurons(), swap.spec);
         let start = Instant::now();
         let mut st = self.state();
-        let h = st
-            .hots
-            .get_mut(hot.0)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+        let h = entry_mut(&mut st.hots, hot.0, "hot slice")?;
         if h.gate.is_some() != spec.gate.is_some() || h.up_bias.is_some() != spec.up_bias.is_some()
         {
             return Err(EngineError::Device(
@@ -666,11 +622,7 @@ impl Device for CudaDevice {
     fn set_enabled(&self, hot: HotId, enabled: Option<&[bool]>) -> Result<()> {
         let s = self.gpu.stream();
         let mut st = self.state();
-        let h = st
-            .hots
-            .get_mut(hot.0)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
+        let h = entry_mut(&mut st.hots, hot.0, "hot slice")?;
         let Some(e) = enabled else {
             h.masked = false;
             return Ok(());
@@ -712,11 +664,7 @@ impl Device for CudaDevice {
 
     fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()> {
         let mut st = self.state();
-        let cache = st
-            .kvs
-            .get_mut(kv.0)
-            .and_then(|l| l.get_mut(layer))
-            .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+        let cache = kv_layer_mut(&mut st.kvs, kv, layer)?;
         let bits = |x: &[f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
         cache
             .write(self.gpu.stream(), start, &bits(k), &bits(v))
@@ -725,19 +673,9 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    fn read_kv(
-        &self,
-        kv: KvId,
-        layer: usize,
-        start: usize,
-        n: usize,
-    ) -> Result<(Vec<f16>, Vec<f16>)> {
+    fn read_kv(&self, kv: KvId, layer: usize, start: usize, n: usize) -> Result<KvRows> {
         let st = self.state();
-        let cache = st
-            .kvs
-            .get(kv.0)
-            .and_then(|l| l.get(layer))
-            .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+        let cache = kv_layer(&st.kvs, kv, layer)?;
         let (k, v) = cache.read(self.gpu.stream(), start, n).map_err(cuda)?;
         self.traffic.waited();
         self.traffic.moved(4 * k.len() as u64);
@@ -824,13 +762,7 @@ impl Device for CudaDevice {
     }
 
     fn write(&self, dst: Span, src: &[f32]) -> Result<()> {
-        if src.len() != dst.len {
-            return Err(EngineError::Device(format!(
-                "a write of {} values into a span of {}",
-                src.len(),
-                dst.len
-            )));
-        }
+        dst.check_write(src.len())?;
         if src.is_empty() {
             return Ok(());
         }

@@ -243,6 +243,18 @@ pub(crate) struct Span {
 }
 
 impl Span {
+    /// Whether `n` host values fit this span exactly (a write of `n` values into it).
+    pub(crate) fn check_write(self, n: usize) -> Result<()> {
+        if n == self.len {
+            Ok(())
+        } else {
+            Err(EngineError::Device(format!(
+                "a write of {n} values into a span of {}",
+                self.len
+            )))
+        }
+    }
+
     /// Values `off .. off + len` of this span (`off + len` must not exceed its length; the
     /// device checks every span against its buffer).
     pub(crate) fn part(self, off: usize, len: usize) -> Span {
@@ -313,6 +325,22 @@ pub(crate) fn hot_slice_overhead(n_ff: usize, k: usize, gated: bool, up_bias: bo
     4 * (indices + per_neuron) as u64
 }
 
+/// Entry `id` of a device's table of `what`s; an unknown or freed id is an error.
+pub(crate) fn entry<'a, T>(table: &'a [Option<T>], id: usize, what: &str) -> Result<&'a T> {
+    (table.get(id).and_then(Option::as_ref))
+        .ok_or_else(|| EngineError::Device(format!("unknown {what} {id}")))
+}
+
+/// Entry `id` of a device's table of `what`s, to change.
+pub(crate) fn entry_mut<'a, T>(
+    table: &'a mut [Option<T>],
+    id: usize,
+    what: &str,
+) -> Result<&'a mut T> {
+    (table.get_mut(id).and_then(Option::as_mut))
+        .ok_or_else(|| EngineError::Device(format!("unknown {what} {id}")))
+}
+
 /// Frees entry `id` of a device's table of `what`s (its memory goes back to the budget when the
 /// entry drops); an unknown or freed id is an error.
 pub(crate) fn free_entry<T>(table: &mut [Option<T>], id: usize, what: &str) -> Result<()> {
@@ -328,6 +356,14 @@ pub(crate) fn free_entry<T>(table: &mut [Option<T>], id: usize, what: &str) -> R
 /// One sequence's keys and values in device memory, for some layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct KvId(pub(crate) usize);
+
+/// K and V rows of a KV store read back to the host.
+pub(crate) type KvRows = (Vec<f16>, Vec<f16>);
+
+/// The error of a KV store id a device does not know.
+pub(crate) fn unknown_kv(kv: KvId) -> EngineError {
+    EngineError::Device(format!("unknown KV store {}", kv.0))
+}
 
 /// A copy to the host in flight ([`Device::read`]).
 #[derive(Debug, PartialEq, Eq)]
@@ -378,57 +414,14 @@ pub(crate) enum Op {
     Add { y: Span, x: Span },
     /// `y = x`.
     Copy { x: Span, y: Span },
-    /// RoPE in place over `n` tokens of `n_head` heads (tokens `from ..` of the step).
-    Rope {
-        x: Span,
-        n_head: usize,
-        head_dim: usize,
-        from: usize,
-        n: usize,
-        params: RopeParams,
-    },
-    /// Stores K and V of `n` tokens at positions `pos .. pos + n` of layer `layer` of `kv`.
-    KvStore {
-        kv: KvId,
-        layer: usize,
-        k: Span,
-        v: Span,
-        pos: usize,
-        n: usize,
-    },
-    /// Causal attention of `n` query tokens, the last of positions `0 .. len` of layer `layer`
-    /// of `kv` (token `i` sees positions `0 ..= len - n + i`).
-    Attention {
-        kv: KvId,
-        layer: usize,
-        q: Span,
-        out: Span,
-        n: usize,
-        len: usize,
-        params: AttentionParams,
-    },
-    /// Predictor scores `fc2 · ReLU(fc1 · x)` of `t` tokens (`hidden`: `t × rank` scratch).
-    Predictor {
-        fc1: MatId,
-        fc2: MatId,
-        x: Span,
-        hidden: Span,
-        scores: Span,
-        t: usize,
-    },
-    /// The hot part of a sparse FFN for `t` tokens: `y` (`t × n_embd`, overwritten) becomes
-    /// the sum over the slice's enabled neurons with `score ≥ threshold` of
-    /// `act(gate·x, up·x (+ bias)) · down`; `count` (`t` values), if given, gets how many
-    /// neurons each token computed.
-    HotFfn {
-        hot: HotId,
-        x: Span,
-        scores: Span,
-        threshold: f32,
-        t: usize,
-        y: Span,
-        count: Option<Span>,
-    },
+    /// RoPE in place ([`RopeOp`]).
+    Rope(RopeOp),
+    /// K and V rows stored in a KV store, then causal attention over it ([`AttentionOp`]).
+    Attention(AttentionOp),
+    /// Predictor scores ([`PredictorOp`]).
+    Predictor(PredictorOp),
+    /// The hot part of a sparse FFN ([`HotFfnOp`]).
+    HotFfn(HotFfnOp),
     /// `gate = act(gate, up)` element-wise (a dense FFN's activation; `Relu` reads no `up`).
     Activate { act: FfnAct, gate: Span, up: Span },
     /// Records the time the stream reaches this point in mark `slot` ([`Device::elapsed`]).
@@ -441,16 +434,71 @@ pub(crate) fn converts_activation(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::F16)
 }
 
+/// [`Op::Rope`]: RoPE in place over the step's first `n` tokens of `n_head` heads of
+/// `head_dim` (`n` = `x.len / (n_head · head_dim)`) at their positions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RopeOp {
+    pub(crate) x: Span,
+    pub(crate) n_head: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) params: RopeParams,
+}
+
+/// [`Op::Predictor`]: predictor scores `fc2 · ReLU(fc1 · x)` of `t` tokens (`hidden`:
+/// `t × rank` scratch).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct PredictorOp {
+    pub(crate) fc1: MatId,
+    pub(crate) fc2: MatId,
+    pub(crate) x: Span,
+    pub(crate) hidden: Span,
+    pub(crate) scores: Span,
+    pub(crate) t: usize,
+}
+
+/// [`Op::Attention`]: K and V of `n` tokens stored at positions `pos .. pos + n` of layer
+/// `layer` of `kv`, then causal attention of their queries `q` over positions `0 .. pos + n`
+/// (token `i` sees positions `0 ..= pos + i`) into `out`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttentionOp {
+    pub(crate) kv: KvId,
+    pub(crate) layer: usize,
+    pub(crate) k: Span,
+    pub(crate) v: Span,
+    pub(crate) q: Span,
+    pub(crate) out: Span,
+    pub(crate) pos: usize,
+    pub(crate) n: usize,
+    pub(crate) params: AttentionParams,
+}
+
+/// [`Op::HotFfn`]: the hot part of a sparse FFN for `t` tokens: `y` (`t × n_embd`,
+/// overwritten) becomes the sum over the slice's enabled neurons with `score ≥ threshold` of
+/// `act(gate·x, up·x (+ bias)) · down`; `count` (`t` values), if given, gets how many neurons
+/// each token computed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct HotFfnOp {
+    pub(crate) hot: HotId,
+    pub(crate) x: Span,
+    pub(crate) scores: Span,
+    pub(crate) threshold: f32,
+    pub(crate) t: usize,
+    pub(crate) y: Span,
+    pub(crate) count: Option<Span>,
+}
+
 /// Kernel launches of `op` on a GPU with this project's kernels: what every device counts
 /// (`converts`: whether a matrix's products convert their activations first).
 pub(crate) fn launches_of(op: &Op, converts: impl Fn(MatId) -> bool) -> u64 {
     let mm = |m: MatId| 1 + u64::from(converts(m));
     match op {
         Op::MatMul { m, .. } => mm(*m),
-        Op::Predictor { fc1, fc2, .. } => mm(*fc1) + 1 + mm(*fc2),
+        Op::Predictor(p) => mm(p.fc1) + 1 + mm(p.fc2),
         // The scores copied (and masked), up (and gate) products with their quantized
         // activation, the activation, the axpy, the count: what the CUDA device launches.
-        Op::HotFfn { count, .. } => 8 + u64::from(count.is_some()),
+        Op::HotFfn(f) => 8 + u64::from(f.count.is_some()),
+        // The rows stored, then the attention.
+        Op::Attention(_) => 2,
         Op::Mark { .. } => 0,
         _ => 1,
     }
@@ -667,13 +715,7 @@ pub(crate) trait Device: Send + Sync {
     /// Copies host rows into layer `layer` of `kv` from position `start` (queued).
     fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()>;
     /// Copies rows `start .. start + n` of layer `layer` of `kv` to the host (waits).
-    fn read_kv(
-        &self,
-        kv: KvId,
-        layer: usize,
-        start: usize,
-        n: usize,
-    ) -> Result<(Vec<f16>, Vec<f16>)>;
+    fn read_kv(&self, kv: KvId, layer: usize, start: usize, n: usize) -> Result<KvRows>;
     /// Copies the first `n` positions of every layer of `from` into `to` (queued).
     fn copy_kv(&self, from: KvId, to: KvId, n: usize) -> Result<()>;
 

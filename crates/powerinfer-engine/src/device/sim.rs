@@ -42,9 +42,10 @@ use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::{
-    converts_activation, free_entry, hot_slice_overhead, launches_of, AttentionDevice,
-    AttentionJob, BufId, Device, HotId, HotSpec, HotSwap, KvId, KvShape, MatId, Op, Queue, ReadId,
-    RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic, TrafficCounters,
+    converts_activation, entry, entry_mut, free_entry, hot_slice_overhead, launches_of, unknown_kv,
+    AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap, KvId, KvRows, KvShape,
+    MatId, Op, PredictorOp, Queue, ReadId, RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic,
+    TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -499,13 +500,7 @@ impl Device for SimDevice {
         })
     }
 
-    fn read_kv(
-        &self,
-        kv: KvId,
-        layer: usize,
-        start: usize,
-        n: usize,
-    ) -> Result<(Vec<f16>, Vec<f16>)> {
+    fn read_kv(&self, kv: KvId, layer: usize, start: usize, n: usize) -> Result<KvRows> {
         let (reply, answer) = channel();
         self.send(Cmd::KvRead {
             kv,
@@ -544,13 +539,7 @@ impl Device for SimDevice {
     }
 
     fn write(&self, dst: Span, src: &[f32]) -> Result<()> {
-        if src.len() != dst.len {
-            return Err(EngineError::Device(format!(
-                "a write of {} values into a span of {}",
-                src.len(),
-                dst.len
-            )));
-        }
+        dst.check_write(src.len())?;
         self.traffic.moved(bytes_of::<f32>(src.len()));
         self.send(Cmd::Write {
             dst,
@@ -836,10 +825,7 @@ impl Stream {
                 v,
             } => {
                 let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
-                let store = mem
-                    .kvs
-                    .get_mut(kv.0)
-                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+                let store = mem.kvs.get_mut(kv.0).ok_or_else(|| unknown_kv(kv))?;
                 put_rows(store, layer, from, &k, &v)?;
                 Ok(Cost {
                     copied: 2 * bytes_of::<f16>(k.len()),
@@ -858,7 +844,7 @@ impl Stream {
                 let got = mem
                     .kvs
                     .get(kv.0)
-                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))
+                    .ok_or_else(|| unknown_kv(kv))
                     .and_then(|s| take_rows(s, layer, from, n));
                 drop(mem);
                 let bytes = got
@@ -1061,36 +1047,18 @@ impl Stream {
                 out.copy_from_slice(ins[0]);
                 Ok(one(8 * y.len as u64))
             }
-            Op::Rope {
-                x,
-                n_head,
-                head_dim,
-                from,
-                n,
-                params,
-            } => {
-                let pos = st
-                    .positions
-                    .get(*from..from + n)
+            Op::Rope(r) => {
+                let n = r.x.len / (r.n_head * r.head_dim).max(1);
+                let pos = (st.positions.get(..n))
                     .ok_or_else(|| EngineError::Device("RoPE of tokens outside the step".into()))?;
-                let out = span_mut(&mut mem.bufs, *x)?;
-                rope_block(out, *n_head, *head_dim, pos, params)?;
-                Ok(one(8 * x.len as u64))
+                let out = span_mut(&mut mem.bufs, r.x)?;
+                rope_block(out, r.n_head, r.head_dim, pos, &r.params)?;
+                Ok(one(8 * r.x.len as u64))
             }
-            Op::KvStore {
-                kv,
-                layer,
-                k,
-                v,
-                pos,
-                n,
-            } => {
-                let kf = span(&mem.bufs, *k)?;
-                let vf = span(&mem.bufs, *v)?;
-                let store = mem
-                    .kvs
-                    .get_mut(kv.0)
-                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+            Op::Attention(a) => {
+                let (n, kf) = (a.n, span(&mem.bufs, a.k)?);
+                let vf = span(&mem.bufs, a.v)?;
+                let store = mem.kvs.get_mut(a.kv.0).ok_or_else(|| unknown_kv(a.kv))?;
                 let row = store.row;
                 if kf.len() != n * row || vf.len() != n * row {
                     return Err(EngineError::Device(format!(
@@ -1102,26 +1070,13 @@ impl Stream {
                 let mut vh = vec![f16::ZERO; vf.len()];
                 kh.convert_from_f32_slice(kf);
                 vh.convert_from_f32_slice(vf);
-                put_rows(store, *layer, *pos, &kh, &vh)?;
-                Ok(one(4 * (n * row) as u64))
-            }
-            Op::Attention {
-                kv,
-                layer,
-                q,
-                out,
-                n,
-                len,
-                params,
-            } => {
-                let pool = mm.pool();
-                let qv = span(&mem.bufs, *q)?.to_vec();
-                let store = mem
-                    .kvs
-                    .get(kv.0)
-                    .ok_or_else(|| EngineError::Device(format!("unknown KV store {}", kv.0)))?;
+                put_rows(store, a.layer, a.pos, &kh, &vh)?;
+                let written = 4 * (n * row) as u64;
+                let (layer, len) = (a.layer, a.pos + a.n);
+                let qv = span(&mem.bufs, a.q)?.to_vec();
+                let store = mem.kvs.get(a.kv.0).ok_or_else(|| unknown_kv(a.kv))?;
                 let row = store.row;
-                if *layer >= store.k.len() || *len > store.positions || n > len {
+                if layer >= store.k.len() || len > store.positions || a.n > len {
                     return Err(EngineError::Device(format!(
                         "attention over {len} positions of layer {layer} of a store of {} \
                          layers and {} positions",
@@ -1129,21 +1084,21 @@ impl Stream {
                         store.positions
                     )));
                 }
-                let (kc, vc) = (&store.k[*layer][..len * row], &store.v[*layer][..len * row]);
+                let (kc, vc) = (&store.k[layer][..len * row], &store.v[layer][..len * row]);
                 let read = 4 * (len * row) as u64;
-                let o = span_mut(&mut mem.bufs, *out)?;
-                attention_block(pool, &qv, kc, vc, *n, params, o)?;
-                Ok(one(read))
+                let out = span_mut(&mut mem.bufs, a.out)?;
+                attention_block(mm.pool(), &qv, kc, vc, a.n, &a.params, out)?;
+                Ok(Cost {
+                    launches: 2,
+                    ..one(written + read)
+                })
             }
-            Op::Predictor {
-                fc1,
-                fc2,
-                x,
-                hidden,
-                scores,
-                t,
-            } => {
-                let (a, b) = (mat(&mem.mats, *fc1)?, mat(&mem.mats, *fc2)?);
+            Op::Predictor(pr) => {
+                let PredictorOp {
+                    x, hidden, scores, ..
+                } = *pr;
+                let t = pr.t;
+                let (a, b) = (mat(&mem.mats, pr.fc1)?, mat(&mem.mats, pr.fc2)?);
                 let p = Predictor::new(a.view()?, b.view()?)?;
                 if hidden.len != t * p.rank() {
                     return Err(EngineError::Device(format!(
@@ -1152,15 +1107,15 @@ impl Stream {
                         p.rank()
                     )));
                 }
-                let xv = span(&mem.bufs, *x)?.to_vec();
+                let xv = span(&mem.bufs, x)?.to_vec();
                 // The span checked, the product uses the buffer as its scratch; its length is
                 // given back as it was.
-                let mut h = std::mem::take(span_vec(&mut mem.bufs, *hidden)?);
+                let mut h = std::mem::take(span_vec(&mut mem.bufs, hidden)?);
                 let len = h.len();
-                let out = span_mut(&mut mem.bufs, *scores)?;
-                let r = p.scores_with(mm, &xv, *t, &mut h, out);
+                let out = span_mut(&mut mem.bufs, scores)?;
+                let r = p.scores_with(mm, &xv, t, &mut h, out);
                 h.resize(len, 0.0);
-                *span_vec(&mut mem.bufs, *hidden)? = h;
+                *span_vec(&mut mem.bufs, hidden)? = h;
                 r?;
                 Ok(Cost {
                     launches: 3,
@@ -1168,24 +1123,12 @@ impl Stream {
                     ..Cost::default()
                 })
             }
-            Op::HotFfn {
-                hot,
-                x,
-                scores,
-                threshold,
-                t,
-                y,
-                count,
-            } => {
-                let h = mem
-                    .hots
-                    .get(hot.0)
-                    .and_then(Option::as_ref)
-                    .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))?;
-                let xv = span(&mem.bufs, *x)?.to_vec();
-                let sv = span(&mem.bufs, *scores)?.to_vec();
-                let (ys, read, counts) = hot_ffn(mm, st, h, &xv, &sv, *threshold, *t)?;
-                let out = span_mut(&mut mem.bufs, *y)?;
+            Op::HotFfn(f) => {
+                let h = entry(&mem.hots, f.hot.0, "hot slice")?;
+                let xv = span(&mem.bufs, f.x)?.to_vec();
+                let sv = span(&mem.bufs, f.scores)?.to_vec();
+                let (ys, read, counts) = hot_ffn(mm, st, h, &xv, &sv, f.threshold, f.t)?;
+                let out = span_mut(&mut mem.bufs, f.y)?;
                 if out.len() != ys.len() {
                     return Err(EngineError::Device(format!(
                         "a hot FFN of {} values into {}",
@@ -1194,8 +1137,8 @@ impl Stream {
                     )));
                 }
                 out.copy_from_slice(&ys);
-                if let Some(c) = count {
-                    let out = span_mut(&mut mem.bufs, *c)?;
+                if let Some(c) = f.count {
+                    let out = span_mut(&mut mem.bufs, c)?;
                     if out.len() != counts.len() {
                         return Err(EngineError::Device("a count span of the wrong size".into()));
                     }
@@ -1432,10 +1375,7 @@ fn mat(mats: &[DevMat], id: MatId) -> Result<&DevMat> {
 }
 
 fn hot_mut(mem: &mut Memory, hot: HotId) -> Result<&mut DevHot> {
-    mem.hots
-        .get_mut(hot.0)
-        .and_then(Option::as_mut)
-        .ok_or_else(|| EngineError::Device(format!("unknown hot slice {}", hot.0)))
+    entry_mut(&mut mem.hots, hot.0, "hot slice")
 }
 
 fn buf(bufs: &[DevBuf], id: BufId) -> Result<&[f32]> {

@@ -31,7 +31,7 @@ use super::step::{norm, Buffers, LayerRun, Step};
 use super::weights::ModelMats;
 use super::Segment;
 use super::{embed, host_logits, logit_rows, outputs, EvalOptions, EvalOutput, Executor, Layout};
-use crate::device::{BufId, KvId, Op as DevOp, RowsOf};
+use crate::device::{AttentionOp, BufId, HotFfnOp, KvId, Op as DevOp, PredictorOp, RopeOp, RowsOf};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{Arch, Ffn, Model};
@@ -397,7 +397,8 @@ impl Run<'_> {
             dev_total += dev_active;
             if let Some(share) = shares[l].take() {
                 cpu_total += share.active;
-                self.measured(step, l, t, share, dev_active, counted[l], balance)?;
+                let timed = counted[l].then_some(dev_active);
+                self.measured(step, (l, t), share, timed, balance)?;
             }
         }
         self.h.counters.0.fetch_add(dev_total, Ordering::Relaxed);
@@ -474,35 +475,27 @@ impl Run<'_> {
         }
         if let Some(rope) = step.rope {
             for (span, heads) in [(q, hp.n_head), (k, hp.n_head_kv)] {
-                ops.push(DevOp::Rope {
+                ops.push(DevOp::Rope(RopeOp {
                     x: span,
                     n_head: heads,
                     head_dim: hp.head_dim(),
-                    from: 0,
-                    n: t,
                     params: rope,
-                });
+                }));
             }
         }
         let heads = w.heads.span(0, t * ne);
         for p in &c.parts {
-            ops.push(DevOp::KvStore {
+            ops.push(DevOp::Attention(AttentionOp {
                 kv: p.kv,
                 layer: store_layer,
                 k: k.part(p.at * nkv, p.n * nkv),
                 v: v.part(p.at * nkv, p.n * nkv),
-                pos: p.pos,
-                n: p.n,
-            });
-            ops.push(DevOp::Attention {
-                kv: p.kv,
-                layer: store_layer,
                 q: q.part(p.at * ne, p.n * ne),
                 out: heads.part(p.at * ne, p.n * ne),
+                pos: p.pos,
                 n: p.n,
-                len: p.pos + p.n,
                 params: step.ap,
-            });
+            }));
         }
         let attn_out = w.attn_out.span(0, t * ne);
         ops.push(DevOp::MatMul {
@@ -610,15 +603,15 @@ impl Run<'_> {
             && (falcon || hl.ffn_norm.is_some() || layer.ffn_norm.is_none());
         if device_ffn {
             let (fc1, fc2) = hl.predictor.expect("checked above");
-            let hidden = w.hidden.span(0, t * fc1_rows(model, l));
-            let predictor = DevOp::Predictor {
+            let hidden = w.hidden.span(0, t * layer.ffn.predictor_rank());
+            let predictor = DevOp::Predictor(PredictorOp {
                 fc1,
                 fc2,
                 x,
                 hidden,
                 scores,
                 t,
-            };
+            });
             let state = balance.layers.get(l).and_then(Option::as_ref);
             let cpu_part = state.is_none_or(|s| s.cpu_has_neurons());
             // The FFN's input: attn_norm(x) for falcon (its predictor reads the layer input),
@@ -656,7 +649,7 @@ impl Run<'_> {
                 let y = w.hot_y.span(0, t * ne);
                 dev.enqueue(&[
                     DevOp::Mark { slot: 2 * l },
-                    DevOp::HotFfn {
+                    DevOp::HotFfn(HotFfnOp {
                         hot: s.hot,
                         x: fin,
                         scores,
@@ -664,7 +657,7 @@ impl Run<'_> {
                         t,
                         y,
                         count: Some(w.out.span(l * t, t)),
-                    },
+                    }),
                     DevOp::Mark { slot: 2 * l + 1 },
                     DevOp::Add { y: x, x: y },
                 ])?;
@@ -737,28 +730,26 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Feeds layer `l`'s measurements of a chunk to the balancer; moves the device's enabled
-    /// set and its hot-neuron cache as it decides.
-    #[allow(clippy::too_many_arguments)]
+    /// Feeds layer `l`'s measurements of a chunk of `t` tokens to the balancer (`counted`: the
+    /// neurons the device computed, when it counted them and timed the layer); moves the
+    /// device's enabled set and its hot-neuron cache as it decides.
     fn measured(
         &self,
         step: &mut Step<'_>,
-        l: usize,
-        t: usize,
+        (l, t): (usize, usize),
         share: CpuShare,
-        dev_active: u64,
-        counted: bool,
+        counted: Option<u64>,
         balance: &mut Balance,
     ) -> Result<()> {
+        let dev_active = counted.unwrap_or(0);
         let dev = self.h.device.as_ref();
         let opts = balance.options.clone();
         let Some(state) = balance.layers.get_mut(l).and_then(Option::as_mut) else {
             return Ok(());
         };
-        let device_time = if counted {
-            dev.elapsed(2 * l, 2 * l + 1)?
-        } else {
-            Duration::ZERO
+        let device_time = match counted {
+            Some(_) => dev.elapsed(2 * l, 2 * l + 1)?,
+            None => Duration::ZERO,
         };
         step.laps.split(
             l,
@@ -797,14 +788,6 @@ impl Run<'_> {
             }
         }
         Ok(())
-    }
-}
-
-/// Rows of layer `l`'s predictor hidden layer.
-fn fc1_rows(model: &Model, l: usize) -> usize {
-    match &model.layers[l].ffn {
-        Ffn::Sparse { fc1, .. } => fc1.rows,
-        Ffn::Dense { .. } => 0,
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use powerinfer_kernels_cpu::MatMul;
 
-use crate::device::{Device, HotSpec, Op, Span};
+use crate::device::{Device, HotFfnOp, HotSpec, Op, Span};
 use crate::error::{EngineError, Result};
 use powerinfer_kernels_cpu::ffn::{token_ffn, NeuronRows, TokenBufs};
 
@@ -296,7 +296,7 @@ fn measure(
                 device.write(sb, &scores)?;
                 device.enqueue(&[
                     Op::Mark { slot: 0 },
-                    Op::HotFfn {
+                    Op::HotFfn(HotFfnOp {
                         hot,
                         x: xb,
                         scores: sb,
@@ -304,7 +304,7 @@ fn measure(
                         t,
                         y: yb,
                         count: None,
-                    },
+                    }),
                     Op::Mark { slot: 1 },
                 ])?;
                 let read = device.read(yb)?;

@@ -136,19 +136,32 @@ impl KvStores {
                 device.write_kv(self.stores[i], *s, 0, k, v)?;
             }
         }
+        self.lend(&mut leases[i], i, cache, seq, pos)?;
+        Ok(Some(self.stores[i]))
+    }
+
+    /// Gives store `i` (its lease slot `slot`) to `seq`, whose first `host_rows` rows the host
+    /// holds too.
+    fn lend(
+        &self,
+        slot: &mut Weak<()>,
+        i: usize,
+        cache: &mut KvCache,
+        seq: SeqId,
+        host_rows: usize,
+    ) -> Result<()> {
         let lease = Arc::new(());
-        leases[i] = Arc::downgrade(&lease);
+        *slot = Arc::downgrade(&lease);
         cache.set_device(
             seq,
             Some(OnDevice {
                 stores: self.uid,
                 store: i,
                 layers: self.layers.clone(),
-                host_rows: pos,
+                host_rows,
                 _lease: lease,
             }),
-        )?;
-        Ok(Some(self.stores[i]))
+        )
     }
 
     /// A new sequence holding a copy of `src`'s tokens: its rows on the device copied there into
@@ -172,18 +185,7 @@ impl KvStores {
         };
         device.copy_kv(self.stores[from.0], self.stores[i], pos)?;
         let seq = cache.fork_host(src)?;
-        let lease = Arc::new(());
-        leases[i] = Arc::downgrade(&lease);
-        cache.set_device(
-            seq,
-            Some(OnDevice {
-                stores: self.uid,
-                store: i,
-                layers: self.layers.clone(),
-                host_rows: from.1,
-                _lease: lease,
-            }),
-        )?;
+        self.lend(&mut leases[i], i, cache, seq, from.1)?;
         Ok(seq)
     }
 

@@ -302,10 +302,7 @@ fn layer_vector_bytes(l: &Layer) -> u64 {
 /// Widest predictor hidden layer.
 fn rank(model: &Model) -> usize {
     (model.layers.iter())
-        .map(|l| match &l.ffn {
-            Ffn::Sparse { fc1, .. } => fc1.rows,
-            Ffn::Dense { .. } => 0,
-        })
+        .map(|l| l.ffn.predictor_rank())
         .max()
         .unwrap_or(0)
 }
@@ -840,7 +837,7 @@ fn place_sparse(
             report: &mut h.report,
         };
         for (l, layer) in model.layers.iter().enumerate() {
-            let Ffn::Sparse { fc1, fc2, .. } = &layer.ffn else {
+            let Some((fc1, fc2)) = layer.ffn.predictor() else {
                 continue;
             };
             if !h.device.supports(fc1.ty)

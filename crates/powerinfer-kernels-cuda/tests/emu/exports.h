@@ -21,8 +21,8 @@ EMU_ROWS(matmul_q4_0_t1)
 extern "C" void emu_quantize_q8(EMU_GRID, const float* x, long n_blocks, u8* xq) {
     emu_launch(gx, gy, gz, bx, [=] { quantize_q8(x, n_blocks, xq); });
 }
-extern "C" void emu_round_f16(EMU_GRID, const float* x, long n, float* y) {
-    emu_launch(gx, gy, gz, bx, [=] { round_f16(x, n, y); });
+extern "C" void emu_round_f16(EMU_GRID, const float* x, float* y, long n) {
+    emu_launch(gx, gy, gz, bx, [=] { round_f16(x, y, n); });
 }
 #else
 EMU_ROWS(axpy_f32_t1)
@@ -50,8 +50,8 @@ extern "C" void emu_silu_gate(EMU_GRID, const float* g, const float* u, float* y
 extern "C" void emu_add_rows(EMU_GRID, float* y, const float* b, int n, long total) {
     emu_launch(gx, gy, gz, bx, [=] { add_rows(y, b, n, total); });
 }
-extern "C" void emu_add_inplace(EMU_GRID, float* y, const float* x, long n) {
-    emu_launch(gx, gy, gz, bx, [=] { add_inplace(y, x, n); });
+extern "C" void emu_add_inplace(EMU_GRID, const float* x, float* y, long n) {
+    emu_launch(gx, gy, gz, bx, [=] { add_inplace(x, y, n); });
 }
 extern "C" void emu_relu_inplace(EMU_GRID, float* y, long n) {
     emu_launch(gx, gy, gz, bx, [=] { relu_inplace(y, n); });
