@@ -780,3 +780,76 @@ fn run_json_reports_what_the_device_charged() {
         "{err}"
     );
 }
+
+/// `--powerinfer` beside `--ffn-resident`: PowerInfer's `main` runs next to the CPU's sparse
+/// row with no VRAM and next to each hybrid row with that row's budget (`--vram-budget` in GiB),
+/// and each row compares with its own run. PowerInfer is stood in for by a script that records
+/// its arguments and prints `llama_print_timings` lines (2 tokens in 20 ms, 2 runs in 10 ms).
+#[cfg(unix)]
+#[test]
+fn bench_decode_runs_powerinfer_beside_each_hybrid_row_with_its_budget() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = synth();
+    let dir = tempfile::tempdir().unwrap();
+    let args = dir.path().join("args");
+    let fake = dir.path().join("main");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> {a}\n\
+             echo 'llama_print_timings: prompt eval time =      20.00 ms /     2 tokens' >&2\n\
+             echo 'llama_print_timings:        eval time =      10.00 ms /     2 runs' >&2\n",
+            a = args.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let rows = &bench_decode(
+        &[&f.sparse],
+        "2",
+        "2",
+        &[
+            "--sparse-only",
+            "--gpu",
+            "sim",
+            "--ffn-resident",
+            "0.5",
+            "--powerinfer",
+            s(&fake),
+        ],
+    );
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[0]["mode"].as_str(), Some("sparse"));
+    assert_eq!(rows[1]["mode"].as_str(), Some("hybrid50%"));
+    let budgets: Vec<f64> = rows
+        .iter()
+        .map(|r| r["powerinfer_vram_budget_gib"].as_f64().unwrap())
+        .collect();
+    assert_eq!(budgets[0], 0.0);
+    assert!(budgets[1] > 0.0, "{budgets:?}");
+    // The hybrid row's budget is what the engine ran with (its device report).
+    let held = rows[1]["device"]["budget_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
+    assert!(
+        (held - budgets[1]).abs() <= 1e-9 * held,
+        "{held} vs {budgets:?}"
+    );
+    // One PowerInfer call per row, in order, each with its budget as printed to 4 decimals.
+    let calls = std::fs::read_to_string(&args).unwrap();
+    let given: Vec<f64> = calls
+        .lines()
+        .map(|l| {
+            let v = l.split_once("--vram-budget ").unwrap().1;
+            v.split_whitespace().next().unwrap().parse().unwrap()
+        })
+        .collect();
+    assert_eq!(given.len(), 2, "{calls}");
+    for (g, b) in given.iter().zip(&budgets) {
+        assert!((g - b).abs() <= 5e-5, "{given:?} vs {budgets:?}");
+    }
+    for r in rows {
+        assert_eq!(r["powerinfer_tps"].as_f64(), Some(200.0), "{r}");
+        assert_eq!(r["powerinfer_prompt_tps"].as_f64(), Some(100.0), "{r}");
+        let ours = r["decode_tps"].as_f64().unwrap();
+        assert!((r["vs_powerinfer"].as_f64().unwrap() - ours / 200.0).abs() <= 1e-9 * ours);
+    }
+}

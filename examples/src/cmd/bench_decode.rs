@@ -107,8 +107,9 @@ pub struct DecodeArgs {
     #[arg(long)]
     llama_bench: Option<PathBuf>,
     /// PowerInfer's `main` binary (its `llama-bench` does not load PowerInfer files): also
-    /// decode every PowerInfer file with it, beside our sparse row (`scripts/build-powerinfer`
-    /// builds it CPU-only from its public source).
+    /// decode every PowerInfer file with it beside each of our sparse and hybrid rows, with that
+    /// row's VRAM budget (`--vram-budget`; 0 beside the CPU's row). `scripts/build-powerinfer`
+    /// builds it from its public source, `--cuda` with CUDA.
     #[arg(long)]
     powerinfer: Option<PathBuf>,
     /// Sequences decoded together: each step evaluates one token of each of them in one
@@ -143,7 +144,8 @@ enum Job {
     Ours(usize),
     /// llama.cpp's `llama-bench` on dense file `i`.
     Llama(usize),
-    /// PowerInfer's `main` on PowerInfer file `i`.
+    /// PowerInfer's `main` beside configuration `i` (a PowerInfer file's CPU or hybrid row, with
+    /// the same VRAM budget).
     PowerInfer(usize),
 }
 
@@ -338,19 +340,42 @@ impl ByteModel {
     }
 }
 
+/// The VRAM budget (bytes) that holds the dense parts and `frac` of the FFN's bytes of `path`
+/// with the options of `a` (what a `hybrid` row runs with).
+fn hybrid_budget(path: &Path, a: &DecodeArgs, frac: f64) -> Result<u64, String> {
+    let mut probe = super::engine_options(a.threads, a.sparse_threshold);
+    a.device.apply(&mut probe)?;
+    probe.ctx_len = (a.prompt + a.tokens + 8).max(64);
+    probe.batch = 64;
+    budget_for(path, &probe, frac)
+}
+
+/// The VRAM budget (GiB) PowerInfer gets beside configuration `mode` of `path`: the hybrid
+/// row's budget, `--vram-budget` for a sparse row on the device, 0 for the CPU's row.
+fn powerinfer_budget(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<f64, String> {
+    Ok(match mode {
+        Mode::Hybrid(frac) => hybrid_budget(path, a, frac)? as f64 / (1u64 << 30) as f64,
+        Mode::Sparse if a.ffn_resident.is_empty() => a.device.vram_budget.unwrap_or(0.0),
+        _ => 0.0,
+    })
+}
+
 fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
     let dense = mode == Mode::Dense;
     let mut opts = super::engine_options(a.threads, a.sparse_threshold);
     opts.dense = dense;
     match mode {
+        // A dense GGUF file's layers on the device with `-ngl` (a PowerInfer file's dense mode
+        // stays on the CPU).
+        Mode::Dense if a.device.n_gpu_layers.is_some() && !byte_model(path)?.is_powerinfer => {
+            a.device.apply(&mut opts)?
+        }
         Mode::Dense => {}
         Mode::Sparse if a.ffn_resident.is_empty() => a.device.apply(&mut opts)?,
         Mode::Sparse => {}
         Mode::Hybrid(frac) => {
             a.device.apply(&mut opts)?;
-            let mut probe = opts.clone();
-            probe.ctx_len = (a.prompt + a.tokens + 8).max(64);
-            opts.device.vram_budget = Some(budget_for(path, &probe, frac)?);
+            opts.device.vram_budget = Some(hybrid_budget(path, a, frac)?);
         }
     }
     opts.ctx_len = (a.prompt + a.tokens + 8).max(64);
@@ -569,12 +594,13 @@ fn timing(stderr: &str, label: &str) -> Option<(f64, f64)> {
     Some((ms, n))
 }
 
-/// PowerInfer's `main` on a PowerInfer file: greedy decode of `a.tokens` tokens after the
-/// prompt, best of `a.repeats` runs; decode tok/s from its `eval time`, prompt tok/s from its
-/// `prompt eval time`.
+/// PowerInfer's `main` on a PowerInfer file with `vram_gib` of VRAM (`--vram-budget`; a build
+/// without CUDA warns and ignores it): greedy decode of `a.tokens` tokens after the prompt, best
+/// of `a.repeats` runs; decode tok/s from its `eval time`, prompt tok/s from its `prompt eval
+/// time`.
 fn powerinfer_main(
     bin: &Path,
-    path: &Path,
+    (path, vram_gib): (&Path, f64),
     a: &DecodeArgs,
     threads: usize,
     text: &str,
@@ -599,6 +625,7 @@ fn powerinfer_main(
             .args(["-t", &threads.to_string()])
             .args(["-c", &(a.prompt + a.tokens + 64).to_string()])
             .args(["--temp", "0", "--ignore-eos", "--seed", "1"])
+            .args(["--vram-budget", &format!("{vram_gib:.4}")])
             .output()
             .map_err(|e| format!("{}: {e}", bin.display()))?;
         let err = String::from_utf8_lossy(&out.stderr);
@@ -686,10 +713,19 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     let rounds = a.rounds.max(1);
     // measured[c][r]: configuration c in round r; llama[f][r]: llama.cpp on llama_files[f];
-    // pi[f][r]: PowerInfer on pi_files[f].
+    // pi[c][r]: PowerInfer beside configuration c (empty where it does not run).
     let mut measured: Vec<Vec<Row>> = (0..configs.len()).map(|_| Vec::new()).collect();
     let mut llama: Vec<Vec<LlamaRun>> = (0..llama_files.len()).map(|_| Vec::new()).collect();
-    let mut pi: Vec<Vec<LlamaRun>> = (0..pi_files.len()).map(|_| Vec::new()).collect();
+    let mut pi: Vec<Vec<LlamaRun>> = (0..configs.len()).map(|_| Vec::new()).collect();
+    // pi_gib[c]: the VRAM budget PowerInfer gets beside configuration c.
+    let pi_gib: Vec<f64> = (configs.iter())
+        .map(
+            |(path, mode)| match pi_files.contains(&path) && *mode != Mode::Dense {
+                true => powerinfer_budget(path, &a, *mode),
+                false => Ok(0.0),
+            },
+        )
+        .collect::<Result<_, _>>()?;
     for round in 0..rounds {
         // Every job of the round: ours (configuration index), llama.cpp or PowerInfer (file
         // index), each reference next to the first row of its file.
@@ -699,10 +735,8 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
             if let Some(f) = llama_files.iter().position(|p| *p == path) {
                 jobs.push(Job::Llama(f));
             }
-            if let Some(f) = pi_files.iter().position(|p| *p == path) {
-                if *mode == Mode::Sparse {
-                    jobs.push(Job::PowerInfer(f));
-                }
+            if pi_files.contains(&path) && *mode != Mode::Dense {
+                jobs.push(Job::PowerInfer(c));
             }
         }
         if round % 2 == 1 {
@@ -735,8 +769,10 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                         .powerinfer
                         .as_ref()
                         .expect("PowerInfer files need the binary");
-                    let run = powerinfer_main(bin, pi_files[i], &a, threads, &pi_texts[i])?;
-                    ("PowerInfer", pi_files[i], run, &mut pi[i])
+                    let path = &configs[i].0;
+                    let f = pi_files.iter().position(|p| *p == path).expect("a PI file");
+                    let run = powerinfer_main(bin, (path, pi_gib[i]), &a, threads, &pi_texts[f])?;
+                    ("PowerInfer", path, run, &mut pi[i])
                 }
             };
             if !a.json {
@@ -789,7 +825,8 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
         .iter()
         .zip(&measured)
         .zip(&twins)
-        .map(|(((path, mode), runs), twin)| {
+        .zip(pi.iter().zip(&pi_gib))
+        .map(|((((path, _), runs), twin), (pi_runs, pi_gib))| {
             let tps_rounds: Vec<f64> = runs.iter().map(|r| r.tps).collect();
             let prompt_rounds: Vec<f64> = runs
                 .iter()
@@ -826,14 +863,15 @@ pub fn run(a: DecodeArgs) -> Result<(), String> {
                 "weights_ceiling_tps": r.memory.read_bps / r.bytes_per_token,
                 "weights_ceiling_share": tps * r.bytes_per_token / r.memory.read_bps,
             });
-            if let (Mode::Sparse, Some(f)) = (mode, pi_files.iter().position(|p| *p == path)) {
-                let tg: Vec<f64> = pi[f].iter().map(|r| r.tg).collect();
+            if !pi_runs.is_empty() {
+                let tg: Vec<f64> = pi_runs.iter().map(|r| r.tg).collect();
+                o["powerinfer_vram_budget_gib"] = (*pi_gib).into();
                 let ratios: Vec<f64> = tps_rounds.iter().zip(&tg).map(|(o, l)| o / l).collect();
                 o["powerinfer_tps"] = median(&tg).into();
                 o["powerinfer_tps_rounds"] = tg.into();
                 o["vs_powerinfer"] = median(&ratios).into();
                 o["vs_powerinfer_rounds"] = ratios.into();
-                let pp: Option<Vec<f64>> = pi[f].iter().map(|r| r.pp).collect();
+                let pp: Option<Vec<f64>> = pi_runs.iter().map(|r| r.pp).collect();
                 if let Some(pp) = pp {
                     let ratios: Vec<f64> =
                         prompt_rounds.iter().zip(&pp).map(|(o, l)| o / l).collect();
