@@ -159,51 +159,55 @@ extern "C" __global__ void count_active(const float* p, const u32* bucket, int k
     if (threadIdx.x == 0) out[t] = c;
 }
 
-// Stores K and V of consecutive positions as f16: n floats each (T tokens of n_kv_head * head_dim)
-// go to elements offset .. offset + n of the position-major caches (offset = first position *
-// n_kv_head * head_dim).
-extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc, long offset,
-                                    int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        kc[offset + i] = f2h(k[i]);
-        vc[offset + i] = f2h(v[i]);
-    }
+// Stores K and V of T tokens as f16 at their positions pos[0 .. T) (device memory: a program
+// that reads them serves every token): token t's row of `row` floats goes to row pos[t] of the
+// position-major caches of n_ctx rows; a position outside the cache writes nothing.
+extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc,
+                                    const int* pos, int row, int T, int n_ctx) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)T * row) return;
+    int t = (int)(i / row);
+    int p = pos[t];
+    if (p < 0 || p >= n_ctx) return;
+    long o = (long)p * row + (i - (long)t * row);
+    kc[o] = f2h(k[i]);
+    vc[o] = f2h(v[i]);
 }
 
-// Causal attention of T query tokens over an f16 KV cache holding L positions, with grouped-query
-// heads: token t (0-based, the last T positions of the cache) attends to positions
-// 0 .. L - T + t. q, out: T * n_head * head_dim floats; kc, vc: position-major caches of
-// n_kv * head_dim halves per position; head h reads KV head h / (n_head / n_kv).
-// out[t, h] = sum_pos softmax_pos(scale * q[t, h] . k_pos) v_pos. scratch: T * n_head * L floats.
-// Grid (n_head, T), one block per (head, token).
+// Causal attention of T query tokens at positions pos[0 .. T) (device memory) over an f16 KV
+// cache of n_ctx positions, with grouped-query heads: token t attends to positions
+// 0 ..= pos[t] (within the cache). q, out: T * n_head * head_dim floats; kc, vc: position-major
+// caches of n_kv * head_dim halves per position; head h reads KV head h / (n_head / n_kv).
+// out[t, h] = sum_pos softmax_pos(scale * q[t, h] . k_pos) v_pos. scratch: T * n_head * n_ctx
+// floats. Grid (n_head, T), one block per (head, token).
 extern "C" __global__ void attention_f16kv(const float* q, const u16* kc, const u16* vc,
-                                           float* out, float* scratch, int n_head, int n_kv,
-                                           int head_dim, int L, int T, float scale) {
+                                           const int* pos, float* out, float* scratch,
+                                           int n_head, int n_kv, int head_dim, int n_ctx,
+                                           float scale) {
     __shared__ float red[32];
     int h = blockIdx.x, t = blockIdx.y;
-    int len = L - T + 1 + t;
+    int len = min(pos[t] + 1, n_ctx);
     int kvh = h / (n_head / n_kv);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     long qo = ((long)t * n_head + h) * head_dim;
     const float* qh = q + qo;
-    float* s = scratch + ((long)t * n_head + h) * L;
+    float* s = scratch + ((long)t * n_head + h) * n_ctx;
     long stride = (long)n_kv * head_dim;
-    for (int pos = warp; pos < len; pos += nw) {
-        const u16* k = kc + (long)pos * stride + (long)kvh * head_dim;
+    for (int p = warp; p < len; p += nw) {
+        const u16* k = kc + (long)p * stride + (long)kvh * head_dim;
         float acc = 0.0f;
         for (int d = lane; d < head_dim; d += 32) acc += qh[d] * h2f(k[d]);
         acc = warp_sum(acc);
-        if (lane == 0) s[pos] = acc * scale;
+        if (lane == 0) s[p] = acc * scale;
     }
     __syncthreads();
     float m = -3.402823466e38f;
-    for (int pos = threadIdx.x; pos < len; pos += blockDim.x) m = fmaxf(m, s[pos]);
+    for (int p = threadIdx.x; p < len; p += blockDim.x) m = fmaxf(m, s[p]);
     m = block_max(m, red);
     float sum = 0.0f;
-    for (int pos = threadIdx.x; pos < len; pos += blockDim.x) {
-        float e = expf(s[pos] - m);
-        s[pos] = e;
+    for (int p = threadIdx.x; p < len; p += blockDim.x) {
+        float e = expf(s[p] - m);
+        s[p] = e;
         sum += e;
     }
     sum = block_sum(sum, red);
@@ -211,7 +215,7 @@ extern "C" __global__ void attention_f16kv(const float* q, const u16* kc, const 
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         const u16* v = vc + (long)kvh * head_dim + d;
         float acc = 0.0f;
-        for (int pos = 0; pos < len; pos++) acc += s[pos] * h2f(v[(long)pos * stride]);
+        for (int p = 0; p < len; p++) acc += s[p] * h2f(v[(long)p * stride]);
         out[qo + d] = acc * inv;
     }
 }

@@ -842,110 +842,104 @@ impl Gpu {
         unsafe { b.launch(geometry::count_active(t)?) }
     }
 
-    /// Stores K and V of `t` tokens (`t * n_kv_head * head_dim` floats each, token-major) at
-    /// positions `pos .. pos + t` of the cache, as f16.
-    pub fn kv_store<'k, 'v>(
+    /// Stores K and V of `t` tokens (`t * n_kv_head * head_dim` floats each, token-major) as
+    /// f16 at their positions `pos` (`t` values in device memory, so that one program serves
+    /// every token; a position outside the cache writes nothing: callers check positions on
+    /// the host).
+    pub fn kv_store<'k, 'v, 'p>(
         &self,
         stream: &Stream,
         cache: &mut KvCache,
         k: impl Into<In<'k>>,
         v: impl Into<In<'v>>,
-        pos: usize,
+        pos: impl Into<DeviceView<'p, i32>>,
         t: usize,
     ) -> Result<()> {
-        let (k, v) = (k.into(), v.into());
+        let (k, v, pos) = (k.into(), v.into(), pos.into());
         let row = cache.n_kv_head * cache.head_dim;
         check_len("k", t * row, k.len())?;
         check_len("v", t * row, v.len())?;
-        if pos + t > cache.n_ctx {
-            return Err(CudaError::Index {
-                what: "KV position",
-                index: pos + t,
-                len: cache.n_ctx,
-            });
-        }
-        let n = t * row;
-        if n == 0 {
-            return Ok(());
-        }
-        let offset = (pos * row) as i64;
-        let n32 = i32_arg("n", n)?;
+        check_len("positions", t, pos.len())?;
+        let (row32, t32, ctx) = (
+            i32_arg("row", row)?,
+            i32_arg("tokens", t)?,
+            i32_arg("n_ctx", cache.n_ctx)?,
+        );
         let mut b = Args::new(self, stream, "kv_store");
         b.view(&k)
             .view(&v)
             .ptr_mut(&mut cache.k.slice)
             .ptr_mut(&mut cache.v.slice)
-            .scalar(&offset)
-            .scalar(&n32);
-        // SAFETY: parameters match kv_store in kernels/ops.cu; pos + t <= n_ctx, so the n
-        // elements from offset lie in the caches; k and v hold n floats.
-        unsafe { b.launch(geometry::per_element("kv_store", n)?) }
+            .view(&pos)
+            .scalar(&row32)
+            .scalar(&t32)
+            .scalar(&ctx);
+        // SAFETY: parameters match kv_store in kernels/ops.cu; k and v hold t * row floats,
+        // pos t ints; the kernel writes only rows of positions below n_ctx, which the caches
+        // hold.
+        unsafe { b.launch(geometry::per_element("kv_store", t * row)?) }
     }
 
-    /// Causal attention of the `t` query tokens at positions `len - t .. len` over positions
-    /// `0..len` of the cache (token i sees `0 ..= len - t + i`), with grouped-query heads
-    /// (n_head a multiple of the cache's n_kv_head). `q`, `out`: t × n_head × head_dim;
-    /// `scratch`: at least t × n_head × len floats. Decoding is `t = 1`.
-    pub fn attention<'q, 'o, 's>(
+    /// Causal attention of `t` query tokens at positions `pos` (`t` values in device memory)
+    /// over the cache: token i sees positions `0 ..= pos[i]` (within the cache), with
+    /// grouped-query heads (n_head a multiple of the cache's n_kv_head). `q`, `out`:
+    /// t × n_head × head_dim; `scratch`: at least t × n_head × n_ctx floats. Decoding is
+    /// `t = 1`.
+    pub fn attention<'q, 'p, 'o, 's>(
         &self,
         stream: &Stream,
         q: impl Into<In<'q>>,
         cache: &KvCache,
         n_head: usize,
-        len: usize,
+        pos: impl Into<DeviceView<'p, i32>>,
         t: usize,
         scale: f32,
         out: impl Into<Out<'o>>,
         scratch: impl Into<Out<'s>>,
     ) -> Result<()> {
-        let (q, mut out, mut scratch) = (q.into(), out.into(), scratch.into());
+        let (q, pos, mut out, mut scratch) = (q.into(), pos.into(), out.into(), scratch.into());
         let hd = cache.head_dim;
         check_len("q", t * n_head * hd, q.len())?;
         check_len("out", t * n_head * hd, out.len())?;
+        check_len("positions", t, pos.len())?;
         if cache.n_kv_head == 0 || n_head % cache.n_kv_head != 0 {
             return Err(CudaError::Shape(format!(
                 "{n_head} heads over {} KV heads",
                 cache.n_kv_head
             )));
         }
-        if len > cache.n_ctx || t > len {
-            return Err(CudaError::Index {
-                what: "attention length",
-                index: len,
-                len: cache.n_ctx,
-            });
-        }
-        if scratch.len() < t * n_head * len {
+        let need = t * n_head * cache.n_ctx;
+        if scratch.len() < need {
             return Err(CudaError::Length {
                 what: "attention scratch",
-                expected: t * n_head * len,
+                expected: need,
                 got: scratch.len(),
             });
         }
         if n_head == 0 || hd == 0 || t == 0 {
             return Ok(());
         }
-        let (h, kvh, d, l, t32) = (
+        let (h, kvh, d, ctx) = (
             i32_arg("n_head", n_head)?,
             i32_arg("n_kv", cache.n_kv_head)?,
             i32_arg("head_dim", hd)?,
-            i32_arg("len", len)?,
-            i32_arg("tokens", t)?,
+            i32_arg("n_ctx", cache.n_ctx)?,
         );
         let mut b = Args::new(self, stream, "attention_f16kv");
         b.view(&q)
             .ptr(&cache.k.slice)
             .ptr(&cache.v.slice)
+            .view(&pos)
             .view_mut(&mut out)
             .view_mut(&mut scratch);
         b.scalar(&h)
             .scalar(&kvh)
             .scalar(&d)
-            .scalar(&l)
-            .scalar(&t32)
+            .scalar(&ctx)
             .scalar(&scale);
-        // SAFETY: parameters match attention_f16kv in kernels/ops.cu; t <= len <= n_ctx, scratch
-        // has at least t * n_head * len floats, q and out lengths checked above.
+        // SAFETY: parameters match attention_f16kv in kernels/ops.cu; the kernel reads at most
+        // n_ctx positions of the caches, scratch has t * n_head * n_ctx floats, q and out
+        // lengths and the t positions checked above.
         unsafe { b.launch(geometry::attention(n_head, t)?) }
     }
 

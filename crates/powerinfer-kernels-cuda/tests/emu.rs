@@ -647,16 +647,26 @@ proptest! {
         let n_ctx = len + 2;
         let (mut kc, mut vc) = (vec![0u16; n_ctx * row], vec![0u16; n_ctx * row]);
         let (k, v) = (rng.vec(len * row), rng.vec(len * row));
-        type Store = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut u16, *mut u16, i64, i32);
+        type Store = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut u16, *mut u16, *const i32, i32, i32, i32);
         let store: Store = emu.sym("kv_store");
         let mut pos = 0;
         while pos < len {
             let t = batch.min(len - pos);
+            let at: Vec<i32> = (pos..pos + t).map(|p| p as i32).collect();
             let l = geometry::per_element("kv_store", t * row).unwrap();
             let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: pos + t <= n_ctx; caches hold n_ctx × row halves, the k and v slices t × row floats.
-            unsafe { store(l.grid.0, l.grid.1, l.grid.2, l.block, k[pos * row..].as_ptr(), v[pos * row..].as_ptr(), kc.as_mut_ptr(), vc.as_mut_ptr(), (pos * row) as i64, (t * row) as i32) };
+            // SAFETY: caches hold n_ctx × row halves, the k and v slices t × row floats, at t positions.
+            unsafe { store(l.grid.0, l.grid.1, l.grid.2, l.block, k[pos * row..].as_ptr(), v[pos * row..].as_ptr(), kc.as_mut_ptr(), vc.as_mut_ptr(), at.as_ptr(), row as i32, t as i32, n_ctx as i32) };
             pos += t;
+        }
+        // Positions outside the cache write nothing.
+        {
+            let at = [-1i32, n_ctx as i32, i32::MAX];
+            let l = geometry::per_element("kv_store", 3 * row).unwrap();
+            let (k3, v3) = (k.repeat(3), v.repeat(3));
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: as above; k3 and v3 hold at least 3 × row floats.
+            unsafe { store(l.grid.0, l.grid.1, l.grid.2, l.block, k3.as_ptr(), v3.as_ptr(), kc.as_mut_ptr(), vc.as_mut_ptr(), at.as_ptr(), row as i32, 3, n_ctx as i32) };
         }
         let ks: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
         let vs: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
@@ -665,15 +675,17 @@ proptest! {
         prop_assert!(kc[len * row..].iter().all(|&b| b == 0));
         let q = rng.vec(tq * n_head * head_dim);
         let mut out = vec![0.0f32; tq * n_head * head_dim];
-        let mut scratch = vec![0.0f32; tq * n_head * len];
+        let mut scratch = vec![0.0f32; tq * n_head * n_ctx];
         let scale = 1.0 / (head_dim as f32).sqrt();
         let l = geometry::attention(n_head, tq).unwrap();
-        type Att = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const u16, *const u16, *mut f32, *mut f32, i32, i32, i32, i32, i32, f32);
+        // The queries are the last tq of the len stored positions.
+        let at: Vec<i32> = (len - tq..len).map(|p| p as i32).collect();
+        type Att = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const u16, *const u16, *const i32, *mut f32, *mut f32, i32, i32, i32, i32, f32);
         let f: Att = emu.sym("attention_f16kv");
         {
             let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: shapes as documented on attention_f16kv; tq <= len <= n_ctx.
-            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, q.as_ptr(), kc.as_ptr(), vc.as_ptr(), out.as_mut_ptr(), scratch.as_mut_ptr(), n_head as i32, n_kv as i32, head_dim as i32, len as i32, tq as i32, scale) };
+            // SAFETY: shapes as documented on attention_f16kv; scratch holds tq × n_head × n_ctx floats.
+            unsafe { f(l.grid.0, l.grid.1, l.grid.2, l.block, q.as_ptr(), kc.as_ptr(), vc.as_ptr(), at.as_ptr(), out.as_mut_ptr(), scratch.as_mut_ptr(), n_head as i32, n_kv as i32, head_dim as i32, n_ctx as i32, scale) };
         }
         let want = ro::attention_block(&q, &ks, &vs, tq, n_head, n_kv, head_dim, scale as f64);
         close("attention", &out, &want, &vec![10.0; want.len()])?;

@@ -282,7 +282,9 @@ proptest! {
             let t = batch.min(len - pos);
             let kd = gpu.upload(s, &k[pos * row..(pos + t) * row]).unwrap();
             let vd = gpu.upload(s, &v[pos * row..(pos + t) * row]).unwrap();
-            gpu.kv_store(s, &mut cache, &kd, &vd, pos, t).unwrap();
+            let at: Vec<i32> = (pos..pos + t).map(|p| p as i32).collect();
+            let pd = gpu.upload(s, &at).unwrap();
+            gpu.kv_store(s, &mut cache, &kd, &vd, &pd, t).unwrap();
             pos += t;
         }
         let ks: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
@@ -295,8 +297,11 @@ proptest! {
         let qd = gpu.upload(s, &q).unwrap();
         let mut out = gpu.alloc_zeros::<f32>(s, tq * n_head * head_dim).unwrap();
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let mut scratch = gpu.alloc_zeros::<f32>(s, tq * n_head * len).unwrap();
-        gpu.attention(s, &qd, &cache, n_head, len, tq, scale, &mut out, &mut scratch).unwrap();
+        let mut scratch = gpu.alloc_zeros::<f32>(s, tq * n_head * (len + 3)).unwrap();
+        // The queries are the last tq of the len stored positions.
+        let at: Vec<i32> = (len - tq..len).map(|p| p as i32).collect();
+        let pd = gpu.upload(s, &at).unwrap();
+        gpu.attention(s, &qd, &cache, n_head, &pd, tq, scale, &mut out, &mut scratch).unwrap();
         let want = ro::attention_block(&q, &ks, &vs, tq, n_head, n_kv, head_dim, scale as f64);
         assert_close("attention", &out.to_host(s).unwrap(), &want, &vec![10.0; want.len()]);
     }

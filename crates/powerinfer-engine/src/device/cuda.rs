@@ -83,9 +83,10 @@ struct CudaHot {
 /// The kernels' own scratch, for steps of up to `t` tokens.
 struct Scratch {
     t: usize,
-    /// The step's token ids and positions.
+    /// The step's token ids and positions (and the positions on the host, to check ops against).
     ids: DeviceBuffer<i32>,
     pos: DeviceBuffer<i32>,
+    host_pos: Vec<u32>,
     /// Attention scores (`t × n_head × ctx`).
     attn: DeviceBuffer<f32>,
     /// The hot FFN's masked scores, up and gate products and activations (`t × n_ff` each).
@@ -284,15 +285,31 @@ impl CudaDevice {
                 })
             }
             Op::Attention(a) => {
+                let (n_head, n) = (a.params.n_head, a.n);
                 let cache = kv_layer_mut(kvs, a.kv, a.layer)?;
-                g.kv_store(s, cache, view(bufs, a.k)?, view(bufs, a.v)?, a.pos, a.n)
-                    .map_err(cuda)?;
                 let sc = scratch.as_mut().ok_or_else(no_scratch)?;
-                let (n_head, len, n) = (a.params.n_head, a.pos + a.n, a.n);
-                let sv = sc.attn.view_mut(0, n * n_head * len).map_err(cuda)?;
+                // The kernels read the tokens' positions on the device (one program serves
+                // every token); they are checked here against the store.
+                let ctx = cache.n_ctx();
+                match sc.host_pos.get(a.at..a.at + n) {
+                    Some(p) if p.iter().all(|&p| (p as usize) < ctx) => {}
+                    _ => {
+                        return Err(EngineError::Device(format!(
+                            "attention of tokens {}..{} of the step outside a store of {ctx} \
+                             positions",
+                            a.at,
+                            a.at + n
+                        )))
+                    }
+                }
+                let pos = sc.pos.view(a.at, n).map_err(cuda)?;
+                g.kv_store(s, cache, view(bufs, a.k)?, view(bufs, a.v)?, pos, n)
+                    .map_err(cuda)?;
+                let pos = sc.pos.view(a.at, n).map_err(cuda)?;
+                let sv = sc.attn.view_mut(0, n * n_head * ctx).map_err(cuda)?;
                 with_out(bufs, a.out, |bf, ov| {
                     let q = view(bf, a.q)?;
-                    (g.attention(s, q, cache, n_head, len, n, a.params.scale, ov, sv)).map_err(cuda)
+                    (g.attention(s, q, cache, n_head, pos, n, a.params.scale, ov, sv)).map_err(cuda)
                 })
             }
             Op::Predictor(p) => {
@@ -498,6 +515,7 @@ impl Device for CudaDevice {
             t,
             ids: g.alloc_zeros::<i32>(s, t).map_err(cuda)?,
             pos: g.alloc_zeros::<i32>(s, t).map_err(cuda)?,
+            host_pos: Vec::with_capacity(t),
             attn: f(t * sh.n_head * sh.ctx)?,
             masked: f(t * sh.n_ff)?,
             up: f(t * sh.n_ff)?,
@@ -721,6 +739,8 @@ impl Device for CudaDevice {
                 sc.t
             )));
         }
+        sc.host_pos.clear();
+        sc.host_pos.extend_from_slice(positions);
         if t == 0 {
             return Ok(());
         }

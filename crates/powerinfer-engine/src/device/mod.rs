@@ -456,9 +456,10 @@ pub(crate) struct PredictorOp {
     pub(crate) t: usize,
 }
 
-/// [`Op::Attention`]: K and V of `n` tokens stored at positions `pos .. pos + n` of layer
-/// `layer` of `kv`, then causal attention of their queries `q` over positions `0 .. pos + n`
-/// (token `i` sees positions `0 ..= pos + i`) into `out`.
+/// [`Op::Attention`]: K and V of the step's tokens `at .. at + n` stored at their positions
+/// (the step's, [`Device::set_step`]) of layer `layer` of `kv`, then causal attention of their
+/// queries `q` into `out`: token `i` sees positions `0 ..= position(i)`. The positions are not
+/// part of the op, so a decode step's program is the same for every token.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct AttentionOp {
     pub(crate) kv: KvId,
@@ -467,7 +468,7 @@ pub(crate) struct AttentionOp {
     pub(crate) v: Span,
     pub(crate) q: Span,
     pub(crate) out: Span,
-    pub(crate) pos: usize,
+    pub(crate) at: usize,
     pub(crate) n: usize,
     pub(crate) params: AttentionParams,
 }

@@ -1056,6 +1056,19 @@ impl Stream {
                 Ok(one(8 * r.x.len as u64))
             }
             Op::Attention(a) => {
+                // The step's positions of the tokens: consecutive for one sequence's part.
+                let pos = match st.positions.get(a.at..a.at + a.n) {
+                    Some(p) if p.iter().enumerate().all(|(i, &q)| q == p[0] + i) => p[0],
+                    Some([]) => 0,
+                    _ => {
+                        return Err(EngineError::Device(format!(
+                            "attention of tokens {}..{} of the step: not consecutive positions \
+                             of the step",
+                            a.at,
+                            a.at + a.n
+                        )))
+                    }
+                };
                 let (n, kf) = (a.n, span(&mem.bufs, a.k)?);
                 let vf = span(&mem.bufs, a.v)?;
                 let store = mem.kvs.get_mut(a.kv.0).ok_or_else(|| unknown_kv(a.kv))?;
@@ -1070,9 +1083,9 @@ impl Stream {
                 let mut vh = vec![f16::ZERO; vf.len()];
                 kh.convert_from_f32_slice(kf);
                 vh.convert_from_f32_slice(vf);
-                put_rows(store, a.layer, a.pos, &kh, &vh)?;
+                put_rows(store, a.layer, pos, &kh, &vh)?;
                 let written = 4 * (n * row) as u64;
-                let (layer, len) = (a.layer, a.pos + a.n);
+                let (layer, len) = (a.layer, pos + a.n);
                 let qv = span(&mem.bufs, a.q)?.to_vec();
                 let store = mem.kvs.get(a.kv.0).ok_or_else(|| unknown_kv(a.kv))?;
                 let row = store.row;

@@ -60,8 +60,6 @@ struct Part {
     at: usize,
     /// Tokens.
     n: usize,
-    /// Position of the first token.
-    pos: usize,
 }
 
 /// Tokens `start .. start + t` of the batch.
@@ -115,7 +113,6 @@ impl Run<'_> {
                     kv: self.stores[i],
                     at: cur.t,
                     n,
-                    pos: self.lay.positions[self.lay.starts[i] + off],
                 });
                 cur.t += n;
                 off += n;
@@ -492,7 +489,7 @@ impl Run<'_> {
                 v: v.part(p.at * nkv, p.n * nkv),
                 q: q.part(p.at * ne, p.n * ne),
                 out: heads.part(p.at * ne, p.n * ne),
-                pos: p.pos,
+                at: p.at,
                 n: p.n,
                 params: step.ap,
             }));

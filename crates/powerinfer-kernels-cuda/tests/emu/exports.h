@@ -78,13 +78,14 @@ extern "C" void emu_relu(EMU_GRID, const float* x, float* y, long n) {
 extern "C" void emu_relu_gate(EMU_GRID, const float* g, const float* u, float* y, long n, int relu_u) {
     emu_launch(gx, gy, gz, bx, [=] { relu_gate(g, u, y, n, relu_u); });
 }
-extern "C" void emu_kv_store(EMU_GRID, const float* k, const float* v, u16* kc, u16* vc, long offset, int n) {
-    emu_launch(gx, gy, gz, bx, [=] { kv_store(k, v, kc, vc, offset, n); });
+extern "C" void emu_kv_store(EMU_GRID, const float* k, const float* v, u16* kc, u16* vc, const int* pos,
+                             int row, int T, int n_ctx) {
+    emu_launch(gx, gy, gz, bx, [=] { kv_store(k, v, kc, vc, pos, row, T, n_ctx); });
 }
-extern "C" void emu_attention_f16kv(EMU_GRID, const float* q, const u16* kc, const u16* vc, float* out,
-                                    float* scratch, int n_head, int n_kv, int head_dim, int L, int T,
-                                    float scale) {
-    emu_launch(gx, gy, gz, bx, [=] { attention_f16kv(q, kc, vc, out, scratch, n_head, n_kv, head_dim, L, T, scale); });
+extern "C" void emu_attention_f16kv(EMU_GRID, const float* q, const u16* kc, const u16* vc, const int* pos,
+                                    float* out, float* scratch, int n_head, int n_kv, int head_dim,
+                                    int n_ctx, float scale) {
+    emu_launch(gx, gy, gz, bx, [=] { attention_f16kv(q, kc, vc, pos, out, scratch, n_head, n_kv, head_dim, n_ctx, scale); });
 }
 extern "C" void emu_layer_norm(EMU_GRID, const float* x, const float* w, const float* b, float* y, int n, float eps) {
     emu_launch(gx, gy, gz, bx, [=] { layer_norm(x, w, b, y, n, eps); });
