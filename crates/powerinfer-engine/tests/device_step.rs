@@ -181,6 +181,43 @@ fn part_of_the_ffn_on_the_device_sends_a_layer_its_share_only() {
     }
 }
 
+/// With graphs a device replays each program (the runs between timing marks) with one launch:
+/// the same tokens, and per token a launch or three per layer (the timed hot FFN stands between
+/// two marks when the balancer measures) instead of one per kernel, the link and the waits as
+/// without graphs.
+#[test]
+fn graphs_replay_a_layer_with_a_launch_or_three() {
+    for (i, family) in [Family::Llama, Family::Opt].into_iter().enumerate() {
+        let m = model(GgmlType::Q4_0, family, 110 + i as u64, tiny());
+        let cpu = Engine::load(&m.path, options(DeviceChoice::None, None)).unwrap();
+        let (want, _, _) = decode(&cpu, 12);
+        let (all, ffn) = everything(&m.path);
+        for (budget, balance) in [(None, false), (Some(all - ffn / 2), true)] {
+            let run = |graphs: bool| {
+                let mut o = options(DeviceChoice::Sim, budget);
+                o.device.graphs = graphs;
+                o.device.balance.balance = balance;
+                let e = Engine::load(&m.path, o).unwrap();
+                let (got, a, b) = decode(&e, 12);
+                assert_eq!(got, want, "{family:?} graphs {graphs}: greedy tokens");
+                (per_token(&a, &b), e.model().hparams().n_layer)
+            };
+            let ((plain, plain_waits, plain_bytes), n_layer) = run(false);
+            let ((launches, waits, bytes), _) = run(true);
+            eprintln!(
+                "{family:?} budget {budget:?}: {plain:.0} launches per token, {launches:.0} with \
+                 graphs"
+            );
+            assert!(
+                launches <= (3 * n_layer + 2) as f64,
+                "{family:?}: {launches} launches per token with graphs"
+            );
+            assert!(launches < plain, "{family:?}: {launches} vs {plain}");
+            assert_eq!((waits, bytes), (plain_waits, plain_bytes), "{family:?}");
+        }
+    }
+}
+
 #[test]
 fn part_of_the_layers_on_the_device_sends_a_layer_its_hidden_state() {
     let mut shape = tiny();

@@ -29,7 +29,19 @@ fn run(
     budget: Option<u64>,
     n: usize,
 ) -> (Vec<Vec<f32>>, Vec<u32>, DeviceReport, DeviceReport) {
+    run_with(path, device, budget, n, false)
+}
+
+/// [`run`], with CUDA graphs or without.
+fn run_with(
+    path: &std::path::Path,
+    device: DeviceChoice,
+    budget: Option<u64>,
+    n: usize,
+    graphs: bool,
+) -> (Vec<Vec<f32>>, Vec<u32>, DeviceReport, DeviceReport) {
     let mut o = common::opts(false);
+    o.device.graphs = graphs;
     o.ctx_len = 96;
     o.device.choice = device;
     o.device.vram_budget = budget;
@@ -111,7 +123,8 @@ fn cuda_hybrid_matches_cpu() {
     }
 }
 
-/// 64 greedy tokens on the GPU, everything resident and half the FFN, are the CPU's.
+/// 64 greedy tokens on the GPU, everything resident and half the FFN, with CUDA graphs and
+/// without, are the CPU's.
 #[test]
 fn cuda_greedy_text_is_the_cpus() {
     if !gpu_or_skip() {
@@ -135,6 +148,14 @@ fn cuda_greedy_text_is_the_cpus() {
         for budget in [None, Some(all.peak_bytes - all.dense_bytes / 4)] {
             let (_, got, _, _) = run(&path, DeviceChoice::Cuda(0), budget, 64);
             assert_eq!(got, want, "{ty:?} budget {budget:?}");
+            // Captured programs replayed (one per layer part) give the same tokens.
+            let (_, got, a, b) = run_with(&path, DeviceChoice::Cuda(0), budget, 64, true);
+            assert_eq!(got, want, "{ty:?} budget {budget:?} with graphs");
+            let t = (b.tokens - a.tokens).max(1) as f64;
+            println!(
+                "{ty:?} budget {budget:?} graphs: {:.1} launches per token",
+                (b.launches - a.launches) as f64 / t
+            );
         }
     }
 }

@@ -89,6 +89,53 @@ impl Stream {
     pub fn record(&self, event: &TimedEvent) -> Result<()> {
         Ok(event.inner.record(&self.inner)?)
     }
+
+    /// Captures the work `queue` puts on this stream into a [`Graph`] instead of running it:
+    /// the kernels and copies with the arguments they had, replayed by [`Graph::launch`] with
+    /// one launch. `queue` must not wait on the stream, allocate or record timed events. The
+    /// capture ends whether `queue` succeeds or not.
+    pub fn capture<E: From<CudaError>>(
+        &self,
+        queue: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<Graph, E> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.inner
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| E::from(CudaError::from(e)))?;
+        let queued = queue();
+        let graph = self
+            .inner
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(|e| E::from(CudaError::from(e)));
+        queued?;
+        match graph? {
+            Some(inner) => Ok(Graph { inner }),
+            None => Err(E::from(CudaError::Shape("a capture of no work".into()))),
+        }
+    }
+}
+
+/// Work captured from a stream ([`Stream::capture`]), replayed with one launch.
+pub struct Graph {
+    inner: cudarc::driver::CudaGraph,
+}
+
+// SAFETY: the graph's driver handles may be used from any thread; the driver only asks that
+// calls on one graph be serialized, which holds because `Graph` is not `Sync` (a thread that
+// launches it owns it or holds the lock it lives under).
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Queues the captured work on the stream it was captured from.
+    pub fn launch(&self) -> Result<()> {
+        Ok(self.inner.launch()?)
+    }
+}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Graph")
+    }
 }
 
 /// A device buffer of `T` whose bytes are held against the [`Gpu`]'s budget until dropped.

@@ -32,7 +32,7 @@ pub mod tensor;
 
 pub use budget::{MemoryBudget, Reservation};
 pub use device::{
-    driver_present, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut, Gpu, KernelImage,
+    driver_present, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut, Gpu, Graph, KernelImage,
     PinnedBuffer, Stream, TimedEvent,
 };
 pub use error::{BudgetError, CudaError, NoGpu, Result};

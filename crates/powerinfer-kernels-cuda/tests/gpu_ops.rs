@@ -456,6 +456,37 @@ fn pinned_buffers_round_trip_on_a_second_stream() {
     assert!(got.iter().enumerate().all(|(i, &v)| v == i as f32));
 }
 
+/// A captured program replays what it captured on the buffers' current contents: relu then
+/// an add, captured once (nothing runs while capturing), launched for two inputs.
+#[test]
+fn a_captured_graph_replays_on_new_contents() {
+    let Some(gpu) = gpu() else { return };
+    let s = gpu.stream();
+    let n = 3000;
+    let mut x = gpu.alloc_zeros::<f32>(s, n).unwrap();
+    let b = gpu.upload(s, &vec![0.5f32; n]).unwrap();
+    let mut r = gpu.alloc_zeros::<f32>(s, n).unwrap();
+    let mut y = gpu.alloc_zeros::<f32>(s, n).unwrap();
+    s.synchronize().unwrap();
+    let graph = s
+        .capture(|| -> Result<(), CudaError> {
+            gpu.unary(s, Unary::Relu, &x, &mut r)?;
+            gpu.binary(s, Binary::Add, &r, &b, &mut y)
+        })
+        .unwrap();
+    // Captured, not run.
+    assert!(y.to_host(s).unwrap().iter().all(|&v| v == 0.0));
+    for k in [1.0f32, -3.0] {
+        let xs: Vec<f32> = (0..n).map(|i| k * (i as f32 - 1000.0)).collect();
+        x.copy_from(s, &xs).unwrap();
+        graph.launch().unwrap();
+        let got = y.to_host(s).unwrap();
+        for (i, (&g, &xv)) in got.iter().zip(&xs).enumerate() {
+            assert_eq!(g, xv.max(0.0) + 0.5, "value {i} for k {k}");
+        }
+    }
+}
+
 #[test]
 fn quantized_products_reuse_the_scratch_across_sizes_streams_and_threads() {
     // The quantized activation lives in a scratch buffer cached per stream: products of

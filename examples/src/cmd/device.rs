@@ -45,6 +45,10 @@ pub struct DeviceArgs {
     /// `--gpu sim` with `--sim-bandwidth`: host link bandwidth in GB/s.
     #[arg(long = "sim-link-gbps", default_value_t = 25.0)]
     pub sim_link_gbps: f64,
+    /// Capture each device program as a CUDA graph on first use and replay it with one launch
+    /// (`on`/`off`; the simulated device charges one launch per program then).
+    #[arg(long = "graphs", default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub graphs: bool,
     /// Balance each layer's active neurons between the device and the CPU from their measured
     /// times while decoding (`on`), or keep PowerInfer's static split (`off`: every neuron the
     /// device holds is computed there).
@@ -129,6 +133,7 @@ impl DeviceArgs {
             _ => GpuIndexMode::Reuse,
         };
         d.n_gpu_layers = self.n_gpu_layers;
+        d.graphs = self.graphs;
         if !(0.0..1.0).contains(&self.balance_dead_band) {
             return Err(format!(
                 "--balance-dead-band {}: expected a share in [0, 1)",

@@ -18,7 +18,7 @@ use powerinfer_kernels_cpu::ffn::FfnAct;
 use powerinfer_kernels_cpu::ops::rope::RopeMode as CpuRope;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::{
-    Binary, CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gpu, GpuSlice,
+    Binary, CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gpu, GpuSlice, Graph,
     KvCache, NoGpu, PinnedBuffer, RopeMode, TimedEvent, Unary,
 };
 
@@ -30,13 +30,19 @@ use super::{
 use crate::error::{EngineError, Result};
 
 fn cuda(e: CudaError) -> EngineError {
-    match e {
-        CudaError::Budget(b) => EngineError::DeviceMemory {
-            requested: b.requested,
-            used: b.used,
-            limit: b.limit,
-        },
-        other => EngineError::Device(other.to_string()),
+    e.into()
+}
+
+impl From<CudaError> for EngineError {
+    fn from(e: CudaError) -> EngineError {
+        match e {
+            CudaError::Budget(b) => EngineError::DeviceMemory {
+                requested: b.requested,
+                used: b.used,
+                limit: b.limit,
+            },
+            other => EngineError::Device(other.to_string()),
+        }
     }
 }
 
@@ -121,6 +127,24 @@ struct State {
     pinned_i32: HashMap<usize, Vec<PinnedBuffer<i32>>>,
     /// Timed events of the marks.
     marks: HashMap<usize, TimedEvent>,
+    /// Captured programs by [`graph_key`].
+    graphs: HashMap<String, Graph>,
+}
+
+/// What decides a captured program: its ops, and per hot FFN whether its enabled mask applies
+/// (that adds a kernel). Buffers never move after load, so their ids stand for their memory.
+fn graph_key(hots: &[Option<CudaHot>], ops: &[Op]) -> String {
+    let masked: Vec<bool> = (ops.iter())
+        .filter_map(|op| match op {
+            Op::HotFfn(f) => Some(
+                hots.get(f.hot.0)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|h| h.masked),
+            ),
+            _ => None,
+        })
+        .collect();
+    format!("{ops:?}{masked:?}")
 }
 
 /// An NVIDIA GPU through `powerinfer-kernels-cuda`.
@@ -128,6 +152,10 @@ pub(crate) struct CudaDevice {
     gpu: Gpu,
     state: Mutex<State>,
     traffic: TrafficCounters,
+    /// Programs are captured as CUDA graphs and replayed ([`DeviceOptions::graphs`]).
+    ///
+    /// [`DeviceOptions::graphs`]: crate::schedule::DeviceOptions::graphs
+    graphs: bool,
 }
 
 /// Buffer `id`.
@@ -166,7 +194,11 @@ fn with_out<R>(
 impl CudaDevice {
     /// Opens GPU `ordinal` with a budget of `budget` bytes (default: 90% of its memory less
     /// 256 MiB, as PowerInfer leaves some room).
-    pub(crate) fn open(ordinal: usize, budget: Option<u64>) -> std::result::Result<Self, NoGpu> {
+    pub(crate) fn open(
+        ordinal: usize,
+        budget: Option<u64>,
+        graphs: bool,
+    ) -> std::result::Result<Self, NoGpu> {
         let gpu = Gpu::open(ordinal, None)?;
         let total = gpu.info().total_memory;
         let default = (total / 10 * 9).saturating_sub(256 << 20);
@@ -177,6 +209,7 @@ impl CudaDevice {
             gpu,
             state: Mutex::new(State::default()),
             traffic: TrafficCounters::default(),
+            graphs,
         })
     }
 
@@ -365,6 +398,35 @@ impl CudaDevice {
         }
     }
 
+    /// Queues `ops` with graphs: marks as they are, each run between them as a graph,
+    /// captured the first time its [`graph_key`] is seen and replayed after (one launch).
+    fn replay(&self, st: &mut State, ops: &[Op]) -> Result<()> {
+        let mut launches = 0;
+        let mut rest = ops;
+        while let Some(first) = rest.first() {
+            if let Op::Mark { .. } = first {
+                self.op(st, first)?;
+                rest = &rest[1..];
+                continue;
+            }
+            let end = (rest.iter())
+                .position(|op| matches!(op, Op::Mark { .. }))
+                .unwrap_or(rest.len());
+            let (run, after) = rest.split_at(end);
+            let key = graph_key(&st.hots, run);
+            if !st.graphs.contains_key(&key) {
+                let graph = (self.gpu.stream())
+                    .capture(|| -> Result<()> { run.iter().try_for_each(|op| self.op(st, op)) })?;
+                st.graphs.insert(key.clone(), graph);
+            }
+            st.graphs[&key].launch().map_err(cuda)?;
+            launches += 1;
+            rest = after;
+        }
+        self.traffic.launched(launches);
+        Ok(())
+    }
+
     /// The hot part of a sparse FFN (see [`Op::HotFfn`]).
     #[allow(clippy::too_many_arguments)]
     fn hot_ffn(
@@ -486,7 +548,8 @@ impl CudaDevice {
 impl Device for CudaDevice {
     fn name(&self) -> String {
         let i = self.gpu.info();
-        format!("cuda:{} ({})", i.ordinal, i.name)
+        let graphs = if self.graphs { ", graphs" } else { "" };
+        format!("cuda:{} ({}{graphs})", i.ordinal, i.name)
     }
 
     fn memory(&self) -> (u64, u64, u64) {
@@ -523,7 +586,10 @@ impl Device for CudaDevice {
             act: f(t * sh.n_ff)?,
         };
         g.reserve_activation(s, t * sh.cols).map_err(cuda)?;
-        self.state().scratch = Some(scratch);
+        let mut st = self.state();
+        // Captured programs point at the scratch they were captured with.
+        st.graphs.clear();
+        st.scratch = Some(scratch);
         Ok(())
     }
 
@@ -666,7 +732,10 @@ impl Device for CudaDevice {
     }
 
     fn drop_hot(&self, hot: HotId) -> Result<()> {
-        free_entry(&mut self.state().hots, hot.0, "hot slice")
+        let mut st = self.state();
+        // Captured programs may point at the slice's memory.
+        st.graphs.clear();
+        free_entry(&mut st.hots, hot.0, "hot slice")
     }
 
     fn alloc_kv(&self, sh: KvShape) -> Result<KvId> {
@@ -768,6 +837,9 @@ impl Device for CudaDevice {
 
     fn enqueue(&self, ops: &[Op]) -> Result<()> {
         let mut st = self.state();
+        if self.graphs {
+            return self.replay(&mut st, ops);
+        }
         let mut launches = 0;
         for op in ops {
             launches += launches_of(op, |m| {

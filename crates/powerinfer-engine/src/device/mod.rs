@@ -428,6 +428,12 @@ pub(crate) enum Op {
     Mark { slot: usize },
 }
 
+/// The programs a device with graphs captures once and replays with one launch each: the
+/// runs of `ops` between marks (a mark records a timed event on the stream itself).
+pub(crate) fn graph_segments(ops: &[Op]) -> impl Iterator<Item = &[Op]> {
+    (ops.split(|op| matches!(op, Op::Mark { .. }))).filter(|s| !s.is_empty())
+}
+
 /// Whether a product with a matrix of type `ty` first converts its activations in a launch of
 /// its own (quantized to Q8_0 for the quantized types, rounded to f16 for F16).
 pub(crate) fn converts_activation(ty: GgmlType) -> bool {

@@ -42,10 +42,10 @@ use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 use powerinfer_predictor::predictor::Predictor;
 
 use super::{
-    converts_activation, entry, entry_mut, free_entry, hot_slice_overhead, launches_of, unknown_kv,
-    AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap, KvId, KvRows, KvShape,
-    MatId, Op, PredictorOp, Queue, ReadId, RowsOf, SimOptions, SimSpeed, Span, Ticket, Traffic,
-    TrafficCounters,
+    converts_activation, entry, entry_mut, free_entry, graph_segments, hot_slice_overhead,
+    launches_of, unknown_kv, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap,
+    KvId, KvRows, KvShape, MatId, Op, PredictorOp, Queue, ReadId, RowsOf, SimOptions, SimSpeed,
+    Span, Ticket, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -201,6 +201,8 @@ pub(crate) struct SimDevice {
     failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
     speed: Option<SimSpeed>,
+    /// Programs replay as one launch each (CUDA graphs).
+    graphs: bool,
 }
 
 /// Bytes a buffer of `n` values of `T` holds.
@@ -222,7 +224,9 @@ fn stopped<E>(_: E) -> EngineError {
 
 impl SimDevice {
     /// A device with `budget` bytes of memory.
-    pub(crate) fn new(budget: u64, opts: &SimOptions) -> Result<SimDevice> {
+    /// A simulated device of `budget` bytes; `graphs`: it replays each program as one launch,
+    /// as a GPU with CUDA graphs does ([`DeviceOptions::graphs`](crate::schedule::DeviceOptions::graphs)).
+    pub(crate) fn new(budget: u64, opts: &SimOptions, graphs: bool) -> Result<SimDevice> {
         let budget = MemoryBudget::new(budget);
         let memory = Arc::new(RwLock::new(Memory::default()));
         let overruns = Arc::new(AtomicU64::new(0));
@@ -238,6 +242,7 @@ impl SimDevice {
             marks: marks.clone(),
             failed: failed.clone(),
             threads: opts.threads.max(1),
+            graphs,
         };
         let worker = std::thread::Builder::new()
             .name("powerinfer-sim-gpu".into())
@@ -257,6 +262,7 @@ impl SimDevice {
             failed,
             threads: opts.threads.max(1),
             speed: opts.speed,
+            graphs,
         })
     }
 
@@ -344,9 +350,10 @@ impl Drop for SimDevice {
 impl Device for SimDevice {
     fn name(&self) -> String {
         format!(
-            "sim ({} thread{})",
+            "sim ({} thread{}{})",
             self.threads,
-            if self.threads == 1 { "" } else { "s" }
+            if self.threads == 1 { "" } else { "s" },
+            if self.graphs { ", graphs" } else { "" }
         )
     }
 
@@ -530,10 +537,13 @@ impl Device for SimDevice {
     }
 
     fn enqueue(&self, ops: &[Op]) -> Result<()> {
-        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        let converts = |m: MatId| mem.mats.get(m.0).is_some_and(|d| converts_activation(d.ty));
-        let launches: u64 = ops.iter().map(|op| launches_of(op, converts)).sum();
-        drop(mem);
+        let launches = if self.graphs {
+            graph_segments(ops).count() as u64
+        } else {
+            let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
+            let converts = |m: MatId| mem.mats.get(m.0).is_some_and(|d| converts_activation(d.ty));
+            ops.iter().map(|op| launches_of(op, converts)).sum()
+        };
         self.traffic.launched(launches);
         self.send(Cmd::Ops(ops.to_vec()))
     }
@@ -710,6 +720,8 @@ struct Stream {
     marks: Arc<Mutex<Vec<Option<Instant>>>>,
     failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
+    /// Programs replay as one launch each (CUDA graphs).
+    graphs: bool,
 }
 
 /// What a command cost in the speed model's terms.
@@ -768,6 +780,8 @@ impl Stream {
         match cmd {
             Cmd::Ops(ops) => {
                 let mut cost = Cost::default();
+                // With graphs, each run of ops between marks is one launch.
+                let mut in_graph = false;
                 for op in &ops {
                     if let Op::Mark { slot } = op {
                         // The marks of the speed model's time, not the host's.
@@ -777,10 +791,16 @@ impl Stream {
                             marks.resize(slot + 1, None);
                         }
                         marks[*slot] = Some(Instant::now());
+                        in_graph = false;
                         continue;
                     }
                     let c = self.op(mm, st, op)?;
-                    cost.launches += c.launches;
+                    if !self.graphs {
+                        cost.launches += c.launches;
+                    } else if !in_graph {
+                        cost.launches += 1;
+                        in_graph = true;
+                    }
                     cost.read += c.read;
                 }
                 Ok(cost)

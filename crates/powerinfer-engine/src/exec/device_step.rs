@@ -656,8 +656,9 @@ impl Run<'_> {
                         count: Some(w.out.span(l * t, t)),
                     }),
                     DevOp::Mark { slot: 2 * l + 1 },
-                    DevOp::Add { y: x, x: y },
                 ])?;
+                // Added with the CPU's share, in one program after it (graphs: three a layer).
+                ops.push(DevOp::Add { y: x, x: y });
                 counted[l] = true;
             }
             step.laps.lap(Op::Device, || 0);

@@ -65,6 +65,11 @@ pub struct DeviceOptions {
     pub sim: SimOptions,
     /// How the device and the CPU share each layer's work while decoding.
     pub balance: BalanceOptions,
+    /// Capture each device program (the runs between timing marks) as a CUDA graph the first
+    /// time it is queued and replay it with one launch after (a decode step's programs are the
+    /// same for every token). The simulated device charges one launch per program, as such a
+    /// device would. Off by default: not yet measured on a GPU.
+    pub graphs: bool,
 }
 
 impl Default for DeviceOptions {
@@ -78,6 +83,7 @@ impl Default for DeviceOptions {
             kv_sequences: 1,
             sim: SimOptions::default(),
             balance: BalanceOptions::default(),
+            graphs: false,
         }
     }
 }

@@ -224,13 +224,14 @@ pub(crate) fn open(opts: &DeviceOptions, model: &Model, ctx_len: usize) -> Resul
                 Some(b) => b,
                 None => everything(model, opts, ctx_len),
             };
-            Ok(Opened::Device(Box::new(SimDevice::new(budget, &opts.sim)?)))
+            let sim = SimDevice::new(budget, &opts.sim, opts.graphs)?;
+            Ok(Opened::Device(Box::new(sim)))
         }
-        DeviceChoice::Cuda(n) => match CudaDevice::open(n, opts.vram_budget) {
+        DeviceChoice::Cuda(n) => match CudaDevice::open(n, opts.vram_budget, opts.graphs) {
             Ok(d) => Ok(Opened::Device(Box::new(d))),
             Err(e) => Err(EngineError::NoGpu(format!("cuda:{n}: {e}"))),
         },
-        DeviceChoice::Auto => match CudaDevice::open(0, opts.vram_budget) {
+        DeviceChoice::Auto => match CudaDevice::open(0, opts.vram_budget, opts.graphs) {
             Ok(d) => Ok(Opened::Device(Box::new(d))),
             Err(e) => Ok(Opened::Cpu(Some(format!(
                 "no usable GPU ({e}): everything runs on the CPU"
