@@ -187,12 +187,14 @@ impl KvCache {
         let s = self.slot(seq)?;
         if s.lost {
             return Err(EngineError::Invalid(format!(
-                "sequence {seq} is a copy of a sequence whose KV rows are in a device's memory:                  they cannot be read from here"
+                "sequence {seq} is a copy of a sequence whose KV rows are in a device's memory: \
+                 they cannot be read from here"
             )));
         }
         match &s.device {
             Some(d) if d.host_rows < s.pos => Err(EngineError::Invalid(format!(
-                "{what} sequence {seq}: its KV rows are in the device's memory (use the                  Engine's method, which reads them back)"
+                "{what} sequence {seq}: its KV rows are in the device's memory (use the \
+                 Engine's method, which reads them back)"
             ))),
             _ => Ok(()),
         }

@@ -218,6 +218,38 @@ fn graphs_replay_a_layer_with_a_launch_or_three() {
     }
 }
 
+/// A batch of more sequences than the device has KV stores for runs on the CPU without
+/// copying any sequence's rows to the device first (and back): no link traffic at all, and the
+/// CPU's logits.
+#[test]
+fn a_batch_beyond_the_stores_stays_on_the_host() {
+    let m = model(GgmlType::Q4_0, Family::Llama, 130, tiny());
+    let run = |device: DeviceChoice| {
+        let e = Engine::load(&m.path, options(device, None)).unwrap();
+        let mut cache = e.new_cache();
+        let seqs: Vec<_> = (0..2).map(|_| cache.add_sequence()).collect();
+        let mut first = Batch::new();
+        for &s in &seqs {
+            first.push(s, &PROMPT);
+        }
+        let before = e.device_report();
+        let mut out = e.eval(&mut cache, &first, EvalOptions::new()).unwrap();
+        let step: Vec<_> = seqs.iter().map(|&s| (s, 7)).collect();
+        out.extend(
+            e.eval(&mut cache, &Batch::decode(&step), EvalOptions::new())
+                .unwrap(),
+        );
+        let after = e.device_report();
+        let logits: Vec<Vec<f32>> = out.into_iter().map(|o| o.logits).collect();
+        (logits, after.link_bytes - before.link_bytes)
+    };
+    let (want, _) = run(DeviceChoice::None);
+    // One store (the default), two sequences.
+    let (got, bytes) = run(DeviceChoice::Sim);
+    assert_eq!(got, want);
+    assert_eq!(bytes, 0, "link bytes of a batch the device does not run");
+}
+
 #[test]
 fn part_of_the_layers_on_the_device_sends_a_layer_its_hidden_state() {
     let mut shape = tiny();

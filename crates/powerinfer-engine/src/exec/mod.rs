@@ -278,7 +278,8 @@ impl Executor {
         let mm = MatMul::with_backend(pool, self.backend)?.with_axpy(self.opts.axpy);
         let mats = ModelMats::new(model, &self.repacked)?;
         if let Some(h) = &self.hybrid {
-            if h.runs_layers() && opts.observer.is_none() {
+            let seqs = segments.iter().map(|sg| sg.seq);
+            if h.runs_layers() && opts.observer.is_none() && h.kv.fit(cache, seqs)? {
                 let mut stores = Vec::with_capacity(segments.len());
                 for sg in segments {
                     match h.kv.bind(h.device.as_ref(), cache, sg.seq)? {

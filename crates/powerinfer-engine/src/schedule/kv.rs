@@ -97,6 +97,26 @@ impl KvStores {
         self.layer_of.get(l).copied().flatten()
     }
 
+    /// Whether every one of `seqs` has a store here or can take a free one, so that binding
+    /// them all never copies a sequence's rows in only to read them back.
+    pub(crate) fn fit(&self, cache: &KvCache, seqs: impl Iterator<Item = SeqId>) -> Result<bool> {
+        let mut need = 0;
+        for seq in seqs {
+            if cache.lost(seq)? {
+                // `bind` refuses it with the reason.
+                return Ok(true);
+            }
+            match cache.device(seq)? {
+                // Another engine's rows: `bind` says so.
+                Some(_) => {}
+                None if cache.pos(seq)? > self.positions => return Ok(false),
+                None => need += 1,
+            }
+        }
+        let leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(need <= leases.iter().filter(|w| w.upgrade().is_none()).count())
+    }
+
     /// The store of `seq`, taking a free one (and copying the host's rows in) when it has
     /// none; `None` when every store is taken (or there are none).
     pub(crate) fn bind(
