@@ -127,14 +127,23 @@ struct State {
     pinned_i32: HashMap<usize, Vec<PinnedBuffer<i32>>>,
     /// Timed events of the marks.
     marks: HashMap<usize, TimedEvent>,
-    /// Captured programs by [`graph_key`].
-    graphs: HashMap<String, Graph>,
+    /// Captured programs (a decode step has a few per layer; a lookup compares ops, which
+    /// differ from the first one for programs of other layers).
+    graphs: Vec<Captured>,
 }
 
-/// What decides a captured program: its ops, and per hot FFN whether its enabled mask applies
-/// (that adds a kernel). Buffers never move after load, so their ids stand for their memory.
-fn graph_key(hots: &[Option<CudaHot>], ops: &[Op]) -> String {
-    let masked: Vec<bool> = (ops.iter())
+/// A captured program: the ops it ran, whether each of its hot FFNs' enabled masks applied
+/// (that adds a kernel), and the graph. Buffers never move after load, so the ops' ids stand
+/// for the memory the graph points at.
+struct Captured {
+    ops: Vec<Op>,
+    masked: Vec<bool>,
+    graph: Graph,
+}
+
+/// Per hot FFN of `ops`, whether its enabled mask applies.
+fn masked_of(hots: &[Option<CudaHot>], ops: &[Op]) -> Vec<bool> {
+    (ops.iter())
         .filter_map(|op| match op {
             Op::HotFfn(f) => Some(
                 hots.get(f.hot.0)
@@ -143,8 +152,7 @@ fn graph_key(hots: &[Option<CudaHot>], ops: &[Op]) -> String {
             ),
             _ => None,
         })
-        .collect();
-    format!("{ops:?}{masked:?}")
+        .collect()
 }
 
 /// An NVIDIA GPU through `powerinfer-kernels-cuda`.
@@ -399,7 +407,8 @@ impl CudaDevice {
     }
 
     /// Queues `ops` with graphs: marks as they are, each run between them as a graph,
-    /// captured the first time its [`graph_key`] is seen and replayed after (one launch).
+    /// captured the first time it is seen (ops and [`masked_of`]) and replayed after (one
+    /// launch).
     fn replay(&self, st: &mut State, ops: &[Op]) -> Result<()> {
         let mut launches = 0;
         let mut rest = ops;
@@ -413,13 +422,23 @@ impl CudaDevice {
                 .position(|op| matches!(op, Op::Mark { .. }))
                 .unwrap_or(rest.len());
             let (run, after) = rest.split_at(end);
-            let key = graph_key(&st.hots, run);
-            if !st.graphs.contains_key(&key) {
-                let graph = (self.gpu.stream())
-                    .capture(|| -> Result<()> { run.iter().try_for_each(|op| self.op(st, op)) })?;
-                st.graphs.insert(key.clone(), graph);
-            }
-            st.graphs[&key].launch().map_err(cuda)?;
+            let masked = masked_of(&st.hots, run);
+            let seen = (st.graphs.iter()).position(|c| c.ops[..] == *run && c.masked == masked);
+            let i = match seen {
+                Some(i) => i,
+                None => {
+                    let graph = (self.gpu.stream()).capture(|| -> Result<()> {
+                        run.iter().try_for_each(|op| self.op(st, op))
+                    })?;
+                    st.graphs.push(Captured {
+                        ops: run.to_vec(),
+                        masked,
+                        graph,
+                    });
+                    st.graphs.len() - 1
+                }
+            };
+            st.graphs[i].graph.launch().map_err(cuda)?;
             launches += 1;
             rest = after;
         }
