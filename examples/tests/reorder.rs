@@ -12,7 +12,8 @@ use powerinfer_engine::EngineError;
 use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_predictor::stats::ActivationStats;
 
-#[path = "support/engine_helpers.rs"]
+// The engine tests' helpers: these tests run the models they write as the engine's do.
+#[path = "../../crates/powerinfer-engine/tests/common/mod.rs"]
 mod common;
 use common::{argmax, opts, rel_diff, PROMPT};
 

@@ -1,5 +1,5 @@
 //! Pieces of a tiny Hugging Face LLaMA checkpoint for conversion tests, shared by
-//! `crates/powerinfer-engine/tests/convert.rs` and `examples/tests/predictor_convert.rs` (each
+//! `examples/tests/convert.rs` and `examples/tests/predictor_convert.rs` (each
 //! includes this file with `#[path]`): a SentencePiece `tokenizer.model` written with a small
 //! protobuf writer, and the checkpoint's tensor names and torch shapes.
 

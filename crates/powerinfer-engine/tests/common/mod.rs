@@ -1,4 +1,6 @@
-//! Helpers shared by the engine's integration tests (each test crate uses a subset).
+//! Helpers shared by the engine's integration tests (each test crate uses a subset) and by the
+//! command's tool tests that run the models they write (`examples/tests/reorder.rs`,
+//! `convert_falcon_opt.rs`, which include this file with `#[path]`).
 #![allow(dead_code)]
 
 use std::path::PathBuf;
