@@ -1,9 +1,17 @@
 //! GPU benchmark of the matrix kernels: effective GB/s (weight bytes of the rows a kernel must read,
-//! divided by its device time) against the device's measured device-to-device copy bandwidth, for
-//! sparse densities from 1% to 100%. Run by `scripts/gpu-check`; prints a table. Exits 0 with
-//! "skipped: no GPU (reason)" when there is no GPU.
+//! divided by its device time) against the device's measured device-to-device copy bandwidth.
+//! Run by `scripts/gpu-check`. Exits 0 with "skipped: no GPU (reason)" when there is no GPU.
 //!
-//! Usage: gpu_bench [ROWS [COLS [REPS]]]   (defaults 11008 4096 20: a LLaMA-7B FFN matrix)
+//! Usage: gpu_bench [REPS]              the shape table (default; REPS default 20)
+//!        gpu_bench ROWS COLS [REPS]    a density sweep (1% to 100%) of one matrix
+//!
+//! The shape table: LLaMA-7B's matrices (4096x4096 attention, 11008x4096 up/gate and the FFN's
+//! rows, 4096x11008 down) and TinyLlama's (2048x2048, 5632x2048, 2048x5632), in Q4_0, Q8_0 and
+//! F16: the dense one-token product (target: >= 75% of the copy bandwidth), on the FFN's
+//! row-shaped matrices the sparse product and sparse axpy at 10% density (target: within 1.5x
+//! the time to read their rows at the copy bandwidth), and the dense product of 512 tokens (the
+//! prompt GEMM: TOPS, and its time against 512 one-token products). Each line says whether its
+//! target is met; the exit status is 1 when one is missed.
 //!
 //! Three times per operator call, each the mean over REPS back-to-back calls:
 //! - `dev(us)`: GPU time, from CUDA events around the REPS calls, queued behind a long copy so
@@ -15,9 +23,9 @@
 //! When host ≈ enq > dev, the operator is bound by host submission, not by the GPU.
 //! Weights are not served from L2: REPS copies of each matrix (up to 8 GiB) are rotated, one per
 //! call, and a 256 MiB copy flushes L2 before each timed loop.
-//! A last section repeats some rows with cudarc's multi-stream event tracking off (buffers made
-//! after `disable_event_tracking`), which removes the cuStreamWaitEvent / cuEventRecord that
-//! cudarc adds around every launch for every buffer argument.
+//! The sweep's last section repeats some rows with cudarc's multi-stream event tracking off
+//! (buffers made after `disable_event_tracking`), which removes the cuStreamWaitEvent /
+//! cuEventRecord that cudarc adds around every launch for every buffer argument.
 
 use std::time::Instant;
 
@@ -178,14 +186,202 @@ fn bench_type(c: &mut Ctx, ty: GgmlType, densities: &[u32], dense: bool) {
     }
 }
 
+/// The shape table's matrices: (name, rows, cols, whether its rows are FFN neurons, so that
+/// the sparse operators apply).
+const SHAPES: [(&str, usize, usize, bool); 6] = [
+    ("7b attn", 4096, 4096, false),
+    ("7b up", 11008, 4096, true),
+    ("7b down", 4096, 11008, false),
+    ("tl attn", 2048, 2048, false),
+    ("tl up", 5632, 2048, true),
+    ("tl down", 2048, 5632, false),
+];
+
+/// Tokens of the prompt GEMM.
+const GEMM_TOKENS: usize = 512;
+
+/// One line of the shape table; returns whether its target (if any) is met.
+#[allow(clippy::too_many_arguments)]
+fn shape_line(
+    shape: &str,
+    ty: GgmlType,
+    op: &str,
+    t: &Times,
+    moved: f64,
+    copy_gbs: f64,
+    figure: String,
+    target: Option<(&str, bool)>,
+) -> bool {
+    let gbs = moved / (t.dev * 1e-6) / 1e9;
+    let (target, ok) = match target {
+        Some((text, ok)) => (format!("{text} {}", if ok { "met" } else { "MISSED" }), ok),
+        None => (String::new(), true),
+    };
+    println!(
+        "{:<8} {:<5} {:<16} {:>9.1} {:>9.1} {:>7.0} {:>6.0}% {:>16}  {target}",
+        shape,
+        ty.name(),
+        op,
+        t.dev,
+        t.host,
+        gbs,
+        100.0 * gbs / copy_gbs,
+        figure
+    );
+    ok
+}
+
+/// The shape table (see the file's documentation). Returns the number of missed targets.
+fn shape_table(gpu: &Gpu, reps: usize, copy_gbs: f64, blocker: &mut Blocker) -> usize {
+    let s = gpu.stream();
+    println!(
+        "{:<8} {:<5} {:<16} {:>9} {:>9} {:>7} {:>7} {:>16}  target",
+        "shape", "type", "operator", "dev(us)", "host(us)", "GB/s", "%copy", "figure"
+    );
+    let mut missed = 0;
+    let mut state = 0x0bad_cafe_1234_5678u64;
+    let mut rnd = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 11) as f64 / (1u64 << 53) as f64
+    };
+    for (shape, rows, cols, neurons) in SHAPES {
+        let vals: Vec<f32> = (0..rows * cols).map(|_| rnd() as f32 * 2.0 - 1.0).collect();
+        let x: Vec<f32> = (0..GEMM_TOKENS * cols).map(|_| rnd() as f32).collect();
+        let a: Vec<f32> = (0..rows).map(|_| rnd() as f32).collect();
+        let scores: Vec<f32> = (0..rows).map(|_| rnd() as f32).collect();
+        let xd = gpu.upload(s, &x).expect("upload");
+        let ad = gpu.upload(s, &a).expect("upload");
+        let pd = gpu.upload(s, &scores).expect("upload");
+        let mut y = gpu
+            .alloc_zeros::<f32>(s, GEMM_TOKENS * rows)
+            .expect("alloc");
+        let mut y_cols = gpu.alloc_zeros::<f32>(s, cols).expect("alloc");
+        for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16] {
+            let bytes = quantize_to_vec(ty, &vals).expect("quantize");
+            let row_bytes = bytes.len() / rows;
+            let bucket: Vec<u32> = (0..rows as u32).collect();
+            let n_copies = reps.min(((8usize << 30) / bytes.len().max(1)).max(1));
+            let slices: Vec<GpuSlice> = (0..n_copies)
+                .map(|_| GpuSlice::upload(gpu, s, ty, cols, &bytes, rows, &bucket).expect("upload"))
+                .collect();
+            let mut k = 0usize;
+            let moved = bytes.len() as f64;
+            let gemv = measure(s, reps, blocker, || {
+                k += 1;
+                let y1 = y.view_mut(0, rows).expect("view");
+                gpu.matmul(
+                    s,
+                    slices[k % n_copies].weight(),
+                    xd.view(0, cols).expect("view"),
+                    1,
+                    y1,
+                )
+                .expect("matmul")
+            });
+            let pct = 100.0 * moved / (gemv.dev * 1e-6) / 1e9 / copy_gbs;
+            let ok = shape_line(
+                shape,
+                ty,
+                "matmul t=1",
+                &gemv,
+                moved,
+                copy_gbs,
+                String::new(),
+                Some((">= 75% of copy", pct >= 75.0)),
+            );
+            missed += usize::from(!ok);
+            if neurons {
+                let theta = 0.9f32;
+                let active = scores.iter().filter(|&&p| p >= theta).count();
+                let moved = (active * row_bytes) as f64;
+                let read_us = moved / (copy_gbs * 1e9) * 1e6;
+                let t = measure(s, reps, blocker, || {
+                    k += 1;
+                    let y1 = y.view_mut(0, rows).expect("view");
+                    gpu.sparse_matmul(
+                        s,
+                        &slices[k % n_copies],
+                        xd.view(0, cols).expect("view"),
+                        &pd,
+                        theta,
+                        1,
+                        y1,
+                    )
+                    .expect("sparse_matmul")
+                });
+                let r = t.dev / read_us;
+                let ok = shape_line(
+                    shape,
+                    ty,
+                    "sparse_matmul 10%",
+                    &t,
+                    moved,
+                    copy_gbs,
+                    format!("{r:.2}x read"),
+                    Some(("<= 1.5x read", r <= 1.5)),
+                );
+                missed += usize::from(!ok);
+                let t = measure(s, reps, blocker, || {
+                    k += 1;
+                    gpu.sparse_axpy(
+                        s,
+                        &slices[k % n_copies],
+                        &ad,
+                        Some((&pd).into()),
+                        theta,
+                        1,
+                        &mut y_cols,
+                    )
+                    .expect("sparse_axpy")
+                });
+                let r = t.dev / read_us;
+                let ok = shape_line(
+                    shape,
+                    ty,
+                    "sparse_axpy 10%",
+                    &t,
+                    moved,
+                    copy_gbs,
+                    format!("{r:.2}x read"),
+                    Some(("<= 1.5x read", r <= 1.5)),
+                );
+                missed += usize::from(!ok);
+            }
+            let t = measure(s, reps.min(5), blocker, || {
+                k += 1;
+                gpu.matmul(s, slices[k % n_copies].weight(), &xd, GEMM_TOKENS, &mut y)
+                    .expect("matmul")
+            });
+            let tops = 2.0 * (rows * cols * GEMM_TOKENS) as f64 / (t.dev * 1e-6) / 1e12;
+            let vs = GEMM_TOKENS as f64 * gemv.dev / t.dev;
+            shape_line(
+                shape,
+                ty,
+                "matmul t=512",
+                &t,
+                moved,
+                copy_gbs,
+                format!("{tops:.1} TOPS {vs:.0}x t=1"),
+                None,
+            );
+        }
+    }
+    missed
+}
+
 fn main() {
     let args: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
-    let rows = args.first().copied().unwrap_or(11008);
-    let cols = args.get(1).copied().unwrap_or(4096);
-    let reps = args.get(2).copied().unwrap_or(20).max(1);
+    let sweep = args.len() >= 2;
+    let (rows, cols, reps) = if sweep {
+        (args[0], args[1], args.get(2).copied().unwrap_or(20).max(1))
+    } else {
+        (11008, 4096, args.first().copied().unwrap_or(20).max(1))
+    };
     let gpu = match Gpu::detect() {
         Ok(g) => g,
         Err(e) => {
@@ -200,7 +396,7 @@ fn main() {
         .unwrap_or(0)
         .max(0) as usize;
     println!(
-        "device: {} (cc {}.{}, {:.1} GiB, L2 {:.0} MB, kernels from {:?}); {rows}x{cols}, {reps} reps",
+        "device: {} (cc {}.{}, {:.1} GiB, L2 {:.0} MB, kernels from {:?}); {reps} reps",
         info.name,
         info.compute_capability.0,
         info.compute_capability.1,
@@ -229,6 +425,12 @@ fn main() {
     blocker.copy_us = ms * 1e3;
     let copy_gbs = 2.0 * (n * 4) as f64 / (ms * 1e-3) / 1e9;
     println!("copy bandwidth (dtod, read+write, CUDA events): {copy_gbs:.0} GB/s");
+    if !sweep {
+        let missed = shape_table(&gpu, reps, copy_gbs, &mut blocker);
+        println!("shape table: {missed} target(s) missed");
+        std::process::exit(i32::from(missed > 0));
+    }
+    println!("density sweep of {rows}x{cols}");
 
     let mut state = 0x1234_5678_9abc_def0u64;
     let mut rnd = move || {

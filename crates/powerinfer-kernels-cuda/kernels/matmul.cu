@@ -581,3 +581,223 @@ MATMUL(matmul_f32_t1, TY_F32, 1, 5)
 MATMUL(matmul_f16_t1, TY_F16, 1, 5)
 MATMUL(matmul_q8_0_t1, TY_Q8_0, 1, 5)
 MATMUL(matmul_q4_0_t1, TY_Q4_0, 1, 5)
+
+// Tensor-core products for many tokens (matmul_*_mma; the prompt blocks and decode batches of
+// more than NT tokens). A block of MMA_WARPS warps covers MMA_ROWS weight rows, 16 per warp, and
+// MMA_TOKENS tokens, 8 tiles of 8: each step along K loads the warp's 16 rows' part of the step
+// once into an mma A fragment and multiplies it with every token tile, so a weight row is read
+// once per 64 tokens. Rows past n_rows and tokens past T enter as zeros and are not written.
+// Quantized rows (matmul_q8_0_mma, matmul_q4_0_mma): a step is one 32-block; the int8 mma gives
+// each (row, token) the block's exact integer dot product, added as (d_w * d_x) * dot as the
+// other kernels do. F16 rows (matmul_f16_mma): a step is 16 elements; the activation (already
+// rounded to f16 values by round_f16) is converted exactly and the mma accumulates in f32.
+// Outputs as the other kernels: dst[t * N + row] = the product, or 0 where p[t * N + row] < theta.
+#define MMA_WARPS 4
+#define MMA_ROWS (16 * MMA_WARPS)
+#define MMA_TILES 8
+#define MMA_TOKENS (8 * MMA_TILES)
+
+// d += A (16 x 32 int8) * B (32 x 8 int8), one warp (PTX mma.m16n8k32 fragments). Lane
+// l = 4 g + q holds a[0]: row g, k 4q..4q+3; a[1]: row g + 8, the same k; a[2]: row g,
+// k 16 + 4q..; a[3]: row g + 8, k 16 + 4q..; b[0]: column g, k 4q..4q+3; b[1]: column g,
+// k 16 + 4q..; d[0], d[1]: row g, columns 2q, 2q + 1; d[2], d[3]: row g + 8, the same columns.
+__device__ __forceinline__ void mma_s8(int* d, const u32* a, const u32* b) {
+#ifdef CUDA_EMULATION
+    emu_mma_m16n8k32_s8(d, a, b);
+#else
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// d += A (16 x 16 f16) * B (16 x 8 f16) in f32, one warp (PTX mma.m16n8k16 fragments; each
+// register two halves, the lower k in the low half): a[0]: row g, k 2q, 2q + 1; a[1]: row g + 8;
+// a[2]: row g, k 8 + 2q..; a[3]: row g + 8, k 8 + 2q..; b[0]: column g, k 2q..; b[1]: column g,
+// k 8 + 2q..; d as mma_s8.
+__device__ __forceinline__ void mma_f16(float* d, const u32* a, const u32* b) {
+#ifdef CUDA_EMULATION
+    emu_mma_m16n8k16_f16(d, a, b);
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Writes a warp's 16 x 64 tile of results: acc[n][i] is row j0 + g (+ 8 for i >= 2), token
+// t0 + 8n + 2q + (i & 1).
+__device__ __forceinline__ void mma_store(float (*acc)[4], int j0, int n_rows, int t0, int T,
+                                          const float* p, const u32* bucket, float theta, int N,
+                                          float* dst) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int n = 0; n < MMA_TILES; n++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int j = j0 + g + 8 * (i >> 1);
+            long t = t0 + 8 * n + 2 * q + (i & 1);
+            if (j < n_rows && t < T) {
+                long row = bucket ? (long)bucket[j] : (long)j;
+                bool on = p == 0 || p[t * N + row] >= theta;
+                dst[t * N + row] = on ? acc[n][i] : 0.0f;
+            }
+        }
+    }
+}
+
+// Nibbles 0..15 of the 4 bytes w (low nibbles when shift is 0, high ones when 4) as the signed
+// bytes n - 8: n + 120 stays below 256 (no carry between bytes), flipping bit 7 subtracts 128.
+__device__ __forceinline__ u32 q4_bytes(u32 w, int shift) {
+    return (((w >> shift) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+}
+
+// A fragment half (a[0], a[2] or a[1], a[3]) and scale of one row's block: its bytes
+// 4q..4q+3 and 16 + 4q.. of the 32 int8 values, zeros and scale 0 for a row past the end.
+template <int TY>
+__device__ __forceinline__ float mma_quant_rows(const u8* blk, bool valid, int q, u32* lo,
+                                                u32* hi) {
+    if (!valid) {
+        *lo = 0;
+        *hi = 0;
+        return 0.0f;
+    }
+    if (TY == TY_Q4_0) {
+        u32 v = load_u32_a2(blk + 2 + 4 * q);
+        *lo = q4_bytes(v, 0);
+        *hi = q4_bytes(v, 4);
+    } else {
+        *lo = load_u32_a2(blk + 2 + 4 * q);
+        *hi = load_u32_a2(blk + 18 + 4 * q);
+    }
+    return h2f(*(const u16*)blk);
+}
+
+template <int TY>
+__device__ __forceinline__ void matmul_rows_mma_quant(const u8* w, long row_bytes, int n_rows,
+                                                      int K, const float* x, int T,
+                                                      const float* p, const u32* bucket,
+                                                      float theta, int N, float* dst) {
+    const int bb = TY == TY_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES;
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int j0 = blockIdx.x * MMA_ROWS + (threadIdx.x >> 5) * 16;
+    int t0 = blockIdx.y * MMA_TOKENS;
+    // Uniform in the warp: no barrier below involves other warps.
+    if (j0 >= n_rows || t0 >= T) return;
+    int tiles = min(MMA_TILES, (T - t0 + 7) / 8);
+    int nb = K >> 5;
+    const u8* xq = (const u8*)x;
+    const float* xd = (const float*)(xq + (long)T * K);
+    bool va = j0 + g < n_rows, vb = j0 + g + 8 < n_rows;
+    const u8* ra = w + (long)(va ? j0 + g : 0) * row_bytes;
+    const u8* rb = w + (long)(vb ? j0 + g + 8 : 0) * row_bytes;
+    float acc[MMA_TILES][4];
+#pragma unroll
+    for (int n = 0; n < MMA_TILES; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+#pragma unroll 2
+    for (int kb = 0; kb < nb; kb++) {
+        u32 a[4];
+        float da = mma_quant_rows<TY>(ra + (long)kb * bb, va, q, &a[0], &a[2]);
+        float db = mma_quant_rows<TY>(rb + (long)kb * bb, vb, q, &a[1], &a[3]);
+#pragma unroll
+        for (int n = 0; n < MMA_TILES; n++) {
+            if (n < tiles) {
+                // B: token t0 + 8n + g (column g); C: tokens t0 + 8n + 2q, 2q + 1.
+                long tb = t0 + 8 * n + g, tc = t0 + 8 * n + 2 * q;
+                u32 b[2] = {0, 0};
+                if (tb < T) {
+                    const u8* xb = xq + tb * K + kb * 32 + 4 * q;
+                    b[0] = *(const u32*)xb;
+                    b[1] = *(const u32*)(xb + 16);
+                }
+                int c[4] = {0, 0, 0, 0};
+                mma_s8(c, a, b);
+                float x0 = tc < T ? xd[tc * nb + kb] : 0.0f;
+                float x1 = tc + 1 < T ? xd[(tc + 1) * nb + kb] : 0.0f;
+                acc[n][0] += (da * x0) * (float)c[0];
+                acc[n][1] += (da * x1) * (float)c[1];
+                acc[n][2] += (db * x0) * (float)c[2];
+                acc[n][3] += (db * x1) * (float)c[3];
+            }
+        }
+    }
+    mma_store(acc, j0, n_rows, t0, T, p, bucket, theta, N, dst);
+}
+
+// Halves k and k + 1 of an F16 row as one register (the lower k in the low half): one aligned
+// u32 load when ALIGNED (K % 16 == 0 and 4-byte aligned rows), else two guarded u16 loads.
+template <bool ALIGNED>
+__device__ __forceinline__ u32 mma_halves(const u16* row, bool valid, int k, int K) {
+    if (!valid) return 0;
+    if (ALIGNED) return *(const u32*)(row + k);
+    u32 lo = k < K ? row[k] : 0, hi = k + 1 < K ? row[k + 1] : 0;
+    return lo | (hi << 16);
+}
+
+// Activation values k and k + 1 of a token as two halves (exact: they are f16 values already).
+__device__ __forceinline__ u32 mma_x_halves(const float* xt, int k, int K) {
+    u32 lo = k < K ? f2h(xt[k]) : 0, hi = k + 1 < K ? f2h(xt[k + 1]) : 0;
+    return lo | (hi << 16);
+}
+
+template <bool ALIGNED>
+__device__ __forceinline__ void matmul_rows_mma_f16(const u8* w, long row_bytes, int n_rows,
+                                                    int K, const float* x, int T, const float* p,
+                                                    const u32* bucket, float theta, int N,
+                                                    float* dst) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int j0 = blockIdx.x * MMA_ROWS + (threadIdx.x >> 5) * 16;
+    int t0 = blockIdx.y * MMA_TOKENS;
+    if (j0 >= n_rows || t0 >= T) return;
+    int tiles = min(MMA_TILES, (T - t0 + 7) / 8);
+    bool va = j0 + g < n_rows, vb = j0 + g + 8 < n_rows;
+    const u16* ra = (const u16*)(w + (long)(va ? j0 + g : 0) * row_bytes);
+    const u16* rb = (const u16*)(w + (long)(vb ? j0 + g + 8 : 0) * row_bytes);
+    float acc[MMA_TILES][4];
+#pragma unroll
+    for (int n = 0; n < MMA_TILES; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        int k = k0 + 2 * q;
+        u32 a[4] = {mma_halves<ALIGNED>(ra, va, k, K), mma_halves<ALIGNED>(rb, vb, k, K),
+                    mma_halves<ALIGNED>(ra, va, k + 8, K), mma_halves<ALIGNED>(rb, vb, k + 8, K)};
+#pragma unroll
+        for (int n = 0; n < MMA_TILES; n++) {
+            if (n < tiles) {
+                long tb = t0 + 8 * n + g;
+                u32 b[2] = {0, 0};
+                if (tb < T) {
+                    const float* xt = x + tb * K;
+                    b[0] = mma_x_halves(xt, k, K);
+                    b[1] = mma_x_halves(xt, k + 8, K);
+                }
+                mma_f16(acc[n], a, b);
+            }
+        }
+    }
+    mma_store(acc, j0, n_rows, t0, T, p, bucket, theta, N, dst);
+}
+
+// The quantized kernels are bounded to 3 blocks (12 warps) per SM: 168 registers without spills
+// (unbounded, ptxas takes ~200 for the 8 token tiles' loads in flight: 2 blocks per SM).
+#define MATMUL_MMA_ARGS                                                                        \
+    const u8 *w, long row_bytes, int n_rows, int K, const float *x, int T, const float *p,     \
+        const u32 *bucket, float theta, int N, float *dst
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3) matmul_q8_0_mma(MATMUL_MMA_ARGS) {
+    matmul_rows_mma_quant<TY_Q8_0>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);
+}
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3) matmul_q4_0_mma(MATMUL_MMA_ARGS) {
+    matmul_rows_mma_quant<TY_Q4_0>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);
+}
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS) matmul_f16_mma(MATMUL_MMA_ARGS) {
+    if ((K & 15) == 0 && (row_bytes & 3) == 0 && ((unsigned long long)w & 3) == 0)
+        matmul_rows_mma_f16<true>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);
+    else
+        matmul_rows_mma_f16<false>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);
+}

@@ -398,6 +398,8 @@ pub struct Gpu {
     functions: HashMap<&'static str, CudaFunction>,
     /// Per stream, the scratch buffer of the quantized activation (see [`Gpu::activation_scratch`]).
     scratch: Mutex<Vec<ScratchEntry>>,
+    /// Opened by [`Gpu::open_one_stream`].
+    one_stream: bool,
 }
 
 /// A stream's cached scratch buffer. The stream's `Arc` is kept so that its handle cannot be
@@ -421,22 +423,47 @@ impl Gpu {
 
     /// Opens device `ordinal` with a budget of `budget` bytes (default: 90% of its memory).
     pub fn open(ordinal: usize, budget: Option<u64>) -> std::result::Result<Gpu, NoGpu> {
+        Gpu::open_with(ordinal, budget, false)
+    }
+
+    /// Opens device `ordinal` as [`Gpu::open`] does, for a caller that queues all its work on
+    /// the one stream [`Gpu::stream`]: [`Gpu::new_stream`] refuses, and the buffers it makes
+    /// carry none of the events cudarc records and waits on around every launch for every
+    /// buffer argument to order uses across streams (on one stream, stream order already
+    /// orders every use and every free). A launch is then one driver call, and a capture
+    /// ([`Stream::capture`]) holds kernels only. Work queued on other streams through
+    /// [`Gpu::context`] must order itself.
+    pub fn open_one_stream(ordinal: usize, budget: Option<u64>) -> std::result::Result<Gpu, NoGpu> {
+        Gpu::open_with(ordinal, budget, true)
+    }
+
+    fn open_with(
+        ordinal: usize,
+        budget: Option<u64>,
+        one_stream: bool,
+    ) -> std::result::Result<Gpu, NoGpu> {
         if !driver_present() {
             return Err(NoGpu::NoDriver);
         }
         // cudarc panics if a driver entry point it needs is missing (a driver older than the
         // crate's CUDA 12.4 API): report that as "no GPU" too.
-        std::panic::catch_unwind(|| Gpu::open_inner(ordinal, budget)).unwrap_or_else(|p| {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panic in the CUDA driver bindings".to_string());
-            Err(NoGpu::Driver(msg))
-        })
+        std::panic::catch_unwind(|| Gpu::open_inner(ordinal, budget, one_stream)).unwrap_or_else(
+            |p| {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "panic in the CUDA driver bindings".to_string());
+                Err(NoGpu::Driver(msg))
+            },
+        )
     }
 
-    fn open_inner(ordinal: usize, budget: Option<u64>) -> std::result::Result<Gpu, NoGpu> {
+    fn open_inner(
+        ordinal: usize,
+        budget: Option<u64>,
+        one_stream: bool,
+    ) -> std::result::Result<Gpu, NoGpu> {
         if !driver_present() {
             return Err(NoGpu::NoDriver);
         }
@@ -450,6 +477,14 @@ impl Gpu {
         }
         let drv = |e: cudarc::driver::DriverError| NoGpu::Driver(format!("{e:?}"));
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
+        if one_stream {
+            // SAFETY: nothing has been allocated on this context object yet, and every buffer
+            // this Gpu makes is used on its one stream (`new_stream` refuses), where stream
+            // order orders each use after the previous one and each free (cudarc frees on the
+            // buffer's stream) after the last use; host copies wait on the stream or on the
+            // pinned buffer's own event, which stays.
+            unsafe { ctx.disable_event_tracking() };
+        }
         let (major, minor) = ctx.compute_capability().map_err(drv)?;
         if major < 8 {
             return Err(NoGpu::TooOld { major, minor });
@@ -491,6 +526,7 @@ impl Gpu {
             info,
             functions,
             scratch: Mutex::new(Vec::new()),
+            one_stream,
         })
     }
 
@@ -504,8 +540,14 @@ impl Gpu {
         &self.stream
     }
 
-    /// A new stream (e.g. one for uploads next to one for compute).
+    /// A new stream (e.g. one for uploads next to one for compute). Refused on a GPU opened by
+    /// [`Gpu::open_one_stream`].
     pub fn new_stream(&self) -> Result<Stream> {
+        if self.one_stream {
+            return Err(CudaError::Shape(
+                "this GPU was opened for one stream (Gpu::open_one_stream)".into(),
+            ));
+        }
         Ok(Stream {
             inner: self.ctx.new_stream()?,
         })

@@ -10,6 +10,12 @@ use crate::error::{CudaError, Result};
 pub const MATMUL_WARPS: usize = 8;
 /// Tokens per block of the matrix-product kernels (NT in kernels/matmul.cu).
 pub const MATMUL_TOKENS: usize = 8;
+/// Weight rows per block of the tensor-core product kernels `matmul_*_mma` (MMA_ROWS).
+pub const MMA_ROWS: usize = 64;
+/// Tokens per block of `matmul_*_mma` (MMA_TOKENS).
+pub const MMA_TOKENS: usize = 64;
+/// Threads per block of `matmul_*_mma` (4 warps).
+pub const MMA_THREADS: usize = 128;
 /// Blocks of 32 values per block of `quantize_q8` (one warp each).
 pub const QUANTIZE_BLOCKS: usize = 8;
 /// Rows per block of the many-token axpy kernels (ROWS_PER_BLOCK in kernels/axpy.cu).
@@ -63,9 +69,11 @@ fn type_index(ty: GgmlType) -> Result<usize> {
 
 /// Dense or row-sparse product over `rows` weight rows of type `ty` and `t` tokens: the
 /// one-token kernel (`matmul_*_t1`: one token per block, the block's active rows share its
-/// [`MATMUL_WARPS`] warps) for a single token, else the kernel tiled over [`MATMUL_TOKENS`]
-/// tokens (one warp per row). Both take [`MATMUL_WARPS`] rows per block. Q8_0/Q4_0 kernels
-/// read the activation quantized by [`quantize_q8`].
+/// [`MATMUL_WARPS`] warps) for a single token; up to [`MATMUL_TOKENS`] tokens the kernel tiled
+/// over that many tokens (one warp per row); more tokens of F16, Q8_0 or Q4_0 weights take the
+/// tensor-core kernel (`matmul_*_mma`: [`MMA_ROWS`] rows by [`MMA_TOKENS`] tokens per block,
+/// mma.sync on 16-row by 8-token tiles), F32 weights the tiled kernel. Q8_0/Q4_0 kernels read
+/// the activation quantized by [`quantize_q8`].
 pub fn matmul(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
     const NAMES: [&str; 4] = ["matmul_f32", "matmul_f16", "matmul_q8_0", "matmul_q4_0"];
     const T1: [&str; 4] = [
@@ -74,7 +82,24 @@ pub fn matmul(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
         "matmul_q8_0_t1",
         "matmul_q4_0_t1",
     ];
+    const MMA: [Option<&str>; 4] = [
+        None,
+        Some("matmul_f16_mma"),
+        Some("matmul_q8_0_mma"),
+        Some("matmul_q4_0_mma"),
+    ];
     let i = type_index(ty)?;
+    if t > MATMUL_TOKENS {
+        if let Some(name) = MMA[i] {
+            return launch(
+                name,
+                rows.div_ceil(MMA_ROWS),
+                t.div_ceil(MMA_TOKENS),
+                1,
+                MMA_THREADS,
+            );
+        }
+    }
     let (name, nt) = if t == 1 {
         (T1[i], 1)
     } else {
@@ -187,9 +212,17 @@ mod tests {
             .flat_map(|m| m.functions().iter().copied())
             .collect();
         for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
-            let l = matmul(ty, 17, 9).unwrap();
+            let l = matmul(ty, 17, 8).unwrap();
             assert!(all.contains(&l.kernel) && !l.kernel.ends_with("_t1"));
-            assert_eq!(l.grid, (3, 2, 1));
+            assert_eq!(l.grid, (3, 1, 1));
+            let l = matmul(ty, 130, 65).unwrap();
+            assert!(all.contains(&l.kernel));
+            if ty == GgmlType::F32 {
+                assert_eq!((l.kernel, l.grid), ("matmul_f32", (17, 9, 1)));
+            } else {
+                assert!(l.kernel.ends_with("_mma"));
+                assert_eq!((l.grid, l.block), ((3, 2, 1), 128));
+            }
             let l = matmul(ty, 17, 1).unwrap();
             assert!(all.contains(&l.kernel) && l.kernel.ends_with("_t1"));
             assert_eq!((l.grid, l.block), ((3, 1, 1), 256));

@@ -262,6 +262,37 @@ pub type In<'a> = DeviceView<'a, f32>;
 /// A buffer or a view of one, written by an operator.
 pub type Out<'a> = DeviceViewMut<'a, f32>;
 
+/// One product of [`Gpu::matmuls`].
+pub enum Product<'w, 'p, 'y> {
+    /// `dst = W x` ([`Gpu::matmul`]).
+    Dense {
+        /// The weight.
+        w: &'w DeviceTensor,
+        /// t × rows.
+        dst: Out<'y>,
+    },
+    /// The row-sparse product over a GPU slice ([`Gpu::sparse_matmul`]).
+    Sparse {
+        /// The slice.
+        slice: &'w GpuSlice,
+        /// t × N scores.
+        p: In<'p>,
+        /// Rows with a score below it are 0.
+        theta: f32,
+        /// t × N.
+        dst: Out<'y>,
+    },
+}
+
+impl<'w> Product<'w, '_, '_> {
+    fn weight(&self) -> &'w DeviceTensor {
+        match self {
+            Product::Dense { w, .. } => w,
+            Product::Sparse { slice, .. } => &slice.weight,
+        }
+    }
+}
+
 /// An element-wise operator of one operand ([`Gpu::unary`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -375,15 +406,101 @@ impl Gpu {
         t: usize,
         dst: impl Into<Out<'y>>,
     ) -> Result<()> {
-        let (x, mut dst) = (x.into(), dst.into());
-        check_len("x", t * w.cols(), x.len())?;
-        check_len("dst", t * w.rows(), dst.len())?;
-        let l = geometry::matmul(w.ty(), w.rows(), t)?;
-        if w.rows() == 0 || t == 0 {
+        self.matmuls(stream, x, t, vec![Product::Dense { w, dst: dst.into() }])
+    }
+
+    /// Row-sparse product over a GPU slice ("upscale"): `dst` (t × N) becomes zero except
+    /// `dst[t, bucket[j]] = W_j · x_t` where `p[t, bucket[j]] >= theta`. `x`: t × cols,
+    /// `p`: t × N scores. Quantized weights quantize `x` as [`Gpu::matmul`] does.
+    pub fn sparse_matmul<'x, 'p, 'y>(
+        &self,
+        stream: &Stream,
+        slice: &GpuSlice,
+        x: impl Into<In<'x>>,
+        p: impl Into<In<'p>>,
+        theta: f32,
+        t: usize,
+        dst: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let product = Product::Sparse {
+            slice,
+            p: p.into(),
+            theta,
+            dst: dst.into(),
+        };
+        self.matmuls(stream, x, t, vec![product])
+    }
+
+    /// Products of several matrices of one type and width with the same activation `x`
+    /// (t × cols), which is converted once (quantized for Q8_0/Q4_0, rounded to f16 for F16)
+    /// for all of them: Q, K and V of an attention, gate and up of an FFN. Each product is
+    /// what [`Gpu::matmul`] or [`Gpu::sparse_matmul`] computes.
+    pub fn matmuls<'x>(
+        &self,
+        stream: &Stream,
+        x: impl Into<In<'x>>,
+        t: usize,
+        mut products: Vec<Product<'_, '_, '_>>,
+    ) -> Result<()> {
+        let x = x.into();
+        let Some(w0) = products.first().map(Product::weight) else {
+            return Ok(());
+        };
+        let (ty, cols) = (w0.ty(), w0.cols());
+        check_len("x", t * cols, x.len())?;
+        for pr in &mut products {
+            let w = pr.weight();
+            if (w.ty(), w.cols()) != (ty, cols) {
+                return Err(CudaError::Shape(format!(
+                    "products with one activation need one type and width: {} x {} and {} x {}",
+                    ty.name(),
+                    cols,
+                    w.ty().name(),
+                    w.cols()
+                )));
+            }
+            match pr {
+                Product::Dense { w, dst } => check_len("dst", t * w.rows(), dst.len())?,
+                Product::Sparse { slice, p, dst, .. } => {
+                    let n = slice.n_neurons();
+                    check_len("scores", t * n, p.len())?;
+                    check_len("dst", t * n, dst.len())?;
+                    // An empty view's memory is not its own (it may stand at another view's
+                    // start).
+                    if !dst.is_empty() {
+                        stream.inner.memset_zeros(&mut dst.inner)?;
+                    }
+                }
+            }
+        }
+        if t == 0 || products.iter().all(|pr| pr.weight().rows() == 0) {
             return Ok(());
         }
-        self.with_activation(stream, w, &x, t, |x| {
-            self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), &mut dst)
+        self.with_activation(stream, w0, &x, t, |x| {
+            for pr in &mut products {
+                match pr {
+                    Product::Dense { w, dst } => {
+                        let l = geometry::matmul(w.ty(), w.rows(), t)?;
+                        self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), dst)?;
+                    }
+                    Product::Sparse {
+                        slice,
+                        p,
+                        theta,
+                        dst,
+                    } => {
+                        let w = &slice.weight;
+                        if dst.is_empty() {
+                            continue;
+                        }
+                        let l = geometry::matmul(w.ty(), w.rows(), t)?;
+                        let n = slice.n_neurons();
+                        let bucket = slice.bucket.as_ref();
+                        self.launch_rows(stream, l, w, bucket, x, t, Some(p), *theta, n, dst)?;
+                    }
+                }
+            }
+            Ok(())
         })
     }
 
@@ -434,50 +551,6 @@ impl Gpu {
         unsafe { b.launch(geometry::quantize_q8(blocks)?) }?;
         let v = DeviceView::from(&cache[i].buf);
         launch(&v)
-    }
-
-    /// Row-sparse product over a GPU slice ("upscale"): `dst` (t × N) becomes zero except
-    /// `dst[t, bucket[j]] = W_j · x_t` where `p[t, bucket[j]] >= theta`. `x`: t × cols,
-    /// `p`: t × N scores. Quantized weights quantize `x` as [`Gpu::matmul`] does.
-    pub fn sparse_matmul<'x, 'p, 'y>(
-        &self,
-        stream: &Stream,
-        slice: &GpuSlice,
-        x: impl Into<In<'x>>,
-        p: impl Into<In<'p>>,
-        theta: f32,
-        t: usize,
-        dst: impl Into<Out<'y>>,
-    ) -> Result<()> {
-        let (x, p, mut dst) = (x.into(), p.into(), dst.into());
-        let w = &slice.weight;
-        let n = slice.n_neurons();
-        check_len("x", t * w.cols(), x.len())?;
-        check_len("scores", t * n, p.len())?;
-        check_len("dst", t * n, dst.len())?;
-        // An empty view's memory is not its own (it may stand at another view's start).
-        if dst.is_empty() {
-            return Ok(());
-        }
-        stream.inner.memset_zeros(&mut dst.inner)?;
-        let l = geometry::matmul(w.ty(), w.rows(), t)?;
-        if w.rows() == 0 || t == 0 {
-            return Ok(());
-        }
-        self.with_activation(stream, w, &x, t, |x| {
-            self.launch_rows(
-                stream,
-                l,
-                w,
-                slice.bucket.as_ref(),
-                x,
-                t,
-                Some(&p),
-                theta,
-                n,
-                &mut dst,
-            )
-        })
     }
 
     /// Sparse axpy over the down rows of a GPU slice: `dst` (t × cols) becomes

@@ -175,11 +175,35 @@ impl Emu {
     }
 }
 
-/// What the product kernels read for weights of type `ty`: `x` itself, or (Q8_0/Q4_0 weights)
-/// `x` quantized by the emulated `quantize_q8` as the operators do, whose values are checked
-/// bit for bit against `reference::matmul::quantize_activation`. Also returns the activation
-/// values the reference multiplies.
+/// What the product kernels read for weights of type `ty`, as the operators prepare it: `x`
+/// itself (F32), `x` rounded to f16 values by the emulated `round_f16` (F16), or `x` quantized
+/// by the emulated `quantize_q8` (Q8_0/Q4_0), whose values are checked bit for bit against
+/// `reference::matmul::quantize_activation`. Also returns the activation values the reference
+/// multiplies.
 fn prepare_x(emu: &Emu, ty: GgmlType, x: &[f32]) -> Result<(Vec<f32>, Vec<f64>), TestCaseError> {
+    if ty == GgmlType::F16 {
+        let mut y = vec![f32::NAN; x.len()];
+        let l = geometry::per_element("round_f16", x.len()).unwrap();
+        type Round = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *mut f32, i64);
+        let f: Round = emu.sym("round_f16");
+        if !x.is_empty() {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: x and y hold x.len() floats.
+            unsafe {
+                f(
+                    l.grid.0,
+                    l.grid.1,
+                    l.grid.2,
+                    l.block,
+                    x.as_ptr(),
+                    y.as_mut_ptr(),
+                    x.len() as i64,
+                )
+            };
+        }
+        let y64 = y.iter().map(|&v| v as f64).collect();
+        return Ok((y, y64));
+    }
     if !geometry::quantized_activation(ty) {
         return Ok((x.to_vec(), x.iter().map(|&v| v as f64).collect()));
     }
@@ -265,7 +289,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     #[test]
-    fn emulated_sparse_matmul_matches_reference(ti in 0usize..4, n in 1usize..40, raw in 0usize..200, t in 1usize..11, mode in 0u8..4, theta_mode in 0u8..3, dense in any::<bool>(), seed in any::<u64>()) {
+    fn emulated_sparse_matmul_matches_reference(ti in 0usize..4, n in 1usize..80, raw in 0usize..200, t in prop_oneof![1usize..11, 60usize..72], mode in 0u8..4, theta_mode in 0u8..3, dense in any::<bool>(), seed in any::<u64>()) {
         let Some(emu) = emu() else { return Ok(()); };
         let ty = TYPES[ti];
         let cols = cols_for(ty, raw);
@@ -297,11 +321,13 @@ proptest! {
     #[test]
     fn emulated_matmul_long_rows_match_reference(ti in 0usize..4, n in 1usize..12, raw in 0usize..12800, vec8 in any::<bool>(), tm in 0usize..4, seed in any::<u64>()) {
         // Rows long enough for the unrolled main loops of every kernel (the test above only
-        // reaches their tails), up to K = 12800, for one token (matmul_*_t1) and for several.
+        // reaches their tails), up to K = 12800, for one token (matmul_*_t1) and for several
+        // (9 tokens: the tensor-core kernels' partial token tile; their K up to 3200).
         let Some(emu) = emu() else { return Ok(()); };
         let ty = TYPES[ti];
-        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 400) } else if vec8 { 8 * (1 + raw % 1600) } else { 1 + raw };
         let t = [1, 1, 2, 9][tm];
+        let raw = if t > 8 { raw / 4 } else { raw };
+        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 400) } else if vec8 { 8 * (1 + raw % 1600) } else { 1 + raw };
         let mut rng = Rng::new(seed);
         let (bytes, w) = random_weight(&mut rng, ty, n, cols);
         let rb = row_bytes(ty, cols).unwrap();

@@ -92,7 +92,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     #[test]
-    fn dense_matmul_matches_reference(ti in 0usize..4, rows in 1usize..70, raw_cols in 0usize..400, t in 1usize..20, seed in any::<u64>()) {
+    fn dense_matmul_matches_reference(ti in 0usize..4, rows in 1usize..150, raw_cols in 0usize..400, t in prop_oneof![1usize..20, 60usize..140], seed in any::<u64>()) {
         let Some(gpu) = gpu() else { return Ok(()); };
         let ty = TYPES[ti];
         let cols = cols_for(ty, raw_cols);
@@ -111,7 +111,7 @@ proptest! {
     }
 
     #[test]
-    fn sparse_matmul_writes_bucket_rows_only(ti in 0usize..4, n in 1usize..80, raw_cols in 0usize..400, t in 1usize..12, mode in 0u8..4, theta_mode in 0u8..3, seed in any::<u64>()) {
+    fn sparse_matmul_writes_bucket_rows_only(ti in 0usize..4, n in 1usize..80, raw_cols in 0usize..400, t in prop_oneof![1usize..12, 60usize..80], mode in 0u8..4, theta_mode in 0u8..3, seed in any::<u64>()) {
         let Some(gpu) = gpu() else { return Ok(()); };
         let ty = TYPES[ti];
         let cols = cols_for(ty, raw_cols);
@@ -344,6 +344,22 @@ proptest! {
         let c = count.to_host(s).unwrap()[0] as usize;
         let want_idx: Vec<u32> = (0..n as u32).filter(|&i| got[i as usize] >= theta).collect();
         prop_assert_eq!(&idx.to_host(s).unwrap()[..c], &want_idx[..]);
+    }
+}
+
+#[test]
+fn a_one_stream_gpu_refuses_streams_and_computes_the_same() {
+    // Buffers without cudarc's cross-stream events: the products (the tensor-core kernel for
+    // 70 tokens, the one-token kernel) as on a GPU opened for several streams.
+    let Some(_) = gpu() else { return };
+    let one = powerinfer_kernels_cuda::Gpu::open_one_stream(0, None).unwrap();
+    assert!(one.new_stream().is_err());
+    for (ty, t) in [
+        (GgmlType::Q4_0, 70),
+        (GgmlType::F16, 70),
+        (GgmlType::Q8_0, 1),
+    ] {
+        check_dense_matmul(&one, ty, 150, 4096, t, 7);
     }
 }
 

@@ -49,6 +49,8 @@ inline void (*emu_body)(void*) = nullptr;
 inline void* emu_arg = nullptr;
 inline std::vector<float> emu_fx;
 inline std::vector<unsigned> emu_ux;
+// Per thread: the A (4 registers) and B (2) fragments of its warp's current mma.
+inline std::vector<unsigned> emu_frag;
 
 inline void emu_wait(EmuState s) {
     emu_fibers[emu_cur].state = s;
@@ -77,6 +79,54 @@ inline unsigned __ballot_sync(unsigned, bool p) {
     for (unsigned l = 0; l < 32 && w * 32 + l < blockDim.x; l++) bits |= emu_ux[w * 32 + l] << l;
     emu_wait(EMU_WAIT_WARP);
     return bits;
+}
+
+// Warp-wide mma.sync: every lane deposits its fragments, then computes its own outputs from
+// the whole warp's (the PTX fragment layouts: kernels/matmul.cu, mma_s8 and mma_f16). `elem`
+// returns A(r, k) when b is false, B(k, c) when true, from the deposited registers.
+template <class Elem, class Out>
+inline void emu_mma(const unsigned* a, const unsigned* b, int kdim, Elem elem, Out out) {
+    unsigned t = threadIdx.x, w0 = t & ~31u, lane = t & 31u;
+    for (int i = 0; i < 4; i++) emu_frag[t * 6 + i] = a[i];
+    for (int i = 0; i < 2; i++) emu_frag[t * 6 + 4 + i] = b[i];
+    emu_wait(EMU_WAIT_WARP);
+    unsigned g = lane >> 2, q = lane & 3;
+    double sums[4];
+    for (int i = 0; i < 4; i++) {
+        unsigned r = g + 8 * (i >> 1), c = 2 * q + (i & 1);
+        double s = 0.0;
+        for (int k = 0; k < kdim; k++) s += elem(w0, false, r, k) * elem(w0, true, c, k);
+        sums[i] = s;
+    }
+    emu_wait(EMU_WAIT_WARP);
+    out(sums);
+}
+
+// mma.m16n8k32 s8: A(r, k) in lane (r % 8) * 4 + (k % 16) / 4, register (r / 8) + 2 (k / 16),
+// byte k % 4; B(k, c) in lane c * 4 + (k % 16) / 4, register 4 + k / 16, byte k % 4.
+inline void emu_mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b) {
+    auto elem = [](unsigned w0, bool isb, unsigned rc, int k) -> double {
+        unsigned lane = w0 + rc % 8 * 4 + (k % 16) / 4;
+        unsigned reg = isb ? 4 + k / 16 : rc / 8 + 2 * (k / 16);
+        return (double)(signed char)(emu_frag[lane * 6 + reg] >> (8 * (k % 4)));
+    };
+    emu_mma(a, b, 32, elem, [d](double* s) {
+        for (int i = 0; i < 4; i++) d[i] += (int)s[i];
+    });
+}
+
+// mma.m16n8k16 f16 (f32 accumulate): A(r, k) in lane (r % 8) * 4 + (k % 8) / 2, register
+// (r / 8) + 2 (k / 8), half k % 2; B(k, c) in lane c * 4 + (k % 8) / 2, register 4 + k / 8.
+inline float emu_h2f(unsigned short h);
+inline void emu_mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned* b) {
+    auto elem = [](unsigned w0, bool isb, unsigned rc, int k) -> double {
+        unsigned lane = w0 + rc % 8 * 4 + (k % 8) / 2;
+        unsigned reg = isb ? 4 + k / 8 : rc / 8 + 2 * (k / 8);
+        return (double)emu_h2f((unsigned short)(emu_frag[lane * 6 + reg] >> (16 * (k % 2))));
+    };
+    emu_mma(a, b, 16, elem, [d](double* s) {
+        for (int i = 0; i < 4; i++) d[i] += (float)s[i];
+    });
 }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
@@ -130,6 +180,7 @@ inline void emu_run_block(unsigned n) {
     emu_fibers.assign(n, EmuFiber{});
     emu_fx.assign(n, 0.0f);
     emu_ux.assign(n, 0u);
+    emu_frag.assign(n * 6, 0u);
     for (unsigned t = 0; t < n; t++) {
         EmuFiber& f = emu_fibers[t];
         getcontext(&f.ctx);

@@ -18,6 +18,9 @@ EMU_ROWS(matmul_f32_t1)
 EMU_ROWS(matmul_f16_t1)
 EMU_ROWS(matmul_q8_0_t1)
 EMU_ROWS(matmul_q4_0_t1)
+EMU_ROWS(matmul_f16_mma)
+EMU_ROWS(matmul_q8_0_mma)
+EMU_ROWS(matmul_q4_0_mma)
 extern "C" void emu_quantize_q8(EMU_GRID, const float* x, long n_blocks, u8* xq) {
     emu_launch(gx, gy, gz, bx, [=] { quantize_q8(x, n_blocks, xq); });
 }
