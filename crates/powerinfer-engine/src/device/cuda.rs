@@ -19,13 +19,13 @@ use powerinfer_kernels_cpu::ops::rope::RopeMode as CpuRope;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::{
     Binary, CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gpu, GpuSlice, Graph,
-    KvCache, NoGpu, PinnedBuffer, RopeMode, TimedEvent, Unary,
+    KvCache, NoGpu, PinnedBuffer, Product, RopeMode, TimedEvent, Unary,
 };
 
 use super::{
-    converts_activation, entry, entry_mut, free_entry, launches_of, unknown_kv, BufId, Device,
-    HotFfnOp, HotId, HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, ReadId,
-    RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
+    converts_activation, entry, entry_mut, free_entry, program_launches, shared_activation_run,
+    unknown_kv, BufId, Conversion, Device, HotFfnOp, HotId, HotSpec, HotSwap, KvId, KvRows,
+    KvShape, MatId, Op, PredictorOp, ReadId, RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -199,6 +199,38 @@ fn with_out<R>(
     r
 }
 
+/// Runs `f` with the buffers and write views of the spans `ys`, each in a buffer of its own,
+/// taken out of the table meanwhile (as [`with_out`]).
+fn with_outs<R>(
+    bufs: &mut [Option<DeviceBuffer<f32>>],
+    ys: &[Span],
+    f: impl FnOnce(&[Option<DeviceBuffer<f32>>], Vec<DeviceViewMut<'_, f32>>) -> Result<R>,
+) -> Result<R> {
+    let mut outs = Vec::with_capacity(ys.len());
+    for y in ys {
+        match bufs.get_mut(y.buf.0).and_then(Option::take) {
+            Some(b) => outs.push(b),
+            None => {
+                for (b, y) in outs.into_iter().zip(ys) {
+                    bufs[y.buf.0] = Some(b);
+                }
+                return Err(EngineError::Device(format!(
+                    "unknown (or repeated) device buffer {}",
+                    y.buf.0
+                )));
+            }
+        }
+    }
+    let views: Result<Vec<_>> = (outs.iter_mut().zip(ys))
+        .map(|(b, y)| b.view_mut(y.off, y.len).map_err(cuda))
+        .collect();
+    let r = views.and_then(|v| f(bufs, v));
+    for (b, y) in outs.into_iter().zip(ys) {
+        bufs[y.buf.0] = Some(b);
+    }
+    r
+}
+
 impl CudaDevice {
     /// Opens GPU `ordinal` with a budget of `budget` bytes (default: 90% of its memory less
     /// 256 MiB, as PowerInfer leaves some room).
@@ -212,7 +244,9 @@ impl CudaDevice {
         let default = (total / 10 * 9).saturating_sub(256 << 20);
         let limit = budget.unwrap_or(default).min(total / 10 * 9);
         drop(gpu);
-        let gpu = Gpu::open(ordinal, Some(limit))?;
+        // Everything the device queues goes to the GPU's one stream: its buffers need none of
+        // cudarc's per-launch cross-stream events.
+        let gpu = Gpu::open_one_stream(ordinal, Some(limit))?;
         Ok(CudaDevice {
             gpu,
             state: Mutex::new(State::default()),
@@ -243,6 +277,59 @@ impl CudaDevice {
             Some(b) => Ok(b),
             None => self.gpu.alloc_pinned::<f32>(len).map_err(cuda),
         }
+    }
+
+    /// How a held matrix's products convert their activation.
+    fn conversion(st: &State, m: MatId) -> Conversion {
+        let d = st.mats.get(m.0)?;
+        converts_activation(d.ty()).then(|| (d.ty(), d.cols()))
+    }
+
+    /// Queues a program: its ops in order, the products that share an activation
+    /// ([`shared_activation_run`]) with one conversion.
+    fn run(&self, st: &mut State, ops: &[Op]) -> Result<()> {
+        let mut i = 0;
+        while i < ops.len() {
+            let run = shared_activation_run(&ops[i..], |m| Self::conversion(st, m));
+            if run > 1 {
+                self.shared_products(st, &ops[i..i + run])?;
+                i += run;
+            } else {
+                self.op(st, &ops[i])?;
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Products of one activation (a run of [`Op::MatMul`]s found by
+    /// [`shared_activation_run`]), converted once.
+    fn shared_products(&self, st: &mut State, ops: &[Op]) -> Result<()> {
+        let mut ms = Vec::with_capacity(ops.len());
+        let mut ys = Vec::with_capacity(ops.len());
+        let (mut x, mut t) = (None, 0);
+        for op in ops {
+            if let Op::MatMul { m, x: xs, y, t: tt } = *op {
+                ms.push(m);
+                ys.push(y);
+                (x, t) = (Some(xs), tt);
+            }
+        }
+        let x = x.ok_or_else(|| EngineError::Device("no products".into()))?;
+        let State { mats, bufs, .. } = st;
+        let ws = (ms.iter())
+            .map(|m| {
+                mats.get(m.0)
+                    .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", m.0)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (g, s) = (&self.gpu, self.gpu.stream());
+        with_outs(bufs, &ys, |b, outs| {
+            let products = (ws.iter().zip(outs))
+                .map(|(w, dst)| Product::Dense { w, dst })
+                .collect();
+            g.matmuls(s, view(b, x)?, t, products).map_err(cuda)
+        })
     }
 
     /// Queues one operation.
@@ -427,9 +514,8 @@ impl CudaDevice {
             let i = match seen {
                 Some(i) => i,
                 None => {
-                    let graph = (self.gpu.stream()).capture(|| -> Result<()> {
-                        run.iter().try_for_each(|op| self.op(st, op))
-                    })?;
+                    let graph =
+                        (self.gpu.stream()).capture(|| -> Result<()> { self.run(st, run) })?;
                     st.graphs.push(Captured {
                         ops: run.to_vec(),
                         masked,
@@ -494,28 +580,24 @@ impl CudaDevice {
         } = sc;
         let p = masked.view(0, tn).map_err(cuda)?;
         let xv = view(bufs, x)?;
-        g.sparse_matmul(
-            s,
-            &h.up,
-            xv.reborrow(),
-            p.reborrow(),
+        // Up and gate (when there is one) share the activation, converted once.
+        let mut products = vec![Product::Sparse {
+            slice: &h.up,
+            p: p.reborrow(),
             theta,
-            t,
-            up.view_mut(0, tn).map_err(cuda)?,
-        )
-        .map_err(cuda)?;
+            dst: up.view_mut(0, tn).map_err(cuda)?,
+        }];
+        if let Some(gs) = &h.gate {
+            products.push(Product::Sparse {
+                slice: gs,
+                p: p.reborrow(),
+                theta,
+                dst: gate.view_mut(0, tn).map_err(cuda)?,
+            });
+        }
+        g.matmuls(s, xv, t, products).map_err(cuda)?;
         match &h.gate {
-            Some(gs) => {
-                g.sparse_matmul(
-                    s,
-                    gs,
-                    xv.reborrow(),
-                    p.reborrow(),
-                    theta,
-                    t,
-                    gate.view_mut(0, tn).map_err(cuda)?,
-                )
-                .map_err(cuda)?;
+            Some(_) => {
                 let (gv, uv) = (
                     gate.view(0, tn).map_err(cuda)?,
                     up.view(0, tn).map_err(cuda)?,
@@ -859,15 +941,8 @@ impl Device for CudaDevice {
         if self.graphs {
             return self.replay(&mut st, ops);
         }
-        let mut launches = 0;
-        for op in ops {
-            launches += launches_of(op, |m| {
-                st.mats
-                    .get(m.0)
-                    .is_some_and(|d| converts_activation(d.ty()))
-            });
-            self.op(&mut st, op)?;
-        }
+        let launches = program_launches(ops, |m| Self::conversion(&st, m));
+        self.run(&mut st, ops)?;
         self.traffic.launched(launches);
         Ok(())
     }

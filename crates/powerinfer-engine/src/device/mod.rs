@@ -501,14 +501,68 @@ pub(crate) fn launches_of(op: &Op, converts: impl Fn(MatId) -> bool) -> u64 {
     match op {
         Op::MatMul { m, .. } => mm(*m),
         Op::Predictor(p) => mm(p.fc1) + 1 + mm(p.fc2),
-        // The scores copied (and masked), up (and gate) products with their quantized
-        // activation, the activation, the axpy, the count: what the CUDA device launches.
-        Op::HotFfn(f) => 8 + u64::from(f.count.is_some()),
+        // The scores copied (and masked), the activation converted once for the up (and gate)
+        // products, the activation, the axpy, the count: what the CUDA device launches.
+        Op::HotFfn(f) => 7 + u64::from(f.count.is_some()),
         // The rows stored, then the attention.
         Op::Attention(_) => 2,
         Op::Mark { .. } => 0,
         _ => 1,
     }
+}
+
+/// How a matrix's products convert their activation: its type and width when they convert it
+/// (quantize or round), `None` when they read it as it is.
+pub(crate) type Conversion = Option<(GgmlType, usize)>;
+
+/// How many ops from `ops[0]` on are products that share one converted activation: consecutive
+/// [`Op::MatMul`]s of one `x` and `t` whose matrices convert it alike (`conv`), each writing a
+/// buffer of its own (neither `x`'s nor another's of the run). Q, K and V of an attention, gate
+/// and up of a dense FFN. 0 when `ops[0]` is not a converting product.
+pub(crate) fn shared_activation_run(ops: &[Op], conv: impl Fn(MatId) -> Conversion) -> usize {
+    let Some(&Op::MatMul { m, x, y, t }) = ops.first() else {
+        return 0;
+    };
+    let Some(c) = conv(m) else {
+        return 0;
+    };
+    let mut outs = vec![y.buf];
+    if y.buf == x.buf {
+        return 1;
+    }
+    for op in &ops[1..] {
+        match *op {
+            Op::MatMul {
+                m: m2,
+                x: x2,
+                y: y2,
+                t: t2,
+            } if x2 == x
+                && t2 == t
+                && conv(m2) == Some(c)
+                && y2.buf != x.buf
+                && !outs.contains(&y2.buf) =>
+            {
+                outs.push(y2.buf)
+            }
+            _ => break,
+        }
+    }
+    outs.len()
+}
+
+/// Kernel launches of a program: [`launches_of`] every op, less the conversions that products
+/// sharing an activation ([`shared_activation_run`]) do not repeat.
+pub(crate) fn program_launches(ops: &[Op], conv: impl Fn(MatId) -> Conversion) -> u64 {
+    let converts = |m: MatId| conv(m).is_some();
+    let mut n: u64 = ops.iter().map(|op| launches_of(op, converts)).sum();
+    let mut i = 0;
+    while i < ops.len() {
+        let run = shared_activation_run(&ops[i..], &conv).max(1);
+        n -= run as u64 - 1;
+        i += run;
+    }
+    n
 }
 
 /// What a device has charged since it started: kernel launches, host waits and bytes over the
@@ -759,4 +813,72 @@ pub(crate) trait AttentionDevice {
     fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket>;
     /// Waits for a queued attention part; returns it and the device's busy time.
     fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(buf: usize, len: usize) -> Span {
+        Span {
+            buf: BufId(buf),
+            off: 0,
+            len,
+        }
+    }
+
+    fn mm(m: usize, x: Span, y: Span, t: usize) -> Op {
+        Op::MatMul {
+            m: MatId(m),
+            x,
+            y,
+            t,
+        }
+    }
+
+    #[test]
+    fn products_of_one_activation_convert_it_once() {
+        // Matrices 0-2: Q4_0 of width 8; 3: F16 of width 8; 4: F32 (no conversion).
+        let conv = |m: MatId| match m.0 {
+            0..=2 => Some((GgmlType::Q4_0, 8)),
+            3 => Some((GgmlType::F16, 8)),
+            _ => None,
+        };
+        let x = span(0, 16);
+        let (q, k, v) = (span(1, 16), span(2, 8), span(3, 8));
+        let qkv = [mm(0, x, q, 2), mm(1, x, k, 2), mm(2, x, v, 2)];
+        let mut ops = qkv.to_vec();
+        ops.push(Op::AddRows { y: q, b: BufId(9) });
+        assert_eq!(shared_activation_run(&ops, conv), 3);
+        // Three conversions before: 3 × 2 + 1; one now.
+        assert_eq!(program_launches(&ops, conv), 3 + 1 + 1);
+        // What breaks a run: another activation, token count or conversion, an output in the
+        // activation's buffer or in another output's buffer, any other op between.
+        for (i, other) in [
+            mm(1, span(4, 16), k, 2),
+            mm(1, x, k, 1),
+            mm(3, x, k, 2),
+            mm(1, x, span(0, 8), 2),
+            mm(1, x, span(1, 8), 2),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let ops = [qkv[0].clone(), other];
+            assert_eq!(shared_activation_run(&ops, conv), 1, "case {i}");
+            assert_eq!(program_launches(&ops, conv), 4, "case {i}");
+        }
+        let ops = [
+            qkv[0].clone(),
+            Op::Copy { x, y: span(5, 16) },
+            qkv[1].clone(),
+        ];
+        assert_eq!(program_launches(&ops, conv), 5);
+        // Products that read the activation as it is share nothing.
+        let ops = [mm(4, x, q, 2), mm(4, x, k, 2)];
+        assert_eq!(shared_activation_run(&ops, conv), 0);
+        assert_eq!(program_launches(&ops, conv), 2);
+        // A product writing into its own activation's buffer stands alone.
+        assert_eq!(shared_activation_run(&[mm(0, x, span(0, 8), 2)], conv), 1);
+    }
 }

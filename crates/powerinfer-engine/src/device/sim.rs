@@ -43,9 +43,9 @@ use powerinfer_predictor::predictor::Predictor;
 
 use super::{
     converts_activation, entry, entry_mut, free_entry, graph_segments, hot_slice_overhead,
-    launches_of, unknown_kv, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec, HotSwap,
-    KvId, KvRows, KvShape, MatId, Op, PredictorOp, Queue, ReadId, RowsOf, SimOptions, SimSpeed,
-    Span, Ticket, Traffic, TrafficCounters,
+    program_launches, unknown_kv, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec,
+    HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, Queue, ReadId, RowsOf, SimOptions,
+    SimSpeed, Span, Ticket, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -541,8 +541,10 @@ impl Device for SimDevice {
             graph_segments(ops).count() as u64
         } else {
             let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-            let converts = |m: MatId| mem.mats.get(m.0).is_some_and(|d| converts_activation(d.ty));
-            ops.iter().map(|op| launches_of(op, converts)).sum()
+            program_launches(ops, |m| {
+                let d = mem.mats.get(m.0)?;
+                converts_activation(d.ty).then_some((d.ty, d.cols))
+            })
         };
         self.traffic.launched(launches);
         self.send(Cmd::Ops(ops.to_vec()))

@@ -459,13 +459,16 @@ impl Run<'_> {
             w.k.span(0, t * nkv),
             w.v.span(0, t * nkv),
         );
-        for ((m, y), b) in a.qkv.iter().zip([q, k, v]).zip(a.bias) {
+        // The three products first, so that they share one converted activation.
+        for (m, y) in a.qkv.iter().zip([q, k, v]) {
             ops.push(DevOp::MatMul {
                 m: *m,
                 x: ain,
                 y,
                 t,
             });
+        }
+        for (y, b) in [q, k, v].into_iter().zip(a.bias) {
             if let Some(b) = b {
                 ops.push(DevOp::AddRows { y, b });
             }
