@@ -1,28 +1,55 @@
 // The non-matrix operators of a transformer layer. All tensors are row-major f32 unless noted.
 #include "common.cuh"
 
-// y[r, i] = x[r, i] / sqrt(mean_i(x[r, i]^2) + eps) * (w ? w[i] : 1). One block per row.
-// In place when y == x.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+// The residual add of a norm that follows one (add_rms_norm, add_layer_norm): x[r, i] += a[r, i]
+// (when a is not null), written back to x, and the row's value. A thread reads and writes the
+// same elements in every loop of a norm, so the later loops read its own sums.
+__device__ __forceinline__ float residual(float* xr, const float* ar, int i) {
+    if (!ar) return xr[i];
+    float v = xr[i] + ar[i];
+    xr[i] = v;
+    return v;
+}
+
+// y[r, i] = x[r, i] / sqrt(mean_i(x[r, i]^2) + eps) * (w ? w[i] : 1), after x += a when a is not
+// null. One block per row. In place when y == x.
+__device__ __forceinline__ void rms_norm_rows(float* x, const float* a, const float* w, float* y,
+                                              int n, float eps) {
     __shared__ float red[32];
-    const float* xr = x + (long)blockIdx.x * n;
+    float* xr = x + (long)blockIdx.x * n;
+    const float* ar = a ? a + (long)blockIdx.x * n : 0;
     float* yr = y + (long)blockIdx.x * n;
     float s = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = residual(xr, ar, i);
+        s += v * v;
+    }
     s = block_sum(s, red);
     float scale = rsqrtf(s / (float)n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * scale * (w ? w[i] : 1.0f);
 }
 
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    rms_norm_rows((float*)x, 0, w, y, n, eps);
+}
+
+// x += a (the residual), then rms_norm of x into y: one launch for an add and the norm after it.
+extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* w, float* y, int n,
+                                        float eps) {
+    rms_norm_rows(x, a, w, y, n, eps);
+}
+
 // y[r, i] = (x[r, i] - mean) / sqrt(var + eps) * (w ? w[i] : 1) + (b ? b[i] : 0), population
-// variance (two passes over the row). One block per row; in place when y == x.
-extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* y,
-                                      int n, float eps) {
+// variance (two passes over the row), after x += a when a is not null. One block per row; in
+// place when y == x.
+__device__ __forceinline__ void layer_norm_rows(float* x, const float* a, const float* w,
+                                                const float* b, float* y, int n, float eps) {
     __shared__ float red[32];
-    const float* xr = x + (long)blockIdx.x * n;
+    float* xr = x + (long)blockIdx.x * n;
+    const float* ar = a ? a + (long)blockIdx.x * n : 0;
     float* yr = y + (long)blockIdx.x * n;
     float s = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += residual(xr, ar, i);
     float mean = block_sum(s, red) / (float)n;
     float v = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -34,19 +61,27 @@ extern "C" __global__ void layer_norm(const float* x, const float* w, const floa
         yr[i] = (xr[i] - mean) * scale * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
 }
 
+extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* y,
+                                      int n, float eps) {
+    layer_norm_rows((float*)x, 0, w, b, y, n, eps);
+}
+
+// x += a (the residual), then layer_norm of x into y.
+extern "C" __global__ void add_layer_norm(float* x, const float* a, const float* w,
+                                          const float* b, float* y, int n, float eps) {
+    layer_norm_rows(x, a, w, b, y, n, eps);
+}
+
 // Rotary position embedding, in place, on x = T tokens of n_head heads of head_dim floats.
 // The first n_rot dimensions of each head rotate; pair i (i < n_rot / 2) turns by angle
 // freq_scale * pos[t] * theta_scale^i (theta_scale = base^(-2 / n_rot), computed by the host as
 // the CPU kernels compute it), with the power taken by i repeated f32 products and cos and sin
 // in f32: the CPU kernels' (and ggml's) operations. Normal mode (neox == 0) pairs (2i, 2i + 1);
 // NeoX mode pairs (i, i + n_rot / 2). One thread per (token, head, pair); grid.y = T.
-extern "C" __global__ void rope(float* x, const int* pos, int n_head, int head_dim, int n_rot,
-                                float theta_scale, float freq_scale, int neox) {
-    int half = n_rot / 2;
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n_head * half) return;
-    int t = blockIdx.y;
-    int h = idx / half, i = idx % half;
+// Pair i of head h of token t of x (n_head heads): see rope.
+__device__ __forceinline__ void rope_pair(float* x, const int* pos, int t, int n_head, int h, int i,
+                                          int head_dim, int half, float theta_scale,
+                                          float freq_scale, int neox) {
     float th = (float)pos[t];
     for (int k = 0; k < i; k++) th *= theta_scale;
     float theta = freq_scale * th;
@@ -57,6 +92,31 @@ extern "C" __global__ void rope(float* x, const int* pos, int n_head, int head_d
     float a = v[i0], b = v[i1];
     v[i0] = a * c - b * s;
     v[i1] = a * s + b * c;
+}
+
+extern "C" __global__ void rope(float* x, const int* pos, int n_head, int head_dim, int n_rot,
+                                float theta_scale, float freq_scale, int neox) {
+    int half = n_rot / 2;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_head * half) return;
+    rope_pair(x, pos, blockIdx.y, n_head, idx / half, idx % half, head_dim, half, theta_scale,
+              freq_scale, neox);
+}
+
+// rope of q (n_head heads) and k (n_head_kv heads) in one launch: the threads past q's pairs
+// take k's.
+extern "C" __global__ void rope_qk(float* q, float* k, const int* pos, int n_head, int n_head_kv,
+                                   int head_dim, int n_rot, float theta_scale, float freq_scale,
+                                   int neox) {
+    int half = n_rot / 2;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (n_head + n_head_kv) * half) return;
+    int h = idx / half, i = idx % half;
+    if (h < n_head)
+        rope_pair(q, pos, blockIdx.y, n_head, h, i, head_dim, half, theta_scale, freq_scale, neox);
+    else
+        rope_pair(k, pos, blockIdx.y, n_head_kv, h - n_head, i, head_dim, half, theta_scale,
+                  freq_scale, neox);
 }
 
 // Row softmax of scale * x, in place; one block per row of n floats.

@@ -170,6 +170,13 @@ pub fn rope(t: usize, n_head: usize, n_rot: usize) -> Result<Launch> {
     launch("rope", (n_head * (n_rot / 2)).div_ceil(BLOCK), t, 1, BLOCK)
 }
 
+/// RoPE of Q (`n_head` heads) and K (`n_head_kv`) in one launch: one thread per rotated pair
+/// of either, grid y = tokens.
+pub fn rope_qk(t: usize, n_head: usize, n_head_kv: usize, n_rot: usize) -> Result<Launch> {
+    let pairs = (n_head + n_head_kv) * (n_rot / 2);
+    launch("rope_qk", pairs.div_ceil(BLOCK), t, 1, BLOCK)
+}
+
 /// Rows of a table as floats: one block column per `BLOCK` elements, one block row per row.
 pub fn get_rows(ty: GgmlType, cols: usize, n: usize) -> Result<Launch> {
     const NAMES: [&str; 4] = [
@@ -250,6 +257,7 @@ mod tests {
         for l in [
             per_row("rms_norm", 3).unwrap(),
             rope(2, 3, 4).unwrap(),
+            rope_qk(2, 3, 1, 4).unwrap(),
             attention(2, 3).unwrap(),
             per_row("layer_norm", 2).unwrap(),
             active_list(),

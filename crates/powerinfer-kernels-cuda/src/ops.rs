@@ -633,6 +633,83 @@ impl Gpu {
         self.norm(stream, "layer_norm", x.into(), &params, shape, y.into())
     }
 
+    /// The residual add and the RMSNorm after it in one launch: `x += a`, then
+    /// `y = x / sqrt(mean(x²) + eps) * w` (`x`, `a`, `y`: rows × n; `w` of length n, or 1).
+    /// The same operations as [`Gpu::binary`] `Add` followed by [`Gpu::rms_norm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm<'x, 'a, 'w, 'y>(
+        &self,
+        stream: &Stream,
+        x: impl Into<Out<'x>>,
+        a: impl Into<In<'a>>,
+        w: Option<In<'w>>,
+        eps: f32,
+        rows: usize,
+        n: usize,
+        y: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let shape = NormShape { eps, rows, n };
+        let (x, a, y) = (x.into(), a.into(), y.into());
+        self.add_norm(stream, "add_rms_norm", x, a, &[w.as_ref()], shape, y)
+    }
+
+    /// The residual add and the LayerNorm after it in one launch: `x += a`, then
+    /// [`Gpu::layer_norm`] of `x` into `y`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_layer_norm<'x, 'a, 'w, 'b, 'y>(
+        &self,
+        stream: &Stream,
+        x: impl Into<Out<'x>>,
+        a: impl Into<In<'a>>,
+        w: Option<In<'w>>,
+        bias: Option<In<'b>>,
+        eps: f32,
+        rows: usize,
+        n: usize,
+        y: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let shape = NormShape { eps, rows, n };
+        let (x, a, y) = (x.into(), a.into(), y.into());
+        let params = [w.as_ref(), bias.as_ref()];
+        self.add_norm(stream, "add_layer_norm", x, a, &params, shape, y)
+    }
+
+    /// An add-and-norm kernel over `rows` rows of `n`: `x` (updated), `a`, the optional
+    /// per-column parameters, `y`, `n` and `eps`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm(
+        &self,
+        stream: &Stream,
+        kernel: &'static str,
+        mut x: Out<'_>,
+        a: In<'_>,
+        params: &[Option<&In<'_>>],
+        sh: NormShape,
+        mut y: Out<'_>,
+    ) -> Result<()> {
+        let NormShape { eps, rows, n } = sh;
+        check_len("x", rows * n, x.len())?;
+        check_len("a", rows * n, a.len())?;
+        check_len("y", rows * n, y.len())?;
+        for v in params.iter().flatten() {
+            check_len("weight/bias", n, v.len())?;
+        }
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        let n32 = i32_arg("n", n)?;
+        let mut b = Args::new(self, stream, kernel);
+        b.view_mut(&mut x).view(&a);
+        for &v in params {
+            b.view_or_null(v);
+        }
+        b.view_mut(&mut y).scalar(&n32).scalar(&eps);
+        // SAFETY: parameters match add_rms_norm and add_layer_norm in kernels/ops.cu (x, a, the
+        // optional parameters, y, n, eps); lengths checked above. x and y are distinct mutable
+        // views (their buffers cannot overlap), a is read only.
+        unsafe { b.launch(geometry::per_row(kernel, rows)?) }
+    }
+
     /// A norm kernel over `rows` rows of `n`: `x`, its optional per-column parameters (each of
     /// length n, null when absent), `y`, `n` and `eps`.
     fn norm(
@@ -711,6 +788,59 @@ impl Gpu {
             .scalar(&neox);
         // SAFETY: parameters match rope in kernels/ops.cu; lengths checked above.
         unsafe { b.launch(geometry::rope(t, n_head, n_rot)?) }
+    }
+
+    /// RoPE of Q (`t` tokens of `n_head` heads) and K (`t` tokens of `n_head_kv` heads) in one
+    /// launch, each as [`Gpu::rope`] rotates it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_qk<'q, 'k, 'p>(
+        &self,
+        stream: &Stream,
+        q: impl Into<Out<'q>>,
+        k: impl Into<Out<'k>>,
+        pos: impl Into<DeviceView<'p, i32>>,
+        t: usize,
+        (n_head, n_head_kv): (usize, usize),
+        head_dim: usize,
+        n_rot: usize,
+        base: f32,
+        freq_scale: f32,
+        mode: RopeMode,
+    ) -> Result<()> {
+        let (mut q, mut k, pos) = (q.into(), k.into(), pos.into());
+        check_len("q", t * n_head * head_dim, q.len())?;
+        check_len("k", t * n_head_kv * head_dim, k.len())?;
+        check_len("positions", t, pos.len())?;
+        if n_rot > head_dim || n_rot % 2 != 0 {
+            return Err(CudaError::Shape(format!(
+                "n_rot {n_rot} must be even and at most head_dim {head_dim}"
+            )));
+        }
+        if t == 0 || (n_head + n_head_kv) * n_rot == 0 {
+            return Ok(());
+        }
+        let (h, hk, d, r) = (
+            i32_arg("n_head", n_head)?,
+            i32_arg("n_head_kv", n_head_kv)?,
+            i32_arg("head_dim", head_dim)?,
+            i32_arg("n_rot", n_rot)?,
+        );
+        let neox = i32::from(mode == RopeMode::Neox);
+        let theta_scale = rope_theta_scale(base, n_rot);
+        let mut b = Args::new(self, stream, "rope_qk");
+        b.view_mut(&mut q)
+            .view_mut(&mut k)
+            .view(&pos)
+            .scalar(&h)
+            .scalar(&hk)
+            .scalar(&d)
+            .scalar(&r)
+            .scalar(&theta_scale)
+            .scalar(&freq_scale)
+            .scalar(&neox);
+        // SAFETY: parameters match rope_qk in kernels/ops.cu; lengths checked above; q and k
+        // are distinct mutable views.
+        unsafe { b.launch(geometry::rope_qk(t, n_head, n_head_kv, n_rot)?) }
     }
 
     /// Softmax of `scale * x` over each of `rows` rows of `n`, in place.

@@ -247,6 +247,10 @@ fn prepare_x(emu: &Emu, ty: GgmlType, x: &[f32]) -> Result<(Vec<f32>, Vec<f64>),
     Ok((xq, want))
 }
 
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 const TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
 fn cols_for(ty: GgmlType, raw: usize) -> usize {
@@ -558,6 +562,47 @@ proptest! {
         let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs() + 10.0).collect();
         close("layer_norm", &y, &want, &scale)?;
 
+        // The residual add and the norm in one launch: bit for bit the add (add_inplace) and
+        // then the norm.
+        let a = rng.vec(rows * n);
+        let mut sum = x.clone();
+        type Residual = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *mut f32, i64);
+        let add: Residual = emu.sym("add_inplace");
+        let la = geometry::per_element("add_inplace", rows * n).unwrap();
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: a and sum hold rows × n floats.
+            unsafe { add(la.grid.0, la.grid.1, la.grid.2, la.block, a.as_ptr(), sum.as_mut_ptr(), (rows * n) as i64) };
+        }
+        for layer in [false, true] {
+            let mut sep = vec![0.0f32; rows * n];
+            let mut xf = x.clone();
+            let mut yf = vec![0.0f32; rows * n];
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: x, a, sum and the outputs hold rows × n floats, w and bias hold n.
+            unsafe {
+                if layer {
+                    let l = geometry::per_row("layer_norm", rows).unwrap();
+                    let f: Layer = emu.sym("layer_norm");
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, sum.as_ptr(), w.as_ptr(), bias.as_ptr(), sep.as_mut_ptr(), n as i32, 1e-5);
+                    type AddLayer = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const f32, *const f32, *const f32, *mut f32, i32, f32);
+                    let l = geometry::per_row("add_layer_norm", rows).unwrap();
+                    let f: AddLayer = emu.sym("add_layer_norm");
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, xf.as_mut_ptr(), a.as_ptr(), w.as_ptr(), bias.as_ptr(), yf.as_mut_ptr(), n as i32, 1e-5);
+                } else {
+                    let l = geometry::per_row("rms_norm", rows).unwrap();
+                    let f: Norm = emu.sym("rms_norm");
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, sum.as_ptr(), w.as_ptr(), sep.as_mut_ptr(), n as i32, 1e-5);
+                    type AddNorm = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *const f32, *const f32, *mut f32, i32, f32);
+                    let l = geometry::per_row("add_rms_norm", rows).unwrap();
+                    let f: AddNorm = emu.sym("add_rms_norm");
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, xf.as_mut_ptr(), a.as_ptr(), w.as_ptr(), yf.as_mut_ptr(), n as i32, 1e-5);
+                }
+            }
+            prop_assert_eq!(bits(&xf), bits(&sum), "residual of the fused norm (layer {})", layer);
+            prop_assert_eq!(bits(&yf), bits(&sep), "fused norm (layer {})", layer);
+        }
+
         let mut sx = x.clone();
         if rows > 1 { for v in &mut sx[..n] { *v = f32::NEG_INFINITY; } }
         let l = geometry::per_row("softmax", rows).unwrap();
@@ -614,6 +659,26 @@ proptest! {
         }
         let want: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
         close("rope", &xr, &want, &vec![0.02; want.len()])?;
+
+        // Q and K in one launch: bit for bit rope on each (K: one head fewer, at least one).
+        let n_kv = n_head.saturating_sub(1).max(1);
+        let (mut q2, mut k2) = (orig.clone(), rng.vec(rows * n_kv * head_dim));
+        let k_orig = k2.clone();
+        let l = geometry::rope_qk(rows, n_head, n_kv, n_rot).unwrap();
+        type RopeQk = unsafe extern "C" fn(u32, u32, u32, u32, *mut f32, *mut f32, *const i32, i32, i32, i32, i32, f32, f32, i32);
+        let fqk: RopeQk = emu.sym("rope_qk");
+        let mut k1 = k_orig.clone();
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: q2 and k2 hold rows × heads × head_dim floats, pos holds rows positions.
+            unsafe {
+                fqk(l.grid.0, l.grid.1, l.grid.2, l.block, q2.as_mut_ptr(), k2.as_mut_ptr(), pos.as_ptr(), n_head as i32, n_kv as i32, head_dim as i32, n_rot as i32, theta_scale, freq_scale, i32::from(neox));
+                let l = geometry::rope(rows, n_kv, n_rot).unwrap();
+                f(l.grid.0, l.grid.1, l.grid.2, l.block, k1.as_mut_ptr(), pos.as_ptr(), n_kv as i32, head_dim as i32, n_rot as i32, theta_scale, freq_scale, i32::from(neox));
+            }
+        }
+        prop_assert_eq!(bits(&q2), bits(&xr), "rope_qk: q");
+        prop_assert_eq!(bits(&k2), bits(&k1), "rope_qk: k");
 
         // SwiGLU as the CPU kernel computes it.
         let l = geometry::per_element("silu_gate", g.len()).unwrap();

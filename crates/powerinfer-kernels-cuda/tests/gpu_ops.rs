@@ -218,6 +218,25 @@ proptest! {
         let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs() + 10.0).collect();
         assert_close("layer_norm", &y.to_host(s).unwrap(), &want, &scale);
 
+        // The residual add and the norm in one launch: bit for bit the add and then the norm.
+        let ad = gpu.upload(s, &rng.vec(rows * n)).unwrap();
+        let mut sum = gpu.alloc_zeros::<f32>(s, rows * n).unwrap();
+        gpu.binary(s, Binary::Add, &xd, &ad, &mut sum).unwrap();
+        for layer in [false, true] {
+            let mut sep = gpu.alloc_zeros::<f32>(s, rows * n).unwrap();
+            let mut xf = gpu.upload(s, &x).unwrap();
+            if layer {
+                gpu.layer_norm(s, &sum, Some((&wd).into()), Some((&bd).into()), 1e-5, rows, n, &mut sep).unwrap();
+                gpu.add_layer_norm(s, &mut xf, &ad, Some((&wd).into()), Some((&bd).into()), 1e-5, rows, n, &mut y).unwrap();
+            } else {
+                gpu.rms_norm(s, &sum, Some((&wd).into()), 1e-5, rows, n, &mut sep).unwrap();
+                gpu.add_rms_norm(s, &mut xf, &ad, Some((&wd).into()), 1e-5, rows, n, &mut y).unwrap();
+            }
+            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(xf.to_host(s).unwrap()), bits(sum.to_host(s).unwrap()));
+            prop_assert_eq!(bits(y.to_host(s).unwrap()), bits(sep.to_host(s).unwrap()));
+        }
+
         let mut sx = x.clone();
         if rows > 1 { for v in &mut sx[..n] { *v = f32::NEG_INFINITY; } }
         let mut sd = gpu.upload(s, &sx).unwrap();
@@ -264,6 +283,17 @@ proptest! {
         }
         let want: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
         assert_close("rope", &xd.to_host(s).unwrap(), &want, &vec![0.05; want.len()]);
+
+        // Q and K in one launch: bit for bit rope on each.
+        let n_kv = n_head.saturating_sub(1).max(1);
+        let k = rng.vec(t * n_kv * head_dim);
+        let (mut qd, mut kd) = (gpu.upload(s, &x).unwrap(), gpu.upload(s, &k).unwrap());
+        gpu.rope_qk(s, &mut qd, &mut kd, &pd, t, (n_head, n_kv), head_dim, n_rot, 10000.0, 1.0, mode).unwrap();
+        let mut k1 = gpu.upload(s, &k).unwrap();
+        gpu.rope(s, &mut k1, &pd, t, n_kv, head_dim, n_rot, 10000.0, 1.0, mode).unwrap();
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(qd.to_host(s).unwrap()), bits(xd.to_host(s).unwrap()));
+        prop_assert_eq!(bits(kd.to_host(s).unwrap()), bits(k1.to_host(s).unwrap()));
     }
 
     #[test]

@@ -199,6 +199,20 @@ fn with_out<R>(
     r
 }
 
+/// The scores a hot FFN reads: the masked copy in the scratch when a mask applies, else the
+/// scores where they are.
+fn hot_scores<'a>(
+    bufs: &'a [Option<DeviceBuffer<f32>>],
+    masked: Option<&'a DeviceBuffer<f32>>,
+    scores: Span,
+    tn: usize,
+) -> Result<DeviceView<'a, f32>> {
+    match masked {
+        Some(m) => m.view(0, tn).map_err(cuda),
+        None => view(bufs, scores),
+    }
+}
+
 /// Runs `f` with the buffers and write views of the spans `ys`, each in a buffer of its own,
 /// taken out of the table meanwhile (as [`with_out`]).
 fn with_outs<R>(
@@ -371,7 +385,40 @@ impl CudaDevice {
                     g.get_rows(s, mat(*m)?, r, offset, yv).map_err(cuda)
                 })
             }
-            Op::Norm { x, w, b, eps, y } => with_out(bufs, *y, |bf, yv| {
+            Op::Norm {
+                x,
+                add: Some(a),
+                w,
+                b,
+                eps,
+                y,
+            } => with_outs(bufs, &[*x, *y], |bf, mut outs| {
+                let (yv, xv) = (outs.pop(), outs.pop());
+                let (Some(xv), Some(yv)) = (xv, yv) else {
+                    return Err(EngineError::Device("no norm output".into()));
+                };
+                let wb = buf(bf, *w)?;
+                let n = wb.len();
+                let rows = x.len.checked_div(n).unwrap_or(0);
+                let wv = wb.view(0, n).map_err(cuda)?;
+                let av = view(bf, *a)?;
+                match b {
+                    None => g.add_rms_norm(s, xv, av, Some(wv), *eps, rows, n, yv),
+                    Some(b) => {
+                        let bv = buf(bf, *b)?.view(0, n).map_err(cuda)?;
+                        g.add_layer_norm(s, xv, av, Some(wv), Some(bv), *eps, rows, n, yv)
+                    }
+                }
+                .map_err(cuda)
+            }),
+            Op::Norm {
+                x,
+                add: None,
+                w,
+                b,
+                eps,
+                y,
+            } => with_out(bufs, *y, |bf, yv| {
                 let wb = buf(bf, *w)?;
                 let n = wb.len();
                 let rows = x.len.checked_div(n).unwrap_or(0);
@@ -398,16 +445,21 @@ impl CudaDevice {
             }),
             Op::Rope(r) => {
                 let sc = scratch.as_ref().ok_or_else(no_scratch)?;
-                let (p, n) = (&r.params, r.x.len / (r.n_head * r.head_dim).max(1));
+                let (p, n) = (&r.params, r.q.len / (r.n_head * r.head_dim).max(1));
                 let mode = match p.mode {
                     CpuRope::Normal => RopeMode::Normal,
                     CpuRope::NeoX => RopeMode::Neox,
                 };
                 let pos = sc.pos.view(0, n).map_err(cuda)?;
                 let (base, scale) = (p.freq_base, p.freq_scale);
-                with_out(bufs, r.x, |_, xv| {
-                    g.rope(
-                        s, xv, pos, n, r.n_head, r.head_dim, p.n_dims, base, scale, mode,
+                with_outs(bufs, &[r.q, r.k], |_, mut qk| {
+                    let (kv, qv) = (qk.pop(), qk.pop());
+                    let (Some(qv), Some(kv)) = (qv, kv) else {
+                        return Err(EngineError::Device("no RoPE views".into()));
+                    };
+                    let heads = (r.n_head, r.n_head_kv);
+                    g.rope_qk(
+                        s, qv, kv, pos, n, heads, r.head_dim, p.n_dims, base, scale, mode,
                     )
                     .map_err(cuda)
                 })
@@ -559,15 +611,15 @@ impl CudaDevice {
             )));
         }
         let tn = t * n;
-        // The scores of the neurons the device computes (the others below any threshold),
-        // in the kernels' own scratch.
-        g.copy(
-            s,
-            view(bufs, scores)?,
-            sc.masked.view_mut(0, tn).map_err(cuda)?,
-        )
-        .map_err(cuda)?;
+        // With a mask, the scores of the neurons the device computes (the others below any
+        // threshold) in the kernels' own scratch; without, the scores where they are.
         if h.masked {
+            g.copy(
+                s,
+                view(bufs, scores)?,
+                sc.masked.view_mut(0, tn).map_err(cuda)?,
+            )
+            .map_err(cuda)?;
             g.add_rows(s, sc.masked.view_mut(0, tn).map_err(cuda)?, &h.mask)
                 .map_err(cuda)?;
         }
@@ -578,7 +630,8 @@ impl CudaDevice {
             act,
             ..
         } = sc;
-        let p = masked.view(0, tn).map_err(cuda)?;
+        let mask_scratch = h.masked.then_some(&*masked);
+        let p = hot_scores(bufs, mask_scratch, scores, tn)?;
         let xv = view(bufs, x)?;
         // Up and gate (when there is one) share the activation, converted once.
         let mut products = vec![Product::Sparse {
@@ -632,14 +685,29 @@ impl CudaDevice {
         } else {
             act.view(0, tn).map_err(cuda)?
         };
-        let pp = p.reborrow();
-        with_out(bufs, y, |_, yv| {
-            g.sparse_axpy(s, &h.down, coeff, Some(pp), theta, t, yv)
-                .map_err(cuda)
+        with_out(bufs, y, |b, yv| {
+            g.sparse_axpy(
+                s,
+                &h.down,
+                coeff,
+                Some(hot_scores(b, mask_scratch, scores, tn)?),
+                theta,
+                t,
+                yv,
+            )
+            .map_err(cuda)
         })?;
         if let Some(c) = count {
-            with_out(bufs, c, |_, cv| {
-                g.count_active(s, &h.up, p, theta, t, cv).map_err(cuda)
+            with_out(bufs, c, |b, cv| {
+                g.count_active(
+                    s,
+                    &h.up,
+                    hot_scores(b, mask_scratch, scores, tn)?,
+                    theta,
+                    t,
+                    cv,
+                )
+                .map_err(cuda)
             })?;
         }
         Ok(())
@@ -941,7 +1009,13 @@ impl Device for CudaDevice {
         if self.graphs {
             return self.replay(&mut st, ops);
         }
-        let launches = program_launches(ops, |m| Self::conversion(&st, m));
+        let masked = |h: HotId| {
+            st.hots
+                .get(h.0)
+                .and_then(Option::as_ref)
+                .is_some_and(|h| h.masked)
+        };
+        let launches = program_launches(ops, |m| Self::conversion(&st, m), masked);
         self.run(&mut st, ops)?;
         self.traffic.launched(launches);
         Ok(())

@@ -400,9 +400,11 @@ pub(crate) enum Op {
         y: Span,
     },
     /// RMSNorm (no bias) or LayerNorm (with bias) of the rows of `x` into `y`; `w` (and `b`)
-    /// of the rows' width.
+    /// of the rows' width. With `add`, first `x += add` (the residual add before a norm, in the
+    /// same launch), written back to `x`.
     Norm {
         x: Span,
+        add: Option<Span>,
         w: BufId,
         b: Option<BufId>,
         eps: f32,
@@ -440,12 +442,15 @@ pub(crate) fn converts_activation(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::F16)
 }
 
-/// [`Op::Rope`]: RoPE in place over the step's first `n` tokens of `n_head` heads of
-/// `head_dim` (`n` = `x.len / (n_head · head_dim)`) at their positions.
+/// [`Op::Rope`]: RoPE in place, in one launch, over the step's first `n` tokens of Q
+/// (`n_head` heads of `head_dim`, `n` = `q.len / (n_head · head_dim)`) and of K (`n_head_kv`
+/// heads) at their positions.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct RopeOp {
-    pub(crate) x: Span,
+    pub(crate) q: Span,
+    pub(crate) k: Span,
     pub(crate) n_head: usize,
+    pub(crate) n_head_kv: usize,
     pub(crate) head_dim: usize,
     pub(crate) params: RopeParams,
 }
@@ -495,15 +500,21 @@ pub(crate) struct HotFfnOp {
 }
 
 /// Kernel launches of `op` on a GPU with this project's kernels: what every device counts
-/// (`converts`: whether a matrix's products convert their activations first).
-pub(crate) fn launches_of(op: &Op, converts: impl Fn(MatId) -> bool) -> u64 {
+/// (`converts`: whether a matrix's products convert their activations first; `masked`: whether
+/// a hot slice's enabled mask applies).
+pub(crate) fn launches_of(
+    op: &Op,
+    converts: impl Fn(MatId) -> bool,
+    masked: impl Fn(HotId) -> bool,
+) -> u64 {
     let mm = |m: MatId| 1 + u64::from(converts(m));
     match op {
         Op::MatMul { m, .. } => mm(*m),
         Op::Predictor(p) => mm(p.fc1) + 1 + mm(p.fc2),
-        // The scores copied (and masked), the activation converted once for the up (and gate)
-        // products, the activation, the axpy, the count: what the CUDA device launches.
-        Op::HotFfn(f) => 7 + u64::from(f.count.is_some()),
+        // The scores copied and masked when a mask applies (else read where they are), the
+        // activation converted once for the up and gate products, the activation, the axpy,
+        // the count: what the CUDA device launches.
+        Op::HotFfn(f) => 5 + 2 * u64::from(masked(f.hot)) + u64::from(f.count.is_some()),
         // The rows stored, then the attention.
         Op::Attention(_) => 2,
         Op::Mark { .. } => 0,
@@ -553,9 +564,16 @@ pub(crate) fn shared_activation_run(ops: &[Op], conv: impl Fn(MatId) -> Conversi
 
 /// Kernel launches of a program: [`launches_of`] every op, less the conversions that products
 /// sharing an activation ([`shared_activation_run`]) do not repeat.
-pub(crate) fn program_launches(ops: &[Op], conv: impl Fn(MatId) -> Conversion) -> u64 {
+pub(crate) fn program_launches(
+    ops: &[Op],
+    conv: impl Fn(MatId) -> Conversion,
+    masked: impl Fn(HotId) -> bool,
+) -> u64 {
     let converts = |m: MatId| conv(m).is_some();
-    let mut n: u64 = ops.iter().map(|op| launches_of(op, converts)).sum();
+    let mut n: u64 = ops
+        .iter()
+        .map(|op| launches_of(op, converts, &masked))
+        .sum();
     let mut i = 0;
     while i < ops.len() {
         let run = shared_activation_run(&ops[i..], &conv).max(1);
@@ -851,7 +869,7 @@ mod tests {
         ops.push(Op::AddRows { y: q, b: BufId(9) });
         assert_eq!(shared_activation_run(&ops, conv), 3);
         // Three conversions before: 3 × 2 + 1; one now.
-        assert_eq!(program_launches(&ops, conv), 3 + 1 + 1);
+        assert_eq!(program_launches(&ops, conv, |_| false), 3 + 1 + 1);
         // What breaks a run: another activation, token count or conversion, an output in the
         // activation's buffer or in another output's buffer, any other op between.
         for (i, other) in [
@@ -866,18 +884,18 @@ mod tests {
         {
             let ops = [qkv[0].clone(), other];
             assert_eq!(shared_activation_run(&ops, conv), 1, "case {i}");
-            assert_eq!(program_launches(&ops, conv), 4, "case {i}");
+            assert_eq!(program_launches(&ops, conv, |_| false), 4, "case {i}");
         }
         let ops = [
             qkv[0].clone(),
             Op::Copy { x, y: span(5, 16) },
             qkv[1].clone(),
         ];
-        assert_eq!(program_launches(&ops, conv), 5);
+        assert_eq!(program_launches(&ops, conv, |_| false), 5);
         // Products that read the activation as it is share nothing.
         let ops = [mm(4, x, q, 2), mm(4, x, k, 2)];
         assert_eq!(shared_activation_run(&ops, conv), 0);
-        assert_eq!(program_launches(&ops, conv), 2);
+        assert_eq!(program_launches(&ops, conv, |_| false), 2);
         // A product writing into its own activation's buffer stands alone.
         assert_eq!(shared_activation_run(&[mm(0, x, span(0, 8), 2)], conv), 1);
     }

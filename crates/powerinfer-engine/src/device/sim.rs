@@ -197,6 +197,9 @@ pub(crate) struct SimDevice {
     overruns: Arc<AtomicU64>,
     traffic: Arc<TrafficCounters>,
     marks: Arc<Mutex<Vec<Option<Instant>>>>,
+    /// Per hot slice, whether its enabled mask applies (as the host last set it: what a GPU's
+    /// programs queued from now on launch for).
+    masked: Mutex<Vec<bool>>,
     /// Error of a command the worker could not run, reported at the next wait.
     failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
@@ -259,6 +262,7 @@ impl SimDevice {
             overruns,
             traffic,
             marks,
+            masked: Mutex::new(Vec::new()),
             failed,
             threads: opts.threads.max(1),
             speed: opts.speed,
@@ -463,6 +467,13 @@ impl Device for SimDevice {
     }
 
     fn set_enabled(&self, hot: HotId, enabled: Option<&[bool]>) -> Result<()> {
+        {
+            let mut masked = self.masked.lock().unwrap_or_else(|e| e.into_inner());
+            if masked.len() <= hot.0 {
+                masked.resize(hot.0 + 1, false);
+            }
+            masked[hot.0] = enabled.is_some();
+        }
         // A GPU copies its mask over every neuron of the layer (an f32 each).
         if enabled.is_some() {
             let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
@@ -541,10 +552,15 @@ impl Device for SimDevice {
             graph_segments(ops).count() as u64
         } else {
             let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-            program_launches(ops, |m| {
-                let d = mem.mats.get(m.0)?;
-                converts_activation(d.ty).then_some((d.ty, d.cols))
-            })
+            let masked = self.masked.lock().unwrap_or_else(|e| e.into_inner());
+            program_launches(
+                ops,
+                |m| {
+                    let d = mem.mats.get(m.0)?;
+                    converts_activation(d.ty).then_some((d.ty, d.cols))
+                },
+                |h| masked.get(h.0).copied().unwrap_or(false),
+            )
         };
         self.traffic.launched(launches);
         self.send(Cmd::Ops(ops.to_vec()))
@@ -1025,7 +1041,18 @@ impl Stream {
                 }
                 Ok(one((n * rb) as u64))
             }
-            Op::Norm { x, w, b, eps, y } => {
+            Op::Norm {
+                x,
+                add: residual,
+                w,
+                b,
+                eps,
+                y,
+            } => {
+                if let Some(a) = residual {
+                    let (ins, out) = io(&mut mem.bufs, &[*a], *x)?;
+                    add(out, ins[0])?;
+                }
                 let wv = buf(&mem.bufs, *w)?.to_vec();
                 let bv = b
                     .map(|b| buf(&mem.bufs, b).map(<[f32]>::to_vec))
@@ -1035,7 +1062,8 @@ impl Stream {
                     None => rms_norm(ins[0], &wv, *eps, out)?,
                     Some(bv) => layer_norm(ins[0], &wv, bv, *eps, out)?,
                 }
-                Ok(one(8 * x.len as u64))
+                let added = if residual.is_some() { 12 } else { 8 };
+                Ok(one(added * x.len as u64))
             }
             Op::AddRows { y, b } => {
                 let bv = buf(&mem.bufs, *b)?.to_vec();
@@ -1070,12 +1098,20 @@ impl Stream {
                 Ok(one(8 * y.len as u64))
             }
             Op::Rope(r) => {
-                let n = r.x.len / (r.n_head * r.head_dim).max(1);
+                let n = r.q.len / (r.n_head * r.head_dim).max(1);
                 let pos = (st.positions.get(..n))
                     .ok_or_else(|| EngineError::Device("RoPE of tokens outside the step".into()))?;
-                let out = span_mut(&mut mem.bufs, r.x)?;
-                rope_block(out, r.n_head, r.head_dim, pos, &r.params)?;
-                Ok(one(8 * r.x.len as u64))
+                if r.k.len != n * r.n_head_kv * r.head_dim {
+                    return Err(EngineError::Device(format!(
+                        "RoPE of {n} tokens' Q with {} values of K",
+                        r.k.len
+                    )));
+                }
+                for (x, heads) in [(r.q, r.n_head), (r.k, r.n_head_kv)] {
+                    let out = span_mut(&mut mem.bufs, x)?;
+                    rope_block(out, heads, r.head_dim, pos, &r.params)?;
+                }
+                Ok(one(8 * (r.q.len + r.k.len) as u64))
             }
             Op::Attention(a) => {
                 // The step's positions of the tokens: consecutive for one sequence's part.

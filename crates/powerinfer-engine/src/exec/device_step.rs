@@ -334,6 +334,7 @@ impl Run<'_> {
                     let picked = normed.span(0, n_out * ne);
                     let nx = w.heads.span(0, n_out * ne);
                     ops.push(DevOp::Norm {
+                        add: None,
                         x: picked,
                         w: o.norm.w,
                         b: o.norm.b,
@@ -434,6 +435,7 @@ impl Run<'_> {
         let x = w.x.span(0, t * ne);
         let acur = w.acur.span(0, t * ne);
         let mut ops = vec![DevOp::Norm {
+            add: None,
             x,
             w: a.norm.w,
             b: a.norm.b,
@@ -444,6 +446,7 @@ impl Run<'_> {
             (Some(n2), Some(b2)) => {
                 let c2 = b2.span(0, t * ne);
                 ops.push(DevOp::Norm {
+                    add: None,
                     x,
                     w: n2.w,
                     b: n2.b,
@@ -474,14 +477,14 @@ impl Run<'_> {
             }
         }
         if let Some(rope) = step.rope {
-            for (span, heads) in [(q, hp.n_head), (k, hp.n_head_kv)] {
-                ops.push(DevOp::Rope(RopeOp {
-                    x: span,
-                    n_head: heads,
-                    head_dim: hp.head_dim(),
-                    params: rope,
-                }));
-            }
+            ops.push(DevOp::Rope(RopeOp {
+                q,
+                k,
+                n_head: hp.n_head,
+                n_head_kv: hp.n_head_kv,
+                head_dim: hp.head_dim(),
+                params: rope,
+            }));
         }
         let heads = w.heads.span(0, t * ne);
         for p in &c.parts {
@@ -522,10 +525,11 @@ impl Run<'_> {
             let fin = if falcon {
                 acur
             } else {
-                ops.push(residual.clone());
+                // The residual add and the FFN norm in one launch.
                 match hl.ffn_norm {
                     Some(n) => {
                         ops.push(DevOp::Norm {
+                            add: Some(attn_out),
                             x,
                             w: n.w,
                             b: n.b,
@@ -534,7 +538,10 @@ impl Run<'_> {
                         });
                         ex_cur
                     }
-                    None => x,
+                    None => {
+                        ops.push(residual.clone());
+                        x
+                    }
                 }
             };
             let (Some(gb), Some(ub)) = (w.gate, w.up) else {
@@ -624,16 +631,20 @@ impl Run<'_> {
                 ops.push(residual);
                 acur
             } else {
-                ops.push(residual);
+                // The residual add and the FFN norm in one launch.
                 match hl.ffn_norm {
                     Some(n) => ops.push(DevOp::Norm {
+                        add: Some(attn_out),
                         x,
                         w: n.w,
                         b: n.b,
                         eps,
                         y: ex_cur,
                     }),
-                    None => ops.push(DevOp::Copy { x, y: ex_cur }),
+                    None => {
+                        ops.push(residual);
+                        ops.push(DevOp::Copy { x, y: ex_cur });
+                    }
                 }
                 ops.push(predictor);
                 ex_cur

@@ -47,6 +47,10 @@ extern "C" void emu_rope(EMU_GRID, float* x, const int* pos, int n_head, int hea
                          float theta_scale, float freq_scale, int neox) {
     emu_launch(gx, gy, gz, bx, [=] { rope(x, pos, n_head, head_dim, n_rot, theta_scale, freq_scale, neox); });
 }
+extern "C" void emu_rope_qk(EMU_GRID, float* q, float* k, const int* pos, int n_head, int n_head_kv, int head_dim,
+                            int n_rot, float theta_scale, float freq_scale, int neox) {
+    emu_launch(gx, gy, gz, bx, [=] { rope_qk(q, k, pos, n_head, n_head_kv, head_dim, n_rot, theta_scale, freq_scale, neox); });
+}
 extern "C" void emu_silu_gate(EMU_GRID, const float* g, const float* u, float* y, long n) {
     emu_launch(gx, gy, gz, bx, [=] { silu_gate(g, u, y, n); });
 }
@@ -89,6 +93,12 @@ extern "C" void emu_attention_f16kv(EMU_GRID, const float* q, const u16* kc, con
                                     float* out, float* scratch, int n_head, int n_kv, int head_dim,
                                     int n_ctx, float scale) {
     emu_launch(gx, gy, gz, bx, [=] { attention_f16kv(q, kc, vc, pos, out, scratch, n_head, n_kv, head_dim, n_ctx, scale); });
+}
+extern "C" void emu_add_rms_norm(EMU_GRID, float* x, const float* a, const float* w, float* y, int n, float eps) {
+    emu_launch(gx, gy, gz, bx, [=] { add_rms_norm(x, a, w, y, n, eps); });
+}
+extern "C" void emu_add_layer_norm(EMU_GRID, float* x, const float* a, const float* w, const float* b, float* y, int n, float eps) {
+    emu_launch(gx, gy, gz, bx, [=] { add_layer_norm(x, a, w, b, y, n, eps); });
 }
 extern "C" void emu_layer_norm(EMU_GRID, const float* x, const float* w, const float* b, float* y, int n, float eps) {
     emu_launch(gx, gy, gz, bx, [=] { layer_norm(x, w, b, y, n, eps); });
