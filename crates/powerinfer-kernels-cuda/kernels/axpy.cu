@@ -3,7 +3,8 @@
 // with row = bucket ? bucket[j] : j, and neuron `row` selected for token t when
 // (p == NULL or p[t * N + row] >= theta) and a[t * N + row] != 0.
 // Weight: n_rows rows of M elements of type TY, `row_bytes` apart (M % 32 == 0 when quantized).
-// dst: T tokens of M floats, which the host zeroes first. Blocks add their partial sums into dst
+// dst: T tokens of M floats, which the host zeroes first (or not, to add the product to what dst
+// holds: Gpu::sparse_axpy_add). Blocks add their partial sums into dst
 // with atomicAdd: several row chunks may update the same output, never losing an update.
 //
 // axpy_*_t1 (per token, the decode path). Grid: (ceil(M / (8 * T1_THREADS)),

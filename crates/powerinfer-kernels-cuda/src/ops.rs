@@ -281,6 +281,9 @@ pub enum Product<'w, 'p, 'y> {
         theta: f32,
         /// t × N.
         dst: Out<'y>,
+        /// Whether the rows outside the slice's bucket are zeroed first (one memset); else
+        /// they keep what they held, for a caller that reads the bucket's rows only.
+        clear: bool,
     },
 }
 
@@ -427,6 +430,7 @@ impl Gpu {
             p: p.into(),
             theta,
             dst: dst.into(),
+            clear: true,
         };
         self.matmuls(stream, x, t, vec![product])
     }
@@ -461,13 +465,19 @@ impl Gpu {
             }
             match pr {
                 Product::Dense { w, dst } => check_len("dst", t * w.rows(), dst.len())?,
-                Product::Sparse { slice, p, dst, .. } => {
+                Product::Sparse {
+                    slice,
+                    p,
+                    dst,
+                    clear,
+                    ..
+                } => {
                     let n = slice.n_neurons();
                     check_len("scores", t * n, p.len())?;
                     check_len("dst", t * n, dst.len())?;
                     // An empty view's memory is not its own (it may stand at another view's
                     // start).
-                    if !dst.is_empty() {
+                    if *clear && !dst.is_empty() {
                         stream.inner.memset_zeros(&mut dst.inner)?;
                     }
                 }
@@ -488,6 +498,7 @@ impl Gpu {
                         p,
                         theta,
                         dst,
+                        ..
                     } => {
                         let w = &slice.weight;
                         if dst.is_empty() {
@@ -568,7 +579,37 @@ impl Gpu {
         t: usize,
         dst: impl Into<Out<'y>>,
     ) -> Result<()> {
-        let (a, mut dst) = (a.into(), dst.into());
+        self.axpy_into(stream, slice, a.into(), p, theta, t, dst.into(), true)
+    }
+
+    /// [`Gpu::sparse_axpy`] added to `dst` instead of written over it: `dst[t] += Σ_j ...`
+    /// (no memset first; the residual add of an FFN in the same launch).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sparse_axpy_add<'a, 'p, 'y>(
+        &self,
+        stream: &Stream,
+        slice: &GpuSlice,
+        a: impl Into<In<'a>>,
+        p: Option<In<'p>>,
+        theta: f32,
+        t: usize,
+        dst: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        self.axpy_into(stream, slice, a.into(), p, theta, t, dst.into(), false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn axpy_into(
+        &self,
+        stream: &Stream,
+        slice: &GpuSlice,
+        a: In<'_>,
+        p: Option<In<'_>>,
+        theta: f32,
+        t: usize,
+        mut dst: Out<'_>,
+        clear: bool,
+    ) -> Result<()> {
         let w = &slice.weight;
         let n = slice.n_neurons();
         let m = w.cols();
@@ -580,7 +621,9 @@ impl Gpu {
         if dst.is_empty() {
             return Ok(());
         }
-        stream.inner.memset_zeros(&mut dst.inner)?;
+        if clear {
+            stream.inner.memset_zeros(&mut dst.inner)?;
+        }
         let l = geometry::axpy(w.ty(), m, w.rows(), t)?;
         if m == 0 {
             return Ok(());

@@ -195,6 +195,16 @@ proptest! {
         let wa: Vec<f64> = w.iter().map(|v| v.abs()).collect();
         let scale = rm::sparse_axpy(&wa, n, m, &a64, t, &vec![1.0; t * n], 0.0, None, &vec![0.0; t * m]);
         assert_close(&format!("sparse_axpy {ty} n={n} m={m} T={t} k={}", bucket.len()), &got, &want, &scale);
+
+        // Added to what the output holds (the residual) instead of written over it.
+        let base = rng.vec(t * m);
+        let mut y = gpu.upload(s, &base).unwrap();
+        let p = (theta_mode != 3).then(|| (&pd).into());
+        gpu.sparse_axpy_add(s, &slice, &ad, p, theta, t, &mut y).unwrap();
+        let base64: Vec<f64> = base.iter().map(|&v| v as f64).collect();
+        let want = rm::sparse_axpy(&w, n, m, &a64, t, &ref_scores, theta, Some(&skip), &base64);
+        let scale: Vec<f64> = scale.iter().zip(&base64).map(|(s, b)| s + b.abs()).collect();
+        assert_close(&format!("sparse_axpy_add {ty} n={n} m={m} T={t}"), &y.to_host(s).unwrap(), &want, &scale);
     }
 
     #[test]

@@ -599,6 +599,7 @@ impl CudaDevice {
             threshold: theta,
             t,
             y,
+            accumulate,
             count,
             ..
         } = *f;
@@ -633,12 +634,15 @@ impl CudaDevice {
         let mask_scratch = h.masked.then_some(&*masked);
         let p = hot_scores(bufs, mask_scratch, scores, tn)?;
         let xv = view(bufs, x)?;
-        // Up and gate (when there is one) share the activation, converted once.
+        // Up and gate (when there is one) share the activation, converted once. Their rows
+        // outside the bucket are not zeroed: nothing below reads them (the activation of
+        // those rows is computed and never used, the axpy reads the bucket's rows).
         let mut products = vec![Product::Sparse {
             slice: &h.up,
             p: p.reborrow(),
             theta,
             dst: up.view_mut(0, tn).map_err(cuda)?,
+            clear: false,
         }];
         if let Some(gs) = &h.gate {
             products.push(Product::Sparse {
@@ -646,6 +650,7 @@ impl CudaDevice {
                 p: p.reborrow(),
                 theta,
                 dst: gate.view_mut(0, tn).map_err(cuda)?,
+                clear: false,
             });
         }
         g.matmuls(s, xv, t, products).map_err(cuda)?;
@@ -686,15 +691,12 @@ impl CudaDevice {
             act.view(0, tn).map_err(cuda)?
         };
         with_out(bufs, y, |b, yv| {
-            g.sparse_axpy(
-                s,
-                &h.down,
-                coeff,
-                Some(hot_scores(b, mask_scratch, scores, tn)?),
-                theta,
-                t,
-                yv,
-            )
+            let p = hot_scores(b, mask_scratch, scores, tn)?;
+            if accumulate {
+                g.sparse_axpy_add(s, &h.down, coeff, Some(p), theta, t, yv)
+            } else {
+                g.sparse_axpy(s, &h.down, coeff, Some(p), theta, t, yv)
+            }
             .map_err(cuda)
         })?;
         if let Some(c) = count {

@@ -484,10 +484,10 @@ pub(crate) struct AttentionOp {
     pub(crate) params: AttentionParams,
 }
 
-/// [`Op::HotFfn`]: the hot part of a sparse FFN for `t` tokens: `y` (`t × n_embd`,
-/// overwritten) becomes the sum over the slice's enabled neurons with `score ≥ threshold` of
-/// `act(gate·x, up·x (+ bias)) · down`; `count` (`t` values), if given, gets how many neurons
-/// each token computed.
+/// [`Op::HotFfn`]: the hot part of a sparse FFN for `t` tokens: the sum over the slice's
+/// enabled neurons with `score ≥ threshold` of `act(gate·x, up·x (+ bias)) · down` is written
+/// to `y` (`t × n_embd`), or added to it with `accumulate` (the FFN's residual add, no zeroing
+/// first); `count` (`t` values), if given, gets how many neurons each token computed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct HotFfnOp {
     pub(crate) hot: HotId,
@@ -496,6 +496,7 @@ pub(crate) struct HotFfnOp {
     pub(crate) threshold: f32,
     pub(crate) t: usize,
     pub(crate) y: Span,
+    pub(crate) accumulate: bool,
     pub(crate) count: Option<Span>,
 }
 
@@ -512,9 +513,13 @@ pub(crate) fn launches_of(
         Op::MatMul { m, .. } => mm(*m),
         Op::Predictor(p) => mm(p.fc1) + 1 + mm(p.fc2),
         // The scores copied and masked when a mask applies (else read where they are), the
-        // activation converted once for the up and gate products, the activation, the axpy,
-        // the count: what the CUDA device launches.
-        Op::HotFfn(f) => 5 + 2 * u64::from(masked(f.hot)) + u64::from(f.count.is_some()),
+        // activation converted once for the up and gate products, the activation, the output
+        // zeroed unless the axpy adds to it, the axpy, the count: what the CUDA device queues.
+        Op::HotFfn(f) => {
+            5 + 2 * u64::from(masked(f.hot))
+                + u64::from(!f.accumulate)
+                + u64::from(f.count.is_some())
+        }
         // The rows stored, then the attention.
         Op::Attention(_) => 2,
         Op::Mark { .. } => 0,

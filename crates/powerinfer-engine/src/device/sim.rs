@@ -1207,7 +1207,11 @@ impl Stream {
                         out.len()
                     )));
                 }
-                out.copy_from_slice(&ys);
+                if f.accumulate {
+                    add(out, &ys)?;
+                } else {
+                    out.copy_from_slice(&ys);
+                }
                 if let Some(c) = f.count {
                     let out = span_mut(&mut mem.bufs, c)?;
                     if out.len() != counts.len() {

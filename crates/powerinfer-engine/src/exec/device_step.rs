@@ -657,7 +657,8 @@ impl Run<'_> {
                 None
             };
             if let Some(s) = state {
-                let y = w.hot_y.span(0, t * ne);
+                // The hot part is added to the hidden state by its own axpy (the residual add);
+                // the CPU's share is added in one program after it (graphs: three a layer).
                 dev.enqueue(&[
                     DevOp::Mark { slot: 2 * l },
                     DevOp::HotFfn(HotFfnOp {
@@ -666,13 +667,12 @@ impl Run<'_> {
                         scores,
                         threshold: self.exec.options().threshold,
                         t,
-                        y,
+                        y: x,
+                        accumulate: true,
                         count: Some(w.out.span(l * t, t)),
                     }),
                     DevOp::Mark { slot: 2 * l + 1 },
                 ])?;
-                // Added with the CPU's share, in one program after it (graphs: three a layer).
-                ops.push(DevOp::Add { y: x, x: y });
                 counted[l] = true;
             }
             step.laps.lap(Op::Device, || 0);

@@ -303,6 +303,7 @@ fn measure(
                         threshold: s.threshold,
                         t,
                         y: yb,
+                        accumulate: false,
                         count: None,
                     }),
                     Op::Mark { slot: 1 },
