@@ -184,7 +184,7 @@ fn part_of_the_ffn_on_the_device_sends_a_layer_its_share_only() {
 /// With graphs a device replays each program (the runs between timing marks) with one launch:
 /// the same tokens, and per token a launch or three per layer (the timed hot FFN stands between
 /// two marks when the balancer measures) instead of one per kernel, the link and the waits as
-/// without graphs.
+/// without graphs (with the static split; the balancer's moves follow measured times).
 #[test]
 fn graphs_replay_a_layer_with_a_launch_or_three() {
     for (i, family) in [Family::Llama, Family::Opt].into_iter().enumerate() {
@@ -213,7 +213,11 @@ fn graphs_replay_a_layer_with_a_launch_or_three() {
                 "{family:?}: {launches} launches per token with graphs"
             );
             assert!(launches < plain, "{family:?}: {launches} vs {plain}");
-            assert_eq!((waits, bytes), (plain_waits, plain_bytes), "{family:?}");
+            // With the balancer on, what it moves (enabled masks, migrated rows: link bytes)
+            // follows measured times, which differ from run to run.
+            if !balance {
+                assert_eq!((waits, bytes), (plain_waits, plain_bytes), "{family:?}");
+            }
         }
     }
 }

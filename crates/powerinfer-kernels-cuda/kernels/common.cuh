@@ -68,6 +68,22 @@ __device__ __forceinline__ float block_sum(float v, float* red) { return block_r
 
 __device__ __forceinline__ float block_max(float v, float* red) { return block_reduce<true>(v, red); }
 
+// The activation of a gated FFN neuron from its gate and up products (relu_gate, silu_gate and
+// the fused gated products use this one definition): GATE_RELU ReLU(g) * u, GATE_DRELU
+// ReLU(g) * ReLU(u), GATE_SILU silu(g) * u with silu(x) = x * ((x >= 0 ? 1 : e) / (1 + e)),
+// e = exp(-|x|), the CPU kernels' form (the exponential never overflows).
+#define GATE_RELU 0
+#define GATE_DRELU 1
+#define GATE_SILU 2
+__device__ __forceinline__ float gate_act(int kind, float g, float u) {
+    if (kind == GATE_SILU) {
+        float e = expf(-fabsf(g));
+        float num = g >= 0.0f ? 1.0f : e;
+        return g * (num / (1.0f + e)) * u;
+    }
+    return fmaxf(g, 0.0f) * (kind == GATE_DRELU ? fmaxf(u, 0.0f) : u);
+}
+
 // 4 bytes at a 2-byte aligned address.
 __device__ __forceinline__ u32 load_u32_a2(const u8* p) {
     const u16* h = (const u16*)p;

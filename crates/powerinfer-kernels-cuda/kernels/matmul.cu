@@ -471,6 +471,44 @@ __device__ __forceinline__ void matmul_rows(const u8* w, long row_bytes, int n_r
     }
 }
 
+// One-token kernels: per warp, quantized types stage U = 4 chunks of SLOTS 16-byte slots (see
+// dot_quant_t1); a block's 8 warps, plus 16 bytes that the last block's word reads may touch.
+#define T1_U 4
+#define T1_WARP_STAGE(TY)                                                                     \
+    ((TY) == TY_Q8_0 || (TY) == TY_Q4_0                                                       \
+         ? T1_U * (CHUNK_BLOCKS * ((TY) == TY_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES) / 16 + 1)       \
+         : 0)
+#define T1_STAGE(TY) (8 * T1_WARP_STAGE(TY) + 1)
+
+// Lane `lane` of warp g (of the G = 1, 2, 4 or 8 warps sharing the row) of one token's dot
+// product with row r, to be added over the warp and the G warps: whole chunks staged in `st`
+// (the warp's T1_WARP_STAGE) for quantized types, interleaved float loads for the others. x: the
+// token's activation (quantized: its K int8 values, with its K / 32 scales at xd).
+template <int TY>
+__device__ __forceinline__ float row_dot_t1(const u8* r, const float* x, const float* xd, int K,
+                                            int G, int g, int lane, u8* st) {
+    float acc[1] = {0.0f};
+    if (TY == TY_Q8_0 || TY == TY_Q4_0) {
+        const u8* xq = (const u8*)x;
+        if (G == 1) return dot_quant_t1<TY, T1_U, 1>(r, xq, xd, K, g, lane, st);
+        if (G == 2) return dot_quant_t1<TY, T1_U, 2>(r, xq, xd, K, g, lane, st);
+        if (G == 4) return dot_quant_t1<TY, T1_U, 4>(r, xq, xd, K, g, lane, st);
+        return dot_quant_t1<TY, T1_U, 8>(r, xq, xd, K, g, lane, st);
+    }
+    // One inlined copy per G, so that the strides are constants (fewer registers).
+    int gl = g * 32 + lane;
+    if (G == 1) {
+        dot_tile<TY, 1>(r, x, 0, 1, K, 1, gl, 32, acc);
+    } else if (G == 2) {
+        dot_tile<TY, 1>(r, x, 0, 1, K, 1, gl, 64, acc);
+    } else if (G == 4) {
+        dot_tile<TY, 1>(r, x, 0, 1, K, 1, gl, 128, acc);
+    } else {
+        dot_tile<TY, 1>(r, x, 0, 1, K, 1, gl, 256, acc);
+    }
+    return acc[0];
+}
+
 // One token: the block's 8 warps first find which of its 8 rows are active (p >= theta, or all
 // for a dense product) and write 0 for the inactive ones; then the n active rows share the warps,
 // G = 8 / (n rounded up to a power of two) warps per row, interleaved over the row (G = 1 for a
@@ -512,42 +550,13 @@ __device__ __forceinline__ void matmul_rows_t1(const u8* w, long row_bytes, int 
             c++;
         }
     }
-    // Quantized types: per warp U chunks of SLOTS 16-byte staging slots (see dot_quant_t1), plus
-    // 16 bytes that the last block's word reads may touch.
-    const bool quant = TY == TY_Q8_0 || TY == TY_Q4_0;
-    const int U = 4;
-    const int SLOTS = CHUNK_BLOCKS * (TY == TY_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES) / 16 + 1;
-    __shared__ uint4 stage[quant ? 8 * U * SLOTS + 1 : 1];
-    float acc[1] = {0.0f};
-    if (quant && mine >= 0) {
-        const u8* r = w + (long)mine * row_bytes;
-        const u8* xq = (const u8*)x;
-        const float* xd = (const float*)(xq + K);
-        u8* st = (u8*)(stage + warp * U * SLOTS);
-        if (G == 1) {
-            acc[0] = dot_quant_t1<TY, U, 1>(r, xq, xd, K, g, lane, st);
-        } else if (G == 2) {
-            acc[0] = dot_quant_t1<TY, U, 2>(r, xq, xd, K, g, lane, st);
-        } else if (G == 4) {
-            acc[0] = dot_quant_t1<TY, U, 4>(r, xq, xd, K, g, lane, st);
-        } else {
-            acc[0] = dot_quant_t1<TY, U, 8>(r, xq, xd, K, g, lane, st);
-        }
-    } else if (mine >= 0) {
-        // One inlined copy per G, so that the strides are constants (fewer registers).
-        const u8* r = w + (long)mine * row_bytes;
-        int gl = g * 32 + lane;
-        if (G == 1) {
-            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 32, acc);
-        } else if (G == 2) {
-            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 64, acc);
-        } else if (G == 4) {
-            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 128, acc);
-        } else {
-            dot_tile<TY, 1>(r, x, 0, T, K, 1, gl, 256, acc);
-        }
-    }
-    float s = warp_sum(acc[0]);
+    __shared__ uint4 stage[T1_STAGE(TY)];
+    // One token: the quantized activation's scales follow its K values.
+    const float* xd = (const float*)((const u8*)x + K);
+    float acc = mine >= 0 ? row_dot_t1<TY>(w + (long)mine * row_bytes, x, xd, K, G, g, lane,
+                                           (u8*)(stage + warp * T1_WARP_STAGE(TY)))
+                          : 0.0f;
+    float s = warp_sum(acc);
     if (G == 1) {
         if (mine >= 0 && lane == 0) dst[bucket ? (long)bucket[mine] : (long)mine] = s;
         return;
@@ -801,3 +810,107 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS) matmul_f16_mma(MATM
     else
         matmul_rows_mma_f16<false>(w, row_bytes, n_rows, K, x, T, p, bucket, theta, N, dst);
 }
+
+// A gated FFN's hot neurons for each token (matmul_gated_*_t1; grid (ceil(n_rows / 8), T), 256
+// threads): dst[t * N + row] = gate_act(kind, gate_j · x_t, up_j · x_t) for the block's rows j
+// active for token t (row = bucket ? bucket[j] : j, p[t * N + row] >= theta), 0 for its
+// inactive ones: the gate and up products and the activation in one launch. wg and wu: the gate
+// and up rows of one bucket, of one type and row_bytes. x: token t's activation at t * K floats
+// (quantized: the T * K int8 values, then the scales, as quantize_q8 writes them). As in
+// matmul_*_t1 the block's 8 warps first find its active rows; the n active rows have 2n products
+// ("halves"): up to 4 rows, G = 8 / (2n rounded up to a power of two) warps per half; from 5
+// rows, warp k computes both halves of active row k. Then one thread per active row adds the
+// halves' parts and writes the activation.
+template <int TY>
+__device__ __forceinline__ void gated_rows_t1(const u8* wg, const u8* wu, long row_bytes,
+                                              int n_rows, int K, const float* x, int T,
+                                              const float* p, const u32* bucket, float theta,
+                                              int N, int kind, float* dst) {
+    __shared__ int active[8];
+    __shared__ float part[2][8];  // [gate, up][warp]
+    __shared__ uint4 stage[T1_STAGE(TY)];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int t = blockIdx.y;
+    int j = blockIdx.x * 8 + warp;
+    const bool quant = TY == TY_Q8_0 || TY == TY_Q4_0;
+    // Token t's activation: its K floats, or its K int8 values and (after all T tokens' values)
+    // its K / 32 scales.
+    const float* xt = quant ? (const float*)((const u8*)x + (long)t * K) : x + (long)t * K;
+    const float* xd = (const float*)((const u8*)x + (long)T * K) + (long)t * (K >> 5);
+    const float* pt = p ? p + (long)t * N : 0;
+    float* dt = dst + (long)t * N;
+    if (lane == 0) {
+        int a = -1;
+        if (j < n_rows) {
+            long row = bucket ? (long)bucket[j] : (long)j;
+            if (pt == 0 || pt[row] >= theta) {
+                a = j;
+            } else {
+                dt[row] = 0.0f;
+            }
+        }
+        active[warp] = a;
+    }
+    __syncthreads();
+    int n = 0, list[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        list[k] = -1;
+        if (active[k] >= 0) list[n++] = active[k];
+    }
+    if (n == 0) return;
+    u8* st = (u8*)(stage + warp * T1_WARP_STAGE(TY));
+    float dots[2] = {0.0f, 0.0f};
+    int G = 1, half = -1;
+    if (n <= 4) {
+        int h2 = 2 * n;
+        G = h2 > 4 ? 1 : (h2 > 2 ? 2 : 4);
+        half = warp / G;  // halves 2k (gate) and 2k + 1 (up) of active row k
+        if (half < h2) {
+            int g = warp % G, row = list[half >> 1];
+            const u8* r = ((half & 1) ? wu : wg) + (long)row * row_bytes;
+            dots[0] = row_dot_t1<TY>(r, xt, xd, K, G, g, lane, st);
+        }
+    } else if (warp < n) {
+        int row = list[warp];
+        for (int m = 0; m < 2; m++) {
+            const u8* r = (m ? wu : wg) + (long)row * row_bytes;
+            dots[m] = row_dot_t1<TY>(r, xt, xd, K, 1, 0, lane, st);
+        }
+    }
+    float s0 = warp_sum(dots[0]), s1 = warp_sum(dots[1]);
+    if (lane == 0) {
+        part[0][warp] = s0;
+        part[1][warp] = s1;
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+        int k = threadIdx.x;
+        float gs = 0.0f, us = 0.0f;
+        if (n <= 4) {
+            for (int i = 0; i < G; i++) {
+                gs += part[0][(2 * k) * G + i];
+                us += part[0][(2 * k + 1) * G + i];
+            }
+        } else {
+            gs = part[0][k];
+            us = part[1][k];
+        }
+        int row = list[k];
+        dt[bucket ? (long)bucket[row] : (long)row] = gate_act(kind, gs, us);
+    }
+}
+
+// 4 blocks per SM (at most 64 registers): at 5 (48) the two products' state spills.
+#define GATED(NAME, TY)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                       \
+        NAME(const u8* wg, const u8* wu, long row_bytes, int n_rows, int K, const float* x,    \
+             int T, const float* p, const u32* bucket, float theta, int N, int kind,           \
+             float* dst) {                                                                     \
+        gated_rows_t1<TY>(wg, wu, row_bytes, n_rows, K, x, T, p, bucket, theta, N, kind, dst); \
+    }
+
+GATED(matmul_gated_f32_t1, TY_F32)
+GATED(matmul_gated_f16_t1, TY_F16)
+GATED(matmul_gated_q8_0_t1, TY_Q8_0)
+GATED(matmul_gated_q4_0_t1, TY_Q4_0)

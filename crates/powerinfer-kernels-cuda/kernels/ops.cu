@@ -164,19 +164,13 @@ extern "C" __global__ void relu_inplace(float* y, long n) {
 // y[i] = max(g[i], 0) * (relu_u ? max(u[i], 0) : u[i])   (ReLU gating of a sparse FFN)
 extern "C" __global__ void relu_gate(const float* g, const float* u, float* y, long n, int relu_u) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = fmaxf(g[i], 0.0f) * (relu_u ? fmaxf(u[i], 0.0f) : u[i]);
+    if (i < n) y[i] = gate_act(relu_u ? GATE_DRELU : GATE_RELU, g[i], u[i]);
 }
 
-// y[i] = silu(g[i]) * u[i] (SwiGLU), silu(x) = x * ((x >= 0 ? 1 : e) / (1 + e)) with
-// e = exp(-|x|), the CPU kernels' form (the exponential never overflows).
+// y[i] = silu(g[i]) * u[i] (SwiGLU; gate_act in common.cuh).
 extern "C" __global__ void silu_gate(const float* g, const float* u, float* y, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float x = g[i];
-        float e = expf(-fabsf(x));
-        float num = x >= 0.0f ? 1.0f : e;
-        y[i] = x * (num / (1.0f + e)) * u[i];
-    }
+    if (i < n) y[i] = gate_act(GATE_SILU, g[i], u[i]);
 }
 
 // y[i] += b[i % n] for `total` values: a bias added to every row of n.

@@ -114,6 +114,20 @@ pub fn matmul(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
     )
 }
 
+/// The fused gate and up products and activation of a gated FFN's hot neurons
+/// (`matmul_gated_*_t1`): one block per [`MATMUL_WARPS`] rows and token, each token as the
+/// one-token kernel computes it.
+pub fn gated(ty: GgmlType, rows: usize, t: usize) -> Result<Launch> {
+    const NAMES: [&str; 4] = [
+        "matmul_gated_f32_t1",
+        "matmul_gated_f16_t1",
+        "matmul_gated_q8_0_t1",
+        "matmul_gated_q4_0_t1",
+    ];
+    let name = NAMES[type_index(ty)?];
+    launch(name, rows.div_ceil(MATMUL_WARPS), t, 1, MATMUL_WARPS * 32)
+}
+
 /// Whether the product kernels for weights of type `ty` read the activation quantized to Q8_0
 /// blocks by [`quantize_q8`] (Q8_0 and Q4_0 weights) rather than f32.
 pub fn quantized_activation(ty: GgmlType) -> bool {
@@ -250,6 +264,11 @@ mod tests {
             matmul(GgmlType::F32, 1, 8 * 65536),
             Err(CudaError::Shape(_))
         ));
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let l = gated(ty, 17, 3).unwrap();
+            assert!(all.contains(&l.kernel) && l.kernel.starts_with("matmul_gated_"));
+            assert_eq!((l.grid, l.block), ((3, 3, 1), 256));
+        }
         let l = quantize_q8(17).unwrap();
         assert!(all.contains(&l.kernel));
         assert_eq!((l.grid, l.block), ((3, 1, 1), 256));

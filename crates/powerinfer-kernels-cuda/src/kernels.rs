@@ -98,6 +98,10 @@ impl KernelModule {
                 "matmul_f16_mma",
                 "matmul_q8_0_mma",
                 "matmul_q4_0_mma",
+                "matmul_gated_f32_t1",
+                "matmul_gated_f16_t1",
+                "matmul_gated_q8_0_t1",
+                "matmul_gated_q4_0_t1",
                 "quantize_q8",
                 "round_f16",
             ],
@@ -158,6 +162,9 @@ pub fn params(kernel: &str) -> Option<&'static [Param]> {
     use Param::*;
     const ROWS: &[Param] = &[Ptr, I64, I32, I32, Ptr, I32, Ptr, Ptr, F32, I32, Ptr];
     Some(match kernel {
+        k if k.starts_with("matmul_gated_") => &[
+            Ptr, Ptr, I64, I32, I32, Ptr, I32, Ptr, Ptr, F32, I32, I32, Ptr,
+        ],
         k if k.starts_with("matmul_") || k.starts_with("axpy_") => ROWS,
         "quantize_q8" => &[Ptr, I64, Ptr],
         "round_f16" => &[Ptr, Ptr, I64],

@@ -36,5 +36,5 @@ pub use device::{
     PinnedBuffer, Stream, TimedEvent,
 };
 pub use error::{BudgetError, CudaError, NoGpu, Result};
-pub use ops::{Binary, KvCache, Product, RopeMode, Unary};
+pub use ops::{Binary, Gate, KvCache, Product, RopeMode, Unary};
 pub use tensor::{DeviceTensor, GpuSlice};

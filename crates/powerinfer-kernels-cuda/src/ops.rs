@@ -262,6 +262,28 @@ pub type In<'a> = DeviceView<'a, f32>;
 /// A buffer or a view of one, written by an operator.
 pub type Out<'a> = DeviceViewMut<'a, f32>;
 
+/// The activation of [`Gpu::gated_matmul`]: of a gated FFN neuron's gate and up products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// `ReLU(gate) · up`.
+    Relu,
+    /// `ReLU(gate) · ReLU(up)` (dReLU, Bamboo / ProSparse).
+    Drelu,
+    /// `SiLU(gate) · up` (SwiGLU).
+    Silu,
+}
+
+impl Gate {
+    /// The kernels' GATE_* constant.
+    fn kind(self) -> i32 {
+        match self {
+            Gate::Relu => 0,
+            Gate::Drelu => 1,
+            Gate::Silu => 2,
+        }
+    }
+}
+
 /// One product of [`Gpu::matmuls`].
 pub enum Product<'w, 'p, 'y> {
     /// `dst = W x` ([`Gpu::matmul`]).
@@ -512,6 +534,88 @@ impl Gpu {
                 }
             }
             Ok(())
+        })
+    }
+
+    /// A gated FFN's hot neurons in one launch a token: for the rows of two GPU slices of one
+    /// bucket (`gate`, `up`: one type, width and bucket), `dst[t, bucket[j]] =
+    /// act(gate_j · x_t, up_j · x_t)` where `p[t, bucket[j]] >= theta`, else 0; rows outside the
+    /// bucket keep what they held. `x`: t × cols, converted as [`Gpu::matmul`] converts it;
+    /// `p`, `dst`: t × N. Each token's products are the one-token kernels' (weights read once
+    /// a token: for decode steps).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_matmul<'x, 'p, 'y>(
+        &self,
+        stream: &Stream,
+        gate: &GpuSlice,
+        up: &GpuSlice,
+        x: impl Into<In<'x>>,
+        p: impl Into<In<'p>>,
+        theta: f32,
+        t: usize,
+        act: Gate,
+        dst: impl Into<Out<'y>>,
+    ) -> Result<()> {
+        let (x, p, mut dst) = (x.into(), p.into(), dst.into());
+        let (wg, wu) = (&gate.weight, &up.weight);
+        let n = gate.n_neurons();
+        if (wg.ty(), wg.cols(), wg.rows(), wg.row_bytes(), n)
+            != (
+                wu.ty(),
+                wu.cols(),
+                wu.rows(),
+                wu.row_bytes(),
+                up.n_neurons(),
+            )
+        {
+            return Err(CudaError::Shape(format!(
+                "gate and up slices differ: {} x {} of {} and {} x {} of {}",
+                wg.rows(),
+                wg.cols(),
+                wg.ty().name(),
+                wu.rows(),
+                wu.cols(),
+                wu.ty().name()
+            )));
+        }
+        check_len("x", t * wg.cols(), x.len())?;
+        check_len("scores", t * n, p.len())?;
+        check_len("dst", t * n, dst.len())?;
+        if wg.rows() == 0 || t == 0 {
+            return Ok(());
+        }
+        let l = geometry::gated(wg.ty(), wg.rows(), t)?;
+        let row_bytes = wg.row_bytes() as i64;
+        let (rows, k, t32, n32) = (
+            i32_arg("rows", wg.rows())?,
+            i32_arg("cols", wg.cols())?,
+            i32_arg("tokens", t)?,
+            i32_arg("neurons", n)?,
+        );
+        let kind = act.kind();
+        self.with_activation(stream, wg, &x, t, |x| {
+            let mut b = Args::new(self, stream, l.kernel);
+            b.ptr(&wg.data.slice)
+                .ptr(&wu.data.slice)
+                .scalar(&row_bytes)
+                .scalar(&rows)
+                .scalar(&k)
+                .view(x)
+                .scalar(&t32)
+                .view(&p);
+            match gate.bucket.as_ref() {
+                Some(bk) => b.ptr(&bk.slice),
+                None => b.null(),
+            };
+            b.scalar(&theta)
+                .scalar(&n32)
+                .scalar(&kind)
+                .view_mut(&mut dst);
+            // SAFETY: the parameters match matmul_gated_*_t1 in kernels/matmul.cu; the two
+            // slices have the same rows, width and row size (checked above), so every row the
+            // kernel reads of either exists; the bucket (validated when the slice was made) keeps
+            // the writes inside dst's t × N; x, p and dst lengths are checked above.
+            unsafe { b.launch(l) }
         })
     }
 

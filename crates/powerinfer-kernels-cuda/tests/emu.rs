@@ -372,6 +372,59 @@ proptest! {
     }
 
     #[test]
+    fn emulated_gated_products_match_reference(ti in 0usize..4, n in 1usize..40, raw in 0usize..3000, active in 0usize..40, t in 1usize..4, kind in 0u8..3, seed in any::<u64>()) {
+        // The fused gate/up products and activation of a gated FFN's hot neurons: 1 to 8 active
+        // rows a block (the halves spread over the warps) and more, every type, 1-3 tokens.
+        let Some(emu) = emu() else { return Ok(()); };
+        let ty = TYPES[ti];
+        let cols = if ty.block_size() > 1 { 32 * (1 + raw % 100) } else { 1 + raw };
+        let mut rng = Rng::new(seed);
+        let (bytes_g, wg) = random_weight(&mut rng, ty, n, cols);
+        let (bytes_u, wu) = random_weight(&mut rng, ty, n, cols);
+        let rb = row_bytes(ty, cols).unwrap();
+        let x = rng.vec(t * cols);
+        let (x, x64) = prepare_x(emu, ty, &x)?;
+        let bucket = random_bucket(&mut rng, n, 2);
+        let (sg, su) = (gather(&bytes_g, rb, &bucket), gather(&bytes_u, rb, &bucket));
+        let mut scores = vec![-1.0f32; t * n];
+        for _ in 0..active {
+            scores[rng.below(t * n)] = 1.0;
+        }
+        let mut y = vec![7.0f32; t * n];
+        if !bucket.is_empty() {
+            let l = geometry::gated(ty, bucket.len(), t).unwrap();
+            type Gated = unsafe extern "C" fn(u32, u32, u32, u32, *const u8, *const u8, i64, i32, i32, *const f32, i32, *const f32, *const u32, f32, i32, i32, *mut f32);
+            let f: Gated = emu.sym(l.kernel);
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: sg and su hold bucket.len() rows of rb bytes; x the t tokens' activation as
+            // the kernel reads it; scores and y hold t × n floats; the bucket is unique and < n.
+            unsafe {
+                f(l.grid.0, l.grid.1, l.grid.2, l.block, sg.as_ptr(), su.as_ptr(), rb as i64, bucket.len() as i32, cols as i32, x.as_ptr(), t as i32, scores.as_ptr(), bucket.as_ptr(), 0.0, n as i32, i32::from(kind), y.as_mut_ptr())
+            };
+        }
+        let (g, u) = (rm::gemm(&wg, n, cols, &x64, t), rm::gemm(&wu, n, cols, &x64, t));
+        let (ag, au) = (abs_gemm(&wg, n, cols, &x64, t), abs_gemm(&wu, n, cols, &x64, t));
+        let mut want = vec![7.0f64; t * n];
+        let mut scale = vec![0.0f64; t * n];
+        for tok in 0..t {
+            for &row in &bucket {
+                let i = tok * n + row as usize;
+                want[i] = if scores[i] >= 0.0 {
+                    match kind {
+                        0 => g[i].max(0.0) * u[i],
+                        1 => g[i].max(0.0) * u[i].max(0.0),
+                        _ => g[i] / (1.0 + (-g[i]).exp()) * u[i],
+                    }
+                } else {
+                    0.0
+                };
+                scale[i] = 2.0 * (u[i].abs() + au[i]) * ag[i] + 2.0 * (g[i].abs() + ag[i]) * au[i];
+            }
+        }
+        close(&format!("gated {ty} kind {kind} K={cols} T={t} k={}", bucket.len()), &y, &want, &scale)?;
+    }
+
+    #[test]
     fn emulated_sparse_axpy_matches_reference(ti in 0usize..4, n in 1usize..300, raw in 0usize..400, wide in any::<bool>(), t in 1usize..11, mode in 0u8..4, theta_mode in 0u8..4, seed in any::<u64>()) {
         let Some(emu) = emu() else { return Ok(()); };
         let ty = TYPES[ti];

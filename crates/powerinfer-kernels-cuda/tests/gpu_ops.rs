@@ -163,6 +163,27 @@ proptest! {
         let x64 = gpu_activation(ty, &x);
         let want = rm::sparse_gemm(&w, n, cols, &x64, t, &scores, 0.0, None);
         assert_close(&format!("sparse_matmul {ty} n={n} cols={cols} T={t} active={active}"), &got, &want, &abs_gemm(&w, n, cols, &x64, t));
+
+        // The fused gated products (SwiGLU over this matrix as gate and a second one as up)
+        // against the separate products and activation.
+        let (bytes_u, wu) = random_weight(&mut rng, ty, n, cols);
+        let up = GpuSlice::upload(gpu, s, ty, cols, &bytes_u, n, &bucket).unwrap();
+        let mut gsep = gpu.upload(s, &vec![7.0f32; t * n]).unwrap();
+        let mut usep = gpu.upload(s, &vec![7.0f32; t * n]).unwrap();
+        gpu.sparse_matmul(s, &slice, &xd, &pd, 0.0, t, &mut gsep).unwrap();
+        gpu.sparse_matmul(s, &up, &xd, &pd, 0.0, t, &mut usep).unwrap();
+        let mut sep = gpu.alloc_zeros::<f32>(s, t * n).unwrap();
+        gpu.binary(s, Binary::SiluGate, &gsep, &usep, &mut sep).unwrap();
+        let mut fused = gpu.upload(s, &vec![7.0f32; t * n]).unwrap();
+        gpu.gated_matmul(s, &slice, &up, &xd, &pd, 0.0, t, powerinfer_kernels_cuda::Gate::Silu, &mut fused).unwrap();
+        // The activation's error from its operands': their bounds (abs_gemm) times the other.
+        let (gs, us) = (gsep.to_host(s).unwrap(), usep.to_host(s).unwrap());
+        let (ag, au) = (abs_gemm(&w, n, cols, &x64, t), abs_gemm(&wu, n, cols, &x64, t));
+        let scale: Vec<f64> = (0..t * n)
+            .map(|i| 2.0 * (us[i].abs() as f64 + au[i]) * ag[i] + 2.0 * (gs[i].abs() as f64 + ag[i]) * au[i])
+            .collect();
+        let want: Vec<f64> = sep.to_host(s).unwrap().iter().map(|&v| v as f64).collect();
+        assert_close(&format!("gated_matmul {ty} n={n} cols={cols} T={t} active={active}"), &fused.to_host(s).unwrap(), &want, &scale);
     }
 
     #[test]

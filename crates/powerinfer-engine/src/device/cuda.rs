@@ -18,14 +18,15 @@ use powerinfer_kernels_cpu::ffn::FfnAct;
 use powerinfer_kernels_cpu::ops::rope::RopeMode as CpuRope;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::{
-    Binary, CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gpu, GpuSlice, Graph,
-    KvCache, NoGpu, PinnedBuffer, Product, RopeMode, TimedEvent, Unary,
+    Binary, CudaError, DeviceBuffer, DeviceTensor, DeviceView, DeviceViewMut, Gate, Gpu, GpuSlice,
+    Graph, KvCache, NoGpu, PinnedBuffer, Product, RopeMode, TimedEvent, Unary,
 };
 
 use super::{
     converts_activation, entry, entry_mut, free_entry, program_launches, shared_activation_run,
-    unknown_kv, BufId, Conversion, Device, HotFfnOp, HotId, HotSpec, HotSwap, KvId, KvRows,
-    KvShape, MatId, Op, PredictorOp, ReadId, RowsOf, ScratchShape, Span, Traffic, TrafficCounters,
+    unknown_kv, BufId, Conversion, Device, HotFfnOp, HotId, HotKind, HotSpec, HotSwap, KvId,
+    KvRows, KvShape, MatId, Op, PredictorOp, ReadId, RowsOf, ScratchShape, Span, Traffic,
+    TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -52,6 +53,15 @@ fn gate_op(act: FfnAct) -> Binary {
         FfnAct::Swiglu => Binary::SiluGate,
         FfnAct::Drelu => Binary::DreluGate,
         _ => Binary::ReluGate,
+    }
+}
+
+/// The fused gated products' activation for a hot FFN's `act` (as [`gate_op`]).
+fn gate_kind(act: FfnAct) -> Gate {
+    match act {
+        FfnAct::Swiglu => Gate::Silu,
+        FfnAct::Drelu => Gate::Drelu,
+        _ => Gate::Relu,
     }
 }
 
@@ -84,6 +94,18 @@ struct CudaHot {
     /// `ffn_up.bias` of every neuron (gate-less FFNs).
     up_bias: Option<DeviceBuffer<f32>>,
     act: FfnAct,
+}
+
+impl CudaHot {
+    fn kind(&self) -> HotKind {
+        HotKind {
+            masked: self.masked,
+            gated: self.gate.is_some(),
+            converts: converts_activation(self.up.weight().ty()),
+            up_bias: self.up_bias.is_some(),
+            f16_down: self.down.weight().ty() == GgmlType::F16,
+        }
+    }
 }
 
 /// The kernels' own scratch, for steps of up to `t` tokens.
@@ -584,6 +606,67 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// The hot FFN's up (and gate) products and activation into `act`, as separate launches.
+    #[allow(clippy::too_many_arguments)]
+    fn hot_products(
+        &self,
+        h: &CudaHot,
+        xv: DeviceView<'_, f32>,
+        p: DeviceView<'_, f32>,
+        theta: f32,
+        t: usize,
+        tn: usize,
+        up: &mut DeviceBuffer<f32>,
+        gate: &mut DeviceBuffer<f32>,
+        act: &mut DeviceBuffer<f32>,
+    ) -> Result<()> {
+        let (g, s) = (&self.gpu, self.gpu.stream());
+        // Up and gate (when there is one) share the activation, converted once. Their rows
+        // outside the bucket are not zeroed: nothing below reads them (the activation of
+        // those rows is computed and never used, the axpy reads the bucket's rows).
+        let mut products = vec![Product::Sparse {
+            slice: &h.up,
+            p: p.reborrow(),
+            theta,
+            dst: up.view_mut(0, tn).map_err(cuda)?,
+            clear: false,
+        }];
+        if let Some(gs) = &h.gate {
+            products.push(Product::Sparse {
+                slice: gs,
+                p: p.reborrow(),
+                theta,
+                dst: gate.view_mut(0, tn).map_err(cuda)?,
+                clear: false,
+            });
+        }
+        g.matmuls(s, xv, t, products).map_err(cuda)?;
+        match &h.gate {
+            Some(_) => {
+                let (gv, uv) = (
+                    gate.view(0, tn).map_err(cuda)?,
+                    up.view(0, tn).map_err(cuda)?,
+                );
+                let av = act.view_mut(0, tn).map_err(cuda)?;
+                g.binary(s, gate_op(h.act), gv, uv, av).map_err(cuda)?;
+            }
+            None => {
+                if let Some(b) = &h.up_bias {
+                    g.add_rows(s, up.view_mut(0, tn).map_err(cuda)?, b)
+                        .map_err(cuda)?;
+                }
+                g.unary(
+                    s,
+                    Unary::Relu,
+                    up.view(0, tn).map_err(cuda)?,
+                    act.view_mut(0, tn).map_err(cuda)?,
+                )
+                .map_err(cuda)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The hot part of a sparse FFN (see [`Op::HotFfn`]).
     #[allow(clippy::too_many_arguments)]
     fn hot_ffn(
@@ -634,48 +717,25 @@ impl CudaDevice {
         let mask_scratch = h.masked.then_some(&*masked);
         let p = hot_scores(bufs, mask_scratch, scores, tn)?;
         let xv = view(bufs, x)?;
-        // Up and gate (when there is one) share the activation, converted once. Their rows
-        // outside the bucket are not zeroed: nothing below reads them (the activation of
-        // those rows is computed and never used, the axpy reads the bucket's rows).
-        let mut products = vec![Product::Sparse {
-            slice: &h.up,
-            p: p.reborrow(),
-            theta,
-            dst: up.view_mut(0, tn).map_err(cuda)?,
-            clear: false,
-        }];
-        if let Some(gs) = &h.gate {
-            products.push(Product::Sparse {
-                slice: gs,
-                p: p.reborrow(),
-                theta,
-                dst: gate.view_mut(0, tn).map_err(cuda)?,
-                clear: false,
-            });
-        }
-        g.matmuls(s, xv, t, products).map_err(cuda)?;
         match &h.gate {
-            Some(_) => {
-                let (gv, uv) = (
-                    gate.view(0, tn).map_err(cuda)?,
-                    up.view(0, tn).map_err(cuda)?,
-                );
+            // One token of a gated FFN: the gate and up products and the activation in one
+            // launch.
+            Some(gs) if t == 1 => {
                 let av = act.view_mut(0, tn).map_err(cuda)?;
-                g.binary(s, gate_op(h.act), gv, uv, av).map_err(cuda)?;
-            }
-            None => {
-                if let Some(b) = &h.up_bias {
-                    g.add_rows(s, up.view_mut(0, tn).map_err(cuda)?, b)
-                        .map_err(cuda)?;
-                }
-                g.unary(
+                g.gated_matmul(
                     s,
-                    Unary::Relu,
-                    up.view(0, tn).map_err(cuda)?,
-                    act.view_mut(0, tn).map_err(cuda)?,
+                    gs,
+                    &h.up,
+                    xv,
+                    p.reborrow(),
+                    theta,
+                    t,
+                    gate_kind(h.act),
+                    av,
                 )
                 .map_err(cuda)?;
             }
+            _ => self.hot_products(h, xv, p.reborrow(), theta, t, tn, up, gate, act)?,
         }
         // F16 rows multiply activations rounded to f16, as the CPU's axpy does.
         let coeff = if h.down.weight().ty() == GgmlType::F16 {
@@ -1011,13 +1071,10 @@ impl Device for CudaDevice {
         if self.graphs {
             return self.replay(&mut st, ops);
         }
-        let masked = |h: HotId| {
-            st.hots
-                .get(h.0)
-                .and_then(Option::as_ref)
-                .is_some_and(|h| h.masked)
+        let hot = |h: HotId| {
+            (st.hots.get(h.0).and_then(Option::as_ref)).map_or(HotKind::default(), CudaHot::kind)
         };
-        let launches = program_launches(ops, |m| Self::conversion(&st, m), masked);
+        let launches = program_launches(ops, |m| Self::conversion(&st, m), hot);
         self.run(&mut st, ops)?;
         self.traffic.launched(launches);
         Ok(())

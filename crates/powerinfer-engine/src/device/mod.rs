@@ -500,24 +500,51 @@ pub(crate) struct HotFfnOp {
     pub(crate) count: Option<Span>,
 }
 
+/// What the launches of a hot FFN depend on, besides the op ([`launches_of`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HotKind {
+    /// Its enabled mask applies.
+    pub(crate) masked: bool,
+    /// It has gate rows.
+    pub(crate) gated: bool,
+    /// Its up (and gate) products convert their activation.
+    pub(crate) converts: bool,
+    /// It adds an up bias (gate-less FFNs).
+    pub(crate) up_bias: bool,
+    /// Its down rows are F16 (the activation is rounded to f16 first).
+    pub(crate) f16_down: bool,
+}
+
 /// Kernel launches of `op` on a GPU with this project's kernels: what every device counts
-/// (`converts`: whether a matrix's products convert their activations first; `masked`: whether
-/// a hot slice's enabled mask applies).
+/// (`converts`: whether a matrix's products convert their activations first; `hot`: what a
+/// hot slice's FFN launches depend on). Memsets count as launches.
 pub(crate) fn launches_of(
     op: &Op,
     converts: impl Fn(MatId) -> bool,
-    masked: impl Fn(HotId) -> bool,
+    hot: impl Fn(HotId) -> HotKind,
 ) -> u64 {
     let mm = |m: MatId| 1 + u64::from(converts(m));
     match op {
         Op::MatMul { m, .. } => mm(*m),
         Op::Predictor(p) => mm(p.fc1) + 1 + mm(p.fc2),
-        // The scores copied and masked when a mask applies (else read where they are), the
-        // activation converted once for the up and gate products, the activation, the output
-        // zeroed unless the axpy adds to it, the axpy, the count: what the CUDA device queues.
+        // What the CUDA device queues: the scores copied and masked when a mask applies (else
+        // read where they are); the activation converted once; for one token of a gated FFN
+        // the fused gate/up products and activation, else the up (and gate) products, the up
+        // bias, the activation; the f16 rounding for F16 down rows; the output zeroed unless
+        // the axpy adds to it; the axpy; the count.
         Op::HotFfn(f) => {
-            5 + 2 * u64::from(masked(f.hot))
+            let k = hot(f.hot);
+            let products = match (k.gated, f.t == 1) {
+                (true, true) => 1,
+                (true, false) => 3,
+                (false, _) => 2 + u64::from(k.up_bias),
+            };
+            2 * u64::from(k.masked)
+                + u64::from(k.converts)
+                + products
+                + u64::from(k.f16_down)
                 + u64::from(!f.accumulate)
+                + 1
                 + u64::from(f.count.is_some())
         }
         // The rows stored, then the attention.
@@ -572,13 +599,10 @@ pub(crate) fn shared_activation_run(ops: &[Op], conv: impl Fn(MatId) -> Conversi
 pub(crate) fn program_launches(
     ops: &[Op],
     conv: impl Fn(MatId) -> Conversion,
-    masked: impl Fn(HotId) -> bool,
+    hot: impl Fn(HotId) -> HotKind,
 ) -> u64 {
     let converts = |m: MatId| conv(m).is_some();
-    let mut n: u64 = ops
-        .iter()
-        .map(|op| launches_of(op, converts, &masked))
-        .sum();
+    let mut n: u64 = ops.iter().map(|op| launches_of(op, converts, &hot)).sum();
     let mut i = 0;
     while i < ops.len() {
         let run = shared_activation_run(&ops[i..], &conv).max(1);
@@ -874,7 +898,10 @@ mod tests {
         ops.push(Op::AddRows { y: q, b: BufId(9) });
         assert_eq!(shared_activation_run(&ops, conv), 3);
         // Three conversions before: 3 × 2 + 1; one now.
-        assert_eq!(program_launches(&ops, conv, |_| false), 3 + 1 + 1);
+        assert_eq!(
+            program_launches(&ops, conv, |_| HotKind::default()),
+            3 + 1 + 1
+        );
         // What breaks a run: another activation, token count or conversion, an output in the
         // activation's buffer or in another output's buffer, any other op between.
         for (i, other) in [
@@ -889,18 +916,22 @@ mod tests {
         {
             let ops = [qkv[0].clone(), other];
             assert_eq!(shared_activation_run(&ops, conv), 1, "case {i}");
-            assert_eq!(program_launches(&ops, conv, |_| false), 4, "case {i}");
+            assert_eq!(
+                program_launches(&ops, conv, |_| HotKind::default()),
+                4,
+                "case {i}"
+            );
         }
         let ops = [
             qkv[0].clone(),
             Op::Copy { x, y: span(5, 16) },
             qkv[1].clone(),
         ];
-        assert_eq!(program_launches(&ops, conv, |_| false), 5);
+        assert_eq!(program_launches(&ops, conv, |_| HotKind::default()), 5);
         // Products that read the activation as it is share nothing.
         let ops = [mm(4, x, q, 2), mm(4, x, k, 2)];
         assert_eq!(shared_activation_run(&ops, conv), 0);
-        assert_eq!(program_launches(&ops, conv, |_| false), 2);
+        assert_eq!(program_launches(&ops, conv, |_| HotKind::default()), 2);
         // A product writing into its own activation's buffer stands alone.
         assert_eq!(shared_activation_run(&[mm(0, x, span(0, 8), 2)], conv), 1);
     }

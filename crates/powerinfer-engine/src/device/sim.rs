@@ -43,9 +43,9 @@ use powerinfer_predictor::predictor::Predictor;
 
 use super::{
     converts_activation, entry, entry_mut, free_entry, graph_segments, hot_slice_overhead,
-    program_launches, unknown_kv, AttentionDevice, AttentionJob, BufId, Device, HotId, HotSpec,
-    HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, Queue, ReadId, RowsOf, SimOptions,
-    SimSpeed, Span, Ticket, Traffic, TrafficCounters,
+    program_launches, unknown_kv, AttentionDevice, AttentionJob, BufId, Device, HotId, HotKind,
+    HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, Queue, ReadId, RowsOf,
+    SimOptions, SimSpeed, Span, Ticket, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -559,7 +559,19 @@ impl Device for SimDevice {
                     let d = mem.mats.get(m.0)?;
                     converts_activation(d.ty).then_some((d.ty, d.cols))
                 },
-                |h| masked.get(h.0).copied().unwrap_or(false),
+                |h| {
+                    let kind = (mem.hots.get(h.0).and_then(Option::as_ref)).map(|d| HotKind {
+                        masked: false,
+                        gated: d.gate.is_some(),
+                        converts: converts_activation(d.up.ty),
+                        up_bias: d.up_bias.is_some(),
+                        f16_down: d.down.ty == GgmlType::F16,
+                    });
+                    HotKind {
+                        masked: masked.get(h.0).copied().unwrap_or(false),
+                        ..kind.unwrap_or_default()
+                    }
+                },
             )
         };
         self.traffic.launched(launches);
