@@ -84,6 +84,34 @@ __device__ __forceinline__ float gate_act(int kind, float g, float u) {
     return fmaxf(g, 0.0f) * (kind == GATE_DRELU ? fmaxf(u, 0.0f) : u);
 }
 
+// a * b rounded once (no contraction into an fma), as the CPU quantizer computes it.
+__device__ __forceinline__ float fmul_rn(float a, float b) {
+#ifdef CUDA_EMULATION
+    volatile float r = a * b;
+    return r;
+#else
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#endif
+}
+
+// Lane `lane` of the warp that quantizes 32-block b (of n_blocks) holding value v: writes its
+// int8 value and (lane 0) the block's scale into xq (n_blocks * 32 int8 values, then n_blocks
+// f32 scales). d = amax / 127, id = 1 / d (0 when amax = 0), q = trunc(x * id +
+// copysign(0.5-, x * id)) clamped to +-127: round half away from zero, the same IEEE operations
+// as the CPU quantizer. All 32 lanes of the warp call it.
+__device__ __forceinline__ void quantize_q8_lane(float v, long b, int lane, long n_blocks, u8* xq) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d > 0.0f ? 1.0f / d : 0.0f;
+    float t = fmul_rn(v, id);
+    int q = (int)(t + (t < 0.0f ? -0.49999997f : 0.49999997f));
+    q = q > 127 ? 127 : (q < -127 ? -127 : q);
+    ((i8*)xq)[b * 32 + lane] = (i8)q;
+    if (lane == 0) ((float*)(xq + n_blocks * 32))[b] = d;
+}
+
 // 4 bytes at a 2-byte aligned address.
 __device__ __forceinline__ u32 load_u32_a2(const u8* p) {
     const u16* h = (const u16*)p;

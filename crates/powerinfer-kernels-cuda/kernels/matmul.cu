@@ -43,18 +43,6 @@ __device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
 #endif
 }
 
-// a * b rounded once (no contraction into an fma), as the CPU quantizer computes it.
-__device__ __forceinline__ float fmul_rn(float a, float b) {
-#ifdef CUDA_EMULATION
-    volatile float r = a * b;
-    return r;
-#else
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#endif
-}
-
 // Quantizes n_blocks blocks of 32 floats (T tokens of K, K % 32 == 0, are T * K / 32 blocks) to
 // xq: n_blocks * 32 int8 values, then n_blocks f32 scales (at byte offset n_blocks * 32). Per
 // block d = amax / 127, id = 1 / d (0 when amax = 0), q = trunc(x * id + copysign(0.5-, x * id))
@@ -64,15 +52,7 @@ extern "C" __global__ void quantize_q8(const float* x, long n_blocks, u8* xq) {
     long b = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (b >= n_blocks) return;
-    float v = x[b * 32 + lane];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    float id = d > 0.0f ? 1.0f / d : 0.0f;
-    float t = fmul_rn(v, id);
-    int q = (int)(t + (t < 0.0f ? -0.49999997f : 0.49999997f));
-    q = q > 127 ? 127 : (q < -127 ? -127 : q);
-    ((i8*)xq)[b * 32 + lane] = (i8)q;
-    if (lane == 0) ((float*)(xq + n_blocks * 32))[b] = d;
+    quantize_q8_lane(x[b * 32 + lane], b, lane, n_blocks, xq);
 }
 
 // y[i] = x[i] rounded to f16 and back: what F16 products multiply (the CPU kernels, as

@@ -11,10 +11,27 @@ __device__ __forceinline__ float residual(float* xr, const float* ar, int i) {
     return v;
 }
 
+// The conversion a norm writes beside its output for the products that read it (rms_norm_conv,
+// layer_norm_conv): CONV_Q8 quantizes it to Q8_0 blocks as quantize_q8 does (n % 32 == 0:
+// whole warps cover whole blocks; out: rows * n int8 values, then rows * n / 32 scales),
+// CONV_F16 rounds it to f16 values as round_f16 does (out: rows * n floats).
+#define CONV_NONE 0
+#define CONV_Q8 1
+#define CONV_F16 2
+__device__ __forceinline__ void convert_out(int conv, float v, long i, long total, u8* out) {
+    if (conv == CONV_Q8) {
+        quantize_q8_lane(v, i >> 5, threadIdx.x & 31, total >> 5, out);
+    } else if (conv == CONV_F16) {
+        ((float*)out)[i] = h2f(f2h(v));
+    }
+}
+
 // y[r, i] = x[r, i] / sqrt(mean_i(x[r, i]^2) + eps) * (w ? w[i] : 1), after x += a when a is not
-// null. One block per row. In place when y == x.
+// null; with conv, the converted output also into out (see convert_out; `rows` rows). One block
+// per row. In place when y == x.
 __device__ __forceinline__ void rms_norm_rows(float* x, const float* a, const float* w, float* y,
-                                              int n, float eps) {
+                                              int n, float eps, int conv = CONV_NONE,
+                                              int rows = 0, u8* out = 0) {
     __shared__ float red[32];
     float* xr = x + (long)blockIdx.x * n;
     const float* ar = a ? a + (long)blockIdx.x * n : 0;
@@ -26,7 +43,11 @@ __device__ __forceinline__ void rms_norm_rows(float* x, const float* a, const fl
     }
     s = block_sum(s, red);
     float scale = rsqrtf(s / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * scale * (w ? w[i] : 1.0f);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = xr[i] * scale * (w ? w[i] : 1.0f);
+        yr[i] = v;
+        convert_out(conv, v, (long)blockIdx.x * n + i, (long)rows * n, out);
+    }
 }
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
@@ -43,7 +64,9 @@ extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* w
 // variance (two passes over the row), after x += a when a is not null. One block per row; in
 // place when y == x.
 __device__ __forceinline__ void layer_norm_rows(float* x, const float* a, const float* w,
-                                                const float* b, float* y, int n, float eps) {
+                                                const float* b, float* y, int n, float eps,
+                                                int conv = CONV_NONE, int rows = 0,
+                                                u8* out = 0) {
     __shared__ float red[32];
     float* xr = x + (long)blockIdx.x * n;
     const float* ar = a ? a + (long)blockIdx.x * n : 0;
@@ -57,8 +80,11 @@ __device__ __forceinline__ void layer_norm_rows(float* x, const float* a, const 
         v += d * d;
     }
     float scale = rsqrtf(block_sum(v, red) / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-        yr[i] = (xr[i] - mean) * scale * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float o = (xr[i] - mean) * scale * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+        yr[i] = o;
+        convert_out(conv, o, (long)blockIdx.x * n + i, (long)rows * n, out);
+    }
 }
 
 extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* y,
@@ -70,6 +96,20 @@ extern "C" __global__ void layer_norm(const float* x, const float* w, const floa
 extern "C" __global__ void add_layer_norm(float* x, const float* a, const float* w,
                                           const float* b, float* y, int n, float eps) {
     layer_norm_rows(x, a, w, b, y, n, eps);
+}
+
+// rms_norm of `rows` rows into y, and y converted for the products that read it into out (conv:
+// CONV_Q8 or CONV_F16, see convert_out): one launch for the norm and the conversion.
+extern "C" __global__ void rms_norm_conv(const float* x, const float* w, float* y, int n,
+                                         float eps, int rows, int conv, u8* out) {
+    rms_norm_rows((float*)x, 0, w, y, n, eps, conv, rows, out);
+}
+
+// layer_norm of `rows` rows into y, and y converted into out (as rms_norm_conv).
+extern "C" __global__ void layer_norm_conv(const float* x, const float* w, const float* b,
+                                           float* y, int n, float eps, int rows, int conv,
+                                           u8* out) {
+    layer_norm_rows((float*)x, 0, w, b, y, n, eps, conv, rows, out);
 }
 
 // Rotary position embedding, in place, on x = T tokens of n_head heads of head_dim floats.

@@ -469,12 +469,132 @@ impl Gpu {
         mut products: Vec<Product<'_, '_, '_>>,
     ) -> Result<()> {
         let x = x.into();
-        let Some(w0) = products.first().map(Product::weight) else {
+        let Some(w0) = self.prepare_products(stream, t, &mut products)? else {
             return Ok(());
         };
+        check_len("x", t * w0.cols(), x.len())?;
+        if t == 0 || products.iter().all(|pr| pr.weight().rows() == 0) {
+            return Ok(());
+        }
+        self.with_activation(stream, w0, &x, t, |x| {
+            self.launch_products(stream, x, t, &mut products)
+        })
+    }
+
+    /// A norm of `rows` rows of `n` into `y` (RMSNorm without `bias`, LayerNorm with) and the
+    /// products that read `y` ([`Gpu::matmuls`], `t` = `rows`, their width `n`): the norm's
+    /// own launch also writes `y` converted for them (quantized or rounded as the products
+    /// would convert it), so the conversion is not a launch of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_matmuls<'x, 'w, 'b, 'y>(
+        &self,
+        stream: &Stream,
+        x: impl Into<In<'x>>,
+        w: Option<In<'w>>,
+        bias: Option<In<'b>>,
+        eps: f32,
+        rows: usize,
+        n: usize,
+        y: impl Into<Out<'y>>,
+        mut products: Vec<Product<'_, '_, '_>>,
+    ) -> Result<()> {
+        let (x, mut y) = (x.into(), y.into());
+        let Some(w0) = self.prepare_products(stream, rows, &mut products)? else {
+            let shape = NormShape { eps, rows, n };
+            let kernel = if bias.is_some() {
+                "layer_norm"
+            } else {
+                "rms_norm"
+            };
+            return self.norm(
+                stream,
+                kernel,
+                x,
+                &[w.as_ref(), bias.as_ref()][..1 + usize::from(bias.is_some())],
+                shape,
+                y,
+            );
+        };
+        check_len("x", rows * n, x.len())?;
+        check_len("y", rows * n, y.len())?;
+        check_len("product width", n, w0.cols())?;
+        for v in [&w, &bias].into_iter().flatten() {
+            check_len("weight/bias", n, v.len())?;
+        }
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        let ty = w0.ty();
+        let conv: i32 = if geometry::quantized_activation(ty) {
+            1
+        } else if ty == powerinfer_gguf::GgmlType::F16 {
+            2
+        } else {
+            0
+        };
+        let total = rows * n;
+        if conv == 0 {
+            let shape = NormShape { eps, rows, n };
+            let kernel = if bias.is_some() {
+                "layer_norm"
+            } else {
+                "rms_norm"
+            };
+            let params = [w.as_ref(), bias.as_ref()];
+            let params = &params[..1 + usize::from(bias.is_some())];
+            self.norm(stream, kernel, x, params, shape, y.as_mut())?;
+            return self.launch_products(stream, &y.as_view(), rows, &mut products);
+        }
+        // Quantized types have widths of whole blocks (checked when the tensors are made).
+        let len = if conv == 1 { total / 32 * 9 } else { total };
+        let (mut cache, i) = self.activation_scratch(stream, len)?;
+        let kernel = if bias.is_some() {
+            "layer_norm_conv"
+        } else {
+            "rms_norm_conv"
+        };
+        let (n32, rows32) = (i32_arg("n", n)?, i32_arg("rows", rows)?);
+        {
+            let out = &mut cache[i].buf;
+            let mut b = Args::new(self, stream, kernel);
+            b.view(&x).view_or_null(w.as_ref());
+            if bias.is_some() {
+                b.view_or_null(bias.as_ref());
+            }
+            b.view_mut(&mut y)
+                .scalar(&n32)
+                .scalar(&eps)
+                .scalar(&rows32)
+                .scalar(&conv)
+                .ptr_mut(&mut out.slice);
+            // SAFETY: parameters match rms_norm_conv / layer_norm_conv in kernels/ops.cu; x and
+            // y hold rows × n floats, the parameters n (checked above); the scratch holds the
+            // conversion: rows·n int8 values and rows·n/32 scales (Q8, n a multiple of 32) or
+            // rows·n floats (F16).
+            unsafe { b.launch(geometry::per_row(kernel, rows)?) }?;
+        }
+        let v = if conv == 1 {
+            DeviceView::from(&cache[i].buf)
+        } else {
+            cache[i].buf.view(0, total)?
+        };
+        self.launch_products(stream, &v, rows, &mut products)
+    }
+
+    /// Checks products of one activation of `t` tokens (one type and width, their outputs' and
+    /// scores' lengths) and zeroes the sparse outputs that ask for it. Returns the first
+    /// product's weight, `None` when there is no product.
+    fn prepare_products<'w>(
+        &self,
+        stream: &Stream,
+        t: usize,
+        products: &mut [Product<'w, '_, '_>],
+    ) -> Result<Option<&'w DeviceTensor>> {
+        let Some(w0) = products.first().map(Product::weight) else {
+            return Ok(None);
+        };
         let (ty, cols) = (w0.ty(), w0.cols());
-        check_len("x", t * cols, x.len())?;
-        for pr in &mut products {
+        for pr in products.iter_mut() {
             let w = pr.weight();
             if (w.ty(), w.cols()) != (ty, cols) {
                 return Err(CudaError::Shape(format!(
@@ -505,36 +625,42 @@ impl Gpu {
                 }
             }
         }
-        if t == 0 || products.iter().all(|pr| pr.weight().rows() == 0) {
-            return Ok(());
-        }
-        self.with_activation(stream, w0, &x, t, |x| {
-            for pr in &mut products {
-                match pr {
-                    Product::Dense { w, dst } => {
-                        let l = geometry::matmul(w.ty(), w.rows(), t)?;
-                        self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), dst)?;
+        Ok(Some(w0))
+    }
+
+    /// Launches checked products ([`Gpu::prepare_products`]) on their converted activation.
+    fn launch_products(
+        &self,
+        stream: &Stream,
+        x: &In<'_>,
+        t: usize,
+        products: &mut [Product<'_, '_, '_>],
+    ) -> Result<()> {
+        for pr in products.iter_mut() {
+            match pr {
+                Product::Dense { w, dst } => {
+                    let l = geometry::matmul(w.ty(), w.rows(), t)?;
+                    self.launch_rows(stream, l, w, None, x, t, None, 0.0, w.rows(), dst)?;
+                }
+                Product::Sparse {
+                    slice,
+                    p,
+                    theta,
+                    dst,
+                    ..
+                } => {
+                    let w = &slice.weight;
+                    if dst.is_empty() {
+                        continue;
                     }
-                    Product::Sparse {
-                        slice,
-                        p,
-                        theta,
-                        dst,
-                        ..
-                    } => {
-                        let w = &slice.weight;
-                        if dst.is_empty() {
-                            continue;
-                        }
-                        let l = geometry::matmul(w.ty(), w.rows(), t)?;
-                        let n = slice.n_neurons();
-                        let bucket = slice.bucket.as_ref();
-                        self.launch_rows(stream, l, w, bucket, x, t, Some(p), *theta, n, dst)?;
-                    }
+                    let l = geometry::matmul(w.ty(), w.rows(), t)?;
+                    let n = slice.n_neurons();
+                    let bucket = slice.bucket.as_ref();
+                    self.launch_rows(stream, l, w, bucket, x, t, Some(p), *theta, n, dst)?;
                 }
             }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
     /// A gated FFN's hot neurons in one launch a token: for the rows of two GPU slices of one

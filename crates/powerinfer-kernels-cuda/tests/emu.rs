@@ -615,6 +615,48 @@ proptest! {
         let scale: Vec<f64> = want.iter().map(|v| 10.0 * v.abs() + 10.0).collect();
         close("layer_norm", &y, &want, &scale)?;
 
+        // The norm and the conversion its products read in one launch: bit for bit the norm,
+        // then quantize_q8 (rows of whole blocks) or round_f16 of its output.
+        let nq = 32 * (1 + n % 18);
+        let xq = rng.vec(rows * nq);
+        let wq = rng.vec(nq);
+        let bq = rng.vec(nq);
+        for (layer, conv) in [(false, 1), (false, 2), (true, 1), (true, 2)] {
+            let mut sep = vec![0.0f32; rows * nq];
+            let mut fused = vec![0.0f32; rows * nq];
+            let total = rows * nq;
+            let mut out = vec![0.0f32; if conv == 1 { total / 32 * 9 } else { total }];
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the inputs and outputs hold rows × nq floats, w and b nq, out the
+            // conversion (total int8 values and total / 32 scales, or total floats).
+            unsafe {
+                let name = if layer { "layer_norm_conv" } else { "rms_norm_conv" };
+                let l = geometry::per_row(name, rows).unwrap();
+                if layer {
+                    let f: Layer = emu.sym("layer_norm");
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, xq.as_ptr(), wq.as_ptr(), bq.as_ptr(), sep.as_mut_ptr(), nq as i32, 1e-5);
+                    type LayerConv = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *const f32, *mut f32, i32, f32, i32, i32, *mut u8);
+                    let f: LayerConv = emu.sym(name);
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, xq.as_ptr(), wq.as_ptr(), bq.as_ptr(), fused.as_mut_ptr(), nq as i32, 1e-5, rows as i32, conv, out.as_mut_ptr() as *mut u8);
+                } else {
+                    let f: Norm = emu.sym("rms_norm");
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, xq.as_ptr(), wq.as_ptr(), sep.as_mut_ptr(), nq as i32, 1e-5);
+                    type NormConv = unsafe extern "C" fn(u32, u32, u32, u32, *const f32, *const f32, *mut f32, i32, f32, i32, i32, *mut u8);
+                    let f: NormConv = emu.sym(name);
+                    f(l.grid.0, l.grid.1, l.grid.2, l.block, xq.as_ptr(), wq.as_ptr(), fused.as_mut_ptr(), nq as i32, 1e-5, rows as i32, conv, out.as_mut_ptr() as *mut u8);
+                }
+            }
+            drop(_g);
+            prop_assert_eq!(bits(&fused), bits(&sep), "norm output (layer {}, conv {})", layer, conv);
+            let want = if conv == 1 {
+                let ty = GgmlType::Q8_0;
+                prepare_x(emu, ty, &sep)?.0
+            } else {
+                prepare_x(emu, GgmlType::F16, &sep)?.0
+            };
+            prop_assert_eq!(bits(&out), bits(&want), "conversion (layer {}, conv {})", layer, conv);
+        }
+
         // The residual add and the norm in one launch: bit for bit the add (add_inplace) and
         // then the norm.
         let a = rng.vec(rows * n);

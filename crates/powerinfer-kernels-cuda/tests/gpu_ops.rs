@@ -425,6 +425,93 @@ fn a_one_stream_gpu_refuses_streams_and_computes_the_same() {
 }
 
 #[test]
+fn a_norm_that_converts_for_its_products_matches_the_separate_launches() {
+    // norm_matmuls: the norm writes the products' converted activation in its own launch; the
+    // norm's output and every product bit for bit as a norm followed by matmuls.
+    let Some(gpu) = gpu() else { return };
+    let s = gpu.stream();
+    let mut rng = Rng::new(5);
+    for (ty, layer, rows) in [
+        (GgmlType::Q4_0, false, 1),
+        (GgmlType::Q8_0, true, 3),
+        (GgmlType::F16, false, 70),
+        (GgmlType::F32, true, 2),
+    ] {
+        let n = 256;
+        let x = gpu.upload(s, &rng.vec(rows * n)).unwrap();
+        let w = gpu.upload(s, &rng.vec(n)).unwrap();
+        let b = gpu.upload(s, &rng.vec(n)).unwrap();
+        let mats: Vec<DeviceTensor> = [96usize, 32]
+            .iter()
+            .map(|&r| {
+                let (bytes, _) = random_weight(&mut rng, ty, r, n);
+                DeviceTensor::upload(gpu, s, ty, r, n, &bytes).unwrap()
+            })
+            .collect();
+        let bias = layer.then(|| (&b).into());
+        let mut y_sep = gpu.alloc_zeros::<f32>(s, rows * n).unwrap();
+        if layer {
+            gpu.layer_norm(
+                s,
+                &x,
+                Some((&w).into()),
+                Some((&b).into()),
+                1e-5,
+                rows,
+                n,
+                &mut y_sep,
+            )
+            .unwrap();
+        } else {
+            gpu.rms_norm(s, &x, Some((&w).into()), 1e-5, rows, n, &mut y_sep)
+                .unwrap();
+        }
+        let mut sep: Vec<_> = mats
+            .iter()
+            .map(|m| gpu.alloc_zeros::<f32>(s, rows * m.rows()).unwrap())
+            .collect();
+        for (m, o) in mats.iter().zip(&mut sep) {
+            gpu.matmul(s, m, &y_sep, rows, o).unwrap();
+        }
+        let mut y = gpu.alloc_zeros::<f32>(s, rows * n).unwrap();
+        let mut outs: Vec<_> = mats
+            .iter()
+            .map(|m| gpu.alloc_zeros::<f32>(s, rows * m.rows()).unwrap())
+            .collect();
+        let products = mats
+            .iter()
+            .zip(&mut outs)
+            .map(|(w, o)| powerinfer_kernels_cuda::Product::Dense { w, dst: o.into() })
+            .collect();
+        gpu.norm_matmuls(
+            s,
+            &x,
+            Some((&w).into()),
+            bias,
+            1e-5,
+            rows,
+            n,
+            &mut y,
+            products,
+        )
+        .unwrap();
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(y.to_host(s).unwrap()),
+            bits(y_sep.to_host(s).unwrap()),
+            "{ty} norm"
+        );
+        for (a, b) in outs.iter().zip(&sep) {
+            assert_eq!(
+                bits(a.to_host(s).unwrap()),
+                bits(b.to_host(s).unwrap()),
+                "{ty} product"
+            );
+        }
+    }
+}
+
+#[test]
 fn budget_refuses_and_leaks_nothing_on_the_device() {
     let Some(_) = gpu() else { return };
     let gpu = powerinfer_kernels_cuda::Gpu::open(0, Some(4096)).unwrap();

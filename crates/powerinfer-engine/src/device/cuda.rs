@@ -23,10 +23,10 @@ use powerinfer_kernels_cuda::{
 };
 
 use super::{
-    converts_activation, entry, entry_mut, free_entry, program_launches, shared_activation_run,
-    unknown_kv, BufId, Conversion, Device, HotFfnOp, HotId, HotKind, HotSpec, HotSwap, KvId,
-    KvRows, KvShape, MatId, Op, PredictorOp, ReadId, RowsOf, ScratchShape, Span, Traffic,
-    TrafficCounters,
+    converts_activation, entry, entry_mut, free_entry, norm_conversion_run, program_launches,
+    shared_activation_run, unknown_kv, BufId, Conversion, Device, HotFfnOp, HotId, HotKind,
+    HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, ReadId, RowsOf, ScratchShape,
+    Span, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -326,6 +326,12 @@ impl CudaDevice {
     fn run(&self, st: &mut State, ops: &[Op]) -> Result<()> {
         let mut i = 0;
         while i < ops.len() {
+            let fused = norm_conversion_run(&ops[i..], |m| Self::conversion(st, m));
+            if fused > 0 {
+                self.norm_products(st, &ops[i], &ops[i + 1..i + 1 + fused])?;
+                i += 1 + fused;
+                continue;
+            }
             let run = shared_activation_run(&ops[i..], |m| Self::conversion(st, m));
             if run > 1 {
                 self.shared_products(st, &ops[i..i + run])?;
@@ -336,6 +342,53 @@ impl CudaDevice {
             }
         }
         Ok(())
+    }
+
+    /// A norm and the products that read its output ([`norm_conversion_run`]): the norm's
+    /// launch also converts its output for them.
+    fn norm_products(&self, st: &mut State, norm: &Op, products: &[Op]) -> Result<()> {
+        let &Op::Norm {
+            x,
+            add: None,
+            w,
+            b,
+            eps,
+            y,
+        } = norm
+        else {
+            return Err(EngineError::Device("not a norm".into()));
+        };
+        let mut ms = Vec::with_capacity(products.len());
+        let mut outs = vec![y];
+        for op in products {
+            if let Op::MatMul { m, y: o, .. } = *op {
+                ms.push(m);
+                outs.push(o);
+            }
+        }
+        let State { mats, bufs, .. } = st;
+        let ws = (ms.iter())
+            .map(|m| {
+                mats.get(m.0)
+                    .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", m.0)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (g, s) = (&self.gpu, self.gpu.stream());
+        with_outs(bufs, &outs, |bf, mut views| {
+            let yv = views.remove(0);
+            let wb = buf(bf, w)?;
+            let n = wb.len();
+            let rows = x.len.checked_div(n).unwrap_or(0);
+            let wv = wb.view(0, n).map_err(cuda)?;
+            let bv = b
+                .map(|b| buf(bf, b)?.view(0, n).map_err(cuda))
+                .transpose()?;
+            let products = (ws.iter().zip(views))
+                .map(|(w, dst)| Product::Dense { w, dst })
+                .collect();
+            g.norm_matmuls(s, view(bf, x)?, Some(wv), bv, eps, rows, n, yv, products)
+                .map_err(cuda)
+        })
     }
 
     /// Products of one activation (a run of [`Op::MatMul`]s found by

@@ -594,8 +594,36 @@ pub(crate) fn shared_activation_run(ops: &[Op], conv: impl Fn(MatId) -> Conversi
     outs.len()
 }
 
+/// How many products after `ops[0]` read its output converted by its own launch: when `ops[0]`
+/// is a norm without a residual add whose output is the activation of the run of products
+/// after it ([`shared_activation_run`]), its input in a buffer of its own (neither its output's
+/// nor a product's). The attention norm and Q, K, V; the output norm and the head. 0 otherwise.
+pub(crate) fn norm_conversion_run(ops: &[Op], conv: impl Fn(MatId) -> Conversion) -> usize {
+    let Some(&Op::Norm {
+        x: nx,
+        add: None,
+        y: ny,
+        ..
+    }) = ops.first()
+    else {
+        return 0;
+    };
+    let rest = &ops[1..];
+    let run = shared_activation_run(rest, conv);
+    let fits = rest[..run].iter().all(|op| match *op {
+        Op::MatMul { x, y, .. } => x == ny && y.buf != nx.buf,
+        _ => false,
+    });
+    if run > 0 && fits && nx.buf != ny.buf {
+        run
+    } else {
+        0
+    }
+}
+
 /// Kernel launches of a program: [`launches_of`] every op, less the conversions that products
-/// sharing an activation ([`shared_activation_run`]) do not repeat.
+/// sharing an activation ([`shared_activation_run`]) do not repeat and those a norm writes in
+/// its own launch ([`norm_conversion_run`]).
 pub(crate) fn program_launches(
     ops: &[Op],
     conv: impl Fn(MatId) -> Conversion,
@@ -605,6 +633,12 @@ pub(crate) fn program_launches(
     let mut n: u64 = ops.iter().map(|op| launches_of(op, converts, &hot)).sum();
     let mut i = 0;
     while i < ops.len() {
+        let fused = norm_conversion_run(&ops[i..], &conv);
+        if fused > 0 {
+            n -= fused as u64;
+            i += 1 + fused;
+            continue;
+        }
         let run = shared_activation_run(&ops[i..], &conv).max(1);
         n -= run as u64 - 1;
         i += run;
@@ -934,5 +968,32 @@ mod tests {
         assert_eq!(program_launches(&ops, conv, |_| HotKind::default()), 2);
         // A product writing into its own activation's buffer stands alone.
         assert_eq!(shared_activation_run(&[mm(0, x, span(0, 8), 2)], conv), 1);
+        // A norm whose output the products read writes their conversion too: one launch for
+        // the norm and the conversion, one per product.
+        let norm = |input: Span, add: Option<Span>| Op::Norm {
+            x: input,
+            add,
+            w: BufId(8),
+            b: None,
+            eps: 1e-5,
+            y: x,
+        };
+        let mut ops = vec![norm(span(6, 16), None)];
+        ops.extend(qkv.iter().cloned());
+        assert_eq!(norm_conversion_run(&ops, conv), 3);
+        assert_eq!(program_launches(&ops, conv, |_| HotKind::default()), 1 + 3);
+        // Not with a residual add, nor when the norm's input is a product's output or its own.
+        for first in [
+            norm(span(6, 16), Some(span(7, 16))),
+            norm(span(1, 16), None),
+            norm(span(0, 16), None),
+        ] {
+            ops[0] = first;
+            assert_eq!(norm_conversion_run(&ops, conv), 0);
+            assert_eq!(
+                program_launches(&ops, conv, |_| HotKind::default()),
+                1 + 1 + 3
+            );
+        }
     }
 }

@@ -110,6 +110,12 @@ extern "C" void emu_add_rms_norm(EMU_GRID, float* x, const float* a, const float
 extern "C" void emu_add_layer_norm(EMU_GRID, float* x, const float* a, const float* w, const float* b, float* y, int n, float eps) {
     emu_launch(gx, gy, gz, bx, [=] { add_layer_norm(x, a, w, b, y, n, eps); });
 }
+extern "C" void emu_rms_norm_conv(EMU_GRID, const float* x, const float* w, float* y, int n, float eps, int rows, int conv, u8* out) {
+    emu_launch(gx, gy, gz, bx, [=] { rms_norm_conv(x, w, y, n, eps, rows, conv, out); });
+}
+extern "C" void emu_layer_norm_conv(EMU_GRID, const float* x, const float* w, const float* b, float* y, int n, float eps, int rows, int conv, u8* out) {
+    emu_launch(gx, gy, gz, bx, [=] { layer_norm_conv(x, w, b, y, n, eps, rows, conv, out); });
+}
 extern "C" void emu_layer_norm(EMU_GRID, const float* x, const float* w, const float* b, float* y, int n, float eps) {
     emu_launch(gx, gy, gz, bx, [=] { layer_norm(x, w, b, y, n, eps); });
 }
