@@ -201,6 +201,13 @@ extern "C" __global__ void relu_inplace(float* y, long n) {
     if (i < n) y[i] = fmaxf(y[i], 0.0f);
 }
 
+// y[i] = max(y[i], 0) rounded to f16 and back: relu_inplace and round_f16 in one launch (the
+// predictor's hidden layer before an F16 fc2).
+extern "C" __global__ void relu_round_f16_inplace(float* y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = h2f(f2h(fmaxf(y[i], 0.0f)));
+}
+
 // y[i] = max(g[i], 0) * (relu_u ? max(u[i], 0) : u[i])   (ReLU gating of a sparse FFN)
 extern "C" __global__ void relu_gate(const float* g, const float* u, float* y, long n, int relu_u) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;

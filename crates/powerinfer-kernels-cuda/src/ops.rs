@@ -1487,7 +1487,28 @@ impl Gpu {
         }
         let mut hidden = hidden.into();
         self.matmul(stream, fc1, h, t, hidden.as_mut())?;
-        self.relu_in_place(stream, hidden.as_mut())?;
-        self.matmul(stream, fc2, hidden.as_view(), t, scores)
+        if fc2.ty() != powerinfer_gguf::GgmlType::F16 {
+            self.relu_in_place(stream, hidden.as_mut())?;
+            return self.matmul(stream, fc2, hidden.as_view(), t, scores);
+        }
+        // F16 fc2 rows multiply the hidden layer rounded to f16: rounded with the ReLU, in its
+        // launch, and multiplied as it is.
+        let n = hidden.len();
+        if n > 0 {
+            let n64 = n as i64;
+            let mut b = Args::new(self, stream, "relu_round_f16_inplace");
+            b.view_mut(&mut hidden).scalar(&n64);
+            // SAFETY: parameters match relu_round_f16_inplace in kernels/ops.cu; n = its length.
+            unsafe { b.launch(geometry::per_element("relu_round_f16_inplace", n)?) }?;
+        }
+        let mut products = vec![Product::Dense {
+            w: fc2,
+            dst: scores.into(),
+        }];
+        let Some(w) = self.prepare_products(stream, t, &mut products)? else {
+            return Ok(());
+        };
+        check_len("hidden", t * w.cols(), n)?;
+        self.launch_products(stream, &hidden.as_view(), t, &mut products)
     }
 }

@@ -821,6 +821,20 @@ proptest! {
         }
         let want: Vec<f64> = want.iter().map(|&v| ro::relu(v)).collect();
         close("relu_inplace", &yb, &want, &vec![0.0; want.len()])?;
+
+        // ReLU and the f16 rounding in one launch: bit for bit relu_inplace, then round_f16.
+        let (mut fused, mut sep) = (x.clone(), x.clone());
+        let f2: ReluIn = emu.sym("relu_round_f16_inplace");
+        {
+            let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: fused and sep hold their lengths of floats.
+            unsafe {
+                f2(l.grid.0, l.grid.1, l.grid.2, l.block, fused.as_mut_ptr(), fused.len() as i64);
+                f(l.grid.0, l.grid.1, l.grid.2, l.block, sep.as_mut_ptr(), sep.len() as i64);
+            }
+        }
+        let (sep, _) = prepare_x(emu, GgmlType::F16, &sep)?;
+        prop_assert_eq!(bits(&fused), bits(&sep), "relu_round_f16_inplace");
     }
 
     #[test]

@@ -516,17 +516,21 @@ pub(crate) struct HotKind {
 }
 
 /// Kernel launches of `op` on a GPU with this project's kernels: what every device counts
-/// (`converts`: whether a matrix's products convert their activations first; `hot`: what a
+/// (`conv`: how a matrix's products convert their activations first; `hot`: what a
 /// hot slice's FFN launches depend on). Memsets count as launches.
 pub(crate) fn launches_of(
     op: &Op,
-    converts: impl Fn(MatId) -> bool,
+    conv: impl Fn(MatId) -> Conversion,
     hot: impl Fn(HotId) -> HotKind,
 ) -> u64 {
-    let mm = |m: MatId| 1 + u64::from(converts(m));
+    let mm = |m: MatId| 1 + u64::from(conv(m).is_some());
     match op {
         Op::MatMul { m, .. } => mm(*m),
-        Op::Predictor(p) => mm(p.fc1) + 1 + mm(p.fc2),
+        // fc1, the ReLU, fc2; an F16 fc2's rounding is the ReLU's launch.
+        Op::Predictor(p) => match conv(p.fc2) {
+            Some((GgmlType::F16, _)) => mm(p.fc1) + 2,
+            _ => mm(p.fc1) + 1 + mm(p.fc2),
+        },
         // What the CUDA device queues: the scores copied and masked when a mask applies (else
         // read where they are); the activation converted once; for one token of a gated FFN
         // the fused gate/up products and activation, else the up (and gate) products, the up
@@ -629,8 +633,7 @@ pub(crate) fn program_launches(
     conv: impl Fn(MatId) -> Conversion,
     hot: impl Fn(HotId) -> HotKind,
 ) -> u64 {
-    let converts = |m: MatId| conv(m).is_some();
-    let mut n: u64 = ops.iter().map(|op| launches_of(op, converts, &hot)).sum();
+    let mut n: u64 = ops.iter().map(|op| launches_of(op, &conv, &hot)).sum();
     let mut i = 0;
     while i < ops.len() {
         let fused = norm_conversion_run(&ops[i..], &conv);

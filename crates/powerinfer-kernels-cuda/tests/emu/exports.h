@@ -73,6 +73,9 @@ extern "C" void emu_add_inplace(EMU_GRID, const float* x, float* y, long n) {
 extern "C" void emu_relu_inplace(EMU_GRID, float* y, long n) {
     emu_launch(gx, gy, gz, bx, [=] { relu_inplace(y, n); });
 }
+extern "C" void emu_relu_round_f16_inplace(EMU_GRID, float* y, long n) {
+    emu_launch(gx, gy, gz, bx, [=] { relu_round_f16_inplace(y, n); });
+}
 #define EMU_GET_ROWS(NAME)                                                                      \
     extern "C" void emu_##NAME(EMU_GRID, const u8* w, long rb, int cols, const int* rows,      \
                                int offset, float* y) {                                          \
