@@ -193,7 +193,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        Ok(stream.inner.memcpy_htod(&src.inner, &mut self.slice)?)
+        stream.inner.memcpy_htod(&src.inner, &mut self.slice)?;
+        src.copied(stream)
     }
 
     /// Copies the device buffer into a pinned host buffer asynchronously on `stream`.
@@ -202,7 +203,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        Ok(stream.inner.memcpy_dtoh(&self.slice, &mut dst.inner)?)
+        stream.inner.memcpy_dtoh(&self.slice, &mut dst.inner)?;
+        dst.copied(stream)
     }
 }
 
@@ -277,7 +279,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceView<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
-        Ok(stream.inner.memcpy_dtoh(&self.inner, &mut dst.inner)?)
+        stream.inner.memcpy_dtoh(&self.inner, &mut dst.inner)?;
+        dst.copied(stream)
     }
 }
 
@@ -289,7 +292,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceViewMut<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
-        Ok(stream.inner.memcpy_htod(&src.inner, &mut self.inner)?)
+        stream.inner.memcpy_htod(&src.inner, &mut self.inner)?;
+        src.copied(stream)
     }
 }
 
@@ -348,10 +352,28 @@ impl<'a, T> From<&'a mut DeviceBuffer<T>> for DeviceViewMut<'a, T> {
 }
 
 /// Page-locked host memory: copies from and to it are asynchronous, so the host can work while a
-/// stream copies.
+/// stream copies. Its own event, recorded after every copy queued through this crate, is what
+/// reading, writing and dropping it wait for (cudarc records the buffer's event only while it
+/// tracks events across streams, which a GPU opened by [`Gpu::open_one_stream`] does not).
 #[derive(Debug)]
 pub struct PinnedBuffer<T> {
     inner: PinnedHostSlice<T>,
+    done: cudarc::driver::CudaEvent,
+}
+
+impl<T> PinnedBuffer<T> {
+    /// Marks the end of a copy just queued on `stream`.
+    fn copied(&self, stream: &Stream) -> Result<()> {
+        Ok(self.done.record(&stream.inner)?)
+    }
+}
+
+impl<T> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        // The page-locked memory is freed next: no copy may still be using it. (An error
+        // here is the driver's; it reports it again at the next call.)
+        let _ = self.done.synchronize();
+    }
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits> PinnedBuffer<T> {
@@ -367,11 +389,13 @@ impl<T: DeviceRepr + ValidAsZeroBits> PinnedBuffer<T> {
 
     /// The contents, after waiting for the copies that use it.
     pub fn as_slice(&self) -> Result<&[T]> {
+        self.done.synchronize()?;
         Ok(self.inner.as_slice()?)
     }
 
     /// The contents for writing, after waiting for the copies that use it.
     pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.done.synchronize()?;
         Ok(self.inner.as_mut_slice()?)
     }
 }
@@ -723,6 +747,10 @@ impl Gpu {
         let s = inner.as_mut_slice()?;
         // SAFETY: T is ValidAsZeroBits, so all-zero bytes are a valid T.
         unsafe { std::ptr::write_bytes(s.as_mut_ptr(), 0, s.len()) };
-        Ok(PinnedBuffer { inner })
+        // No timing (a cheaper record); a waiting host spins, as for a stream synchronize.
+        let done = self.ctx.new_event(Some(
+            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+        ))?;
+        Ok(PinnedBuffer { inner, done })
     }
 }

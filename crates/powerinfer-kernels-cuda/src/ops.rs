@@ -469,10 +469,12 @@ impl Gpu {
         mut products: Vec<Product<'_, '_, '_>>,
     ) -> Result<()> {
         let x = x.into();
+        if let Some(w0) = products.first().map(Product::weight) {
+            check_len("x", t * w0.cols(), x.len())?;
+        }
         let Some(w0) = self.prepare_products(stream, t, &mut products)? else {
             return Ok(());
         };
-        check_len("x", t * w0.cols(), x.len())?;
         if t == 0 || products.iter().all(|pr| pr.weight().rows() == 0) {
             return Ok(());
         }
@@ -664,7 +666,8 @@ impl Gpu {
     }
 
     /// A gated FFN's hot neurons in one launch a token: for the rows of two GPU slices of one
-    /// bucket (`gate`, `up`: one type, width and bucket), `dst[t, bucket[j]] =
+    /// bucket (`gate`, `up`: one type, width and bucket; the gate's bucket places both, so an
+    /// `up` of another bucket gives wrong rows, never an access outside them), `dst[t, bucket[j]] =
     /// act(gate_j · x_t, up_j · x_t)` where `p[t, bucket[j]] >= theta`, else 0; rows outside the
     /// bucket keep what they held. `x`: t × cols, converted as [`Gpu::matmul`] converts it;
     /// `p`, `dst`: t × N. Each token's products are the one-token kernels' (weights read once

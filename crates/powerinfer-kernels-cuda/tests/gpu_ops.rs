@@ -422,6 +422,31 @@ fn a_one_stream_gpu_refuses_streams_and_computes_the_same() {
     ] {
         check_dense_matmul(&one, ty, 150, 4096, t, 7);
     }
+    // Copies to and from pinned memory are waited for by the buffer's own event: a read right
+    // after queuing the copy behind long work sees the result, and a write waits for the copy
+    // that reads the buffer.
+    let s = one.stream();
+    let n = 32 << 20;
+    let ones = one.upload(s, &vec![1.0f32; n]).unwrap();
+    let mut acc = one.alloc_zeros::<f32>(s, n).unwrap();
+    for _ in 0..8 {
+        one.unary(s, Unary::Accumulate, &ones, &mut acc).unwrap();
+    }
+    let mut pinned = one.alloc_pinned::<f32>(n).unwrap();
+    acc.copy_to_pinned(s, &mut pinned).unwrap();
+    let got = pinned.as_slice().unwrap();
+    assert!(
+        got.iter().all(|&v| v == 8.0),
+        "read before the copy ended: {}",
+        got[n - 1]
+    );
+    let mut back = one.alloc_zeros::<f32>(s, n).unwrap();
+    back.copy_from_pinned(s, &pinned).unwrap();
+    pinned.as_mut_slice().unwrap().fill(3.0);
+    assert!(
+        back.to_host(s).unwrap().iter().all(|&v| v == 8.0),
+        "written during the copy"
+    );
 }
 
 #[test]

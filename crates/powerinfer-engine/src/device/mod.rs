@@ -553,6 +553,8 @@ pub(crate) fn launches_of(
         }
         // The rows stored, then the attention.
         Op::Attention(_) => 2,
+        // A gated activation into the scratch, copied back over the gate.
+        Op::Activate { act, .. } if *act != FfnAct::Relu => 2,
         Op::Mark { .. } => 0,
         _ => 1,
     }
