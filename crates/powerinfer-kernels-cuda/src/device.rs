@@ -505,8 +505,9 @@ impl Gpu {
             // SAFETY: nothing has been allocated on this context object yet, and every buffer
             // this Gpu makes is used on its one stream (`new_stream` refuses), where stream
             // order orders each use after the previous one and each free (cudarc frees on the
-            // buffer's stream) after the last use; host copies wait on the stream or on the
-            // pinned buffer's own event, which stays.
+            // buffer's stream) after the last use. cudarc's pinned-buffer event is no longer
+            // recorded either: host access to pinned memory waits on PinnedBuffer's own event
+            // (recorded after each of its copies) or on the stream.
             unsafe { ctx.disable_event_tracking() };
         }
         let (major, minor) = ctx.compute_capability().map_err(drv)?;
