@@ -481,9 +481,20 @@ pub(crate) fn print_profile(p: &OpProfile, bandwidth: f64) {
         );
     }
     if let Some((launches, syncs, bytes)) = super::device::traffic_per_token(p) {
+        // The host's time in the device's calls (queuing programs and copies) per launch.
+        let queue_ms = (p.iter())
+            .find(|(op, _)| op.name() == "device")
+            .map_or(0.0, |(_, o)| {
+                o.time.as_secs_f64() * 1e3 / p.tokens.max(1) as f64
+            });
+        let per_launch = if launches > 0.0 {
+            format!(", {:.1} us of host time each", queue_ms * 1e3 / launches)
+        } else {
+            String::new()
+        };
         eprintln!(
-            "device per token: {launches:.1} kernel launches, {syncs:.2} host waits, {:.1} KB \
-             over the link",
+            "device per token: {launches:.1} kernel launches{per_launch}, {syncs:.2} host \
+             waits, {:.1} KB over the link",
             bytes / 1e3
         );
     }
