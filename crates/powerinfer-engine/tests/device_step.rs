@@ -142,6 +142,22 @@ fn the_whole_model_on_the_device_costs_a_token_its_id_and_its_logits() {
             b.active_cpu, a.active_cpu,
             "{family:?}: the CPU computed neurons"
         );
+        // The device's neuron counts (added up by the fused products for one token of a gated
+        // FFN, into counts zeroed once a step) are the neurons the CPU computes when it holds
+        // the FFN: the same predictor, the same tokens.
+        let (all, ffn) = everything(&m.path);
+        let host_ffn = Engine::load(&m.path, options(DeviceChoice::Sim, Some(all - ffn))).unwrap();
+        let (got, c, d) = decode(&host_ffn, 12);
+        assert_eq!(got, want, "{family:?}: greedy tokens, FFN on the host");
+        let active = |a: &DeviceReport, b: &DeviceReport| {
+            (b.active_device + b.active_cpu) - (a.active_device + a.active_cpu)
+        };
+        assert!(d.active_cpu > c.active_cpu, "{family:?}: {d:?}");
+        assert_eq!(
+            active(&a, &b),
+            active(&c, &d),
+            "{family:?}: neurons computed"
+        );
     }
 }
 

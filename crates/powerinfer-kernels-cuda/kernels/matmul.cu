@@ -800,12 +800,13 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS) matmul_f16_mma(MATM
 // matmul_*_t1 the block's 8 warps first find its active rows; the n active rows have 2n products
 // ("halves"): up to 4 rows, G = 8 / (2n rounded up to a power of two) warps per half; from 5
 // rows, warp k computes both halves of active row k. Then one thread per active row adds the
-// halves' parts and writes the activation.
+// halves' parts and writes the activation. With count (T floats, zeroed by the caller), each
+// block adds its active rows to count[t].
 template <int TY>
 __device__ __forceinline__ void gated_rows_t1(const u8* wg, const u8* wu, long row_bytes,
                                               int n_rows, int K, const float* x, int T,
                                               const float* p, const u32* bucket, float theta,
-                                              int N, int kind, float* dst) {
+                                              int N, int kind, float* count, float* dst) {
     __shared__ int active[8];
     __shared__ float part[2][8];  // [gate, up][warp]
     __shared__ uint4 stage[T1_STAGE(TY)];
@@ -838,6 +839,8 @@ __device__ __forceinline__ void gated_rows_t1(const u8* wg, const u8* wu, long r
         list[k] = -1;
         if (active[k] >= 0) list[n++] = active[k];
     }
+    // The neurons token t computes, added up over the blocks (count_active's count).
+    if (count && threadIdx.x == 0 && n > 0) atomicAdd(count + t, (float)n);
     if (n == 0) return;
     u8* st = (u8*)(stage + warp * T1_WARP_STAGE(TY));
     float dots[2] = {0.0f, 0.0f};
@@ -886,8 +889,9 @@ __device__ __forceinline__ void gated_rows_t1(const u8* wg, const u8* wu, long r
     extern "C" __global__ void __launch_bounds__(256, 4)                                       \
         NAME(const u8* wg, const u8* wu, long row_bytes, int n_rows, int K, const float* x,    \
              int T, const float* p, const u32* bucket, float theta, int N, int kind,           \
-             float* dst) {                                                                     \
-        gated_rows_t1<TY>(wg, wu, row_bytes, n_rows, K, x, T, p, bucket, theta, N, kind, dst); \
+             float* count, float* dst) {                                                       \
+        gated_rows_t1<TY>(wg, wu, row_bytes, n_rows, K, x, T, p, bucket, theta, N, kind,       \
+                          count, dst);                                                         \
     }
 
 GATED(matmul_gated_f32_t1, TY_F32)

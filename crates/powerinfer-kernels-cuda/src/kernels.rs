@@ -166,7 +166,7 @@ pub fn params(kernel: &str) -> Option<&'static [Param]> {
     const ROWS: &[Param] = &[Ptr, I64, I32, I32, Ptr, I32, Ptr, Ptr, F32, I32, Ptr];
     Some(match kernel {
         k if k.starts_with("matmul_gated_") => &[
-            Ptr, Ptr, I64, I32, I32, Ptr, I32, Ptr, Ptr, F32, I32, I32, Ptr,
+            Ptr, Ptr, I64, I32, I32, Ptr, I32, Ptr, Ptr, F32, I32, I32, Ptr, Ptr,
         ],
         k if k.starts_with("matmul_") || k.starts_with("axpy_") => ROWS,
         "quantize_q8" => &[Ptr, I64, Ptr],

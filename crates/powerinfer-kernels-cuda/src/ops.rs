@@ -671,9 +671,10 @@ impl Gpu {
     /// act(gate_j · x_t, up_j · x_t)` where `p[t, bucket[j]] >= theta`, else 0; rows outside the
     /// bucket keep what they held. `x`: t × cols, converted as [`Gpu::matmul`] converts it;
     /// `p`, `dst`: t × N. Each token's products are the one-token kernels' (weights read once
-    /// a token: for decode steps).
+    /// a token: for decode steps). With `count` (t values), the number of neurons each token
+    /// computed ([`Gpu::count_active`]'s) is added to it.
     #[allow(clippy::too_many_arguments)]
-    pub fn gated_matmul<'x, 'p, 'y>(
+    pub fn gated_matmul<'x, 'p, 'c, 'y>(
         &self,
         stream: &Stream,
         gate: &GpuSlice,
@@ -683,9 +684,14 @@ impl Gpu {
         theta: f32,
         t: usize,
         act: Gate,
+        count: Option<Out<'c>>,
         dst: impl Into<Out<'y>>,
     ) -> Result<()> {
         let (x, p, mut dst) = (x.into(), p.into(), dst.into());
+        let mut count = count;
+        if let Some(c) = &count {
+            check_len("count", t, c.len())?;
+        }
         let (wg, wu) = (&gate.weight, &up.weight);
         let n = gate.n_neurons();
         if (wg.ty(), wg.cols(), wg.rows(), wg.row_bytes(), n)
@@ -736,10 +742,12 @@ impl Gpu {
                 Some(bk) => b.ptr(&bk.slice),
                 None => b.null(),
             };
-            b.scalar(&theta)
-                .scalar(&n32)
-                .scalar(&kind)
-                .view_mut(&mut dst);
+            b.scalar(&theta).scalar(&n32).scalar(&kind);
+            match count.as_mut() {
+                Some(c) => b.view_mut(c),
+                None => b.null(),
+            };
+            b.view_mut(&mut dst);
             // SAFETY: the parameters match matmul_gated_*_t1 in kernels/matmul.cu; the two
             // slices have the same rows, width and row size (checked above), so every row the
             // kernel reads of either exists; the bucket (validated when the slice was made) keeps
@@ -1212,6 +1220,16 @@ impl Gpu {
         b.view_mut(&mut y).scalar(&n64);
         // SAFETY: parameters match relu_inplace in kernels/ops.cu; n = y's length.
         unsafe { b.launch(geometry::per_element("relu_inplace", n)?) }
+    }
+
+    /// `y = 0` (a memset on the stream).
+    pub fn zero<'y>(&self, stream: &Stream, y: impl Into<Out<'y>>) -> Result<()> {
+        let mut y = y.into();
+        // An empty view's memory is not its own (it may stand at another view's start).
+        if y.is_empty() {
+            return Ok(());
+        }
+        Ok(stream.inner.memset_zeros(&mut y.inner)?)
     }
 
     /// `y[r] += bias` for every row `r` of `y` (rows of `bias.len()` values).

@@ -391,17 +391,22 @@ proptest! {
             scores[rng.below(t * n)] = 1.0;
         }
         let mut y = vec![7.0f32; t * n];
+        let mut count = vec![0.0f32; t];
         if !bucket.is_empty() {
             let l = geometry::gated(ty, bucket.len(), t).unwrap();
-            type Gated = unsafe extern "C" fn(u32, u32, u32, u32, *const u8, *const u8, i64, i32, i32, *const f32, i32, *const f32, *const u32, f32, i32, i32, *mut f32);
+            type Gated = unsafe extern "C" fn(u32, u32, u32, u32, *const u8, *const u8, i64, i32, i32, *const f32, i32, *const f32, *const u32, f32, i32, i32, *mut f32, *mut f32);
             let f: Gated = emu.sym(l.kernel);
             let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: sg and su hold bucket.len() rows of rb bytes; x the t tokens' activation as
             // the kernel reads it; scores and y hold t × n floats; the bucket is unique and < n.
             unsafe {
-                f(l.grid.0, l.grid.1, l.grid.2, l.block, sg.as_ptr(), su.as_ptr(), rb as i64, bucket.len() as i32, cols as i32, x.as_ptr(), t as i32, scores.as_ptr(), bucket.as_ptr(), 0.0, n as i32, i32::from(kind), y.as_mut_ptr())
+                f(l.grid.0, l.grid.1, l.grid.2, l.block, sg.as_ptr(), su.as_ptr(), rb as i64, bucket.len() as i32, cols as i32, x.as_ptr(), t as i32, scores.as_ptr(), bucket.as_ptr(), 0.0, n as i32, i32::from(kind), count.as_mut_ptr(), y.as_mut_ptr())
             };
         }
+        let want_count: Vec<f32> = (0..t)
+            .map(|tok| bucket.iter().filter(|&&r| scores[tok * n + r as usize] >= 0.0).count() as f32)
+            .collect();
+        prop_assert_eq!(&count, &want_count, "neurons counted per token");
         let (g, u) = (rm::gemm(&wg, n, cols, &x64, t), rm::gemm(&wu, n, cols, &x64, t));
         let (ag, au) = (abs_gemm(&wg, n, cols, &x64, t), abs_gemm(&wu, n, cols, &x64, t));
         let mut want = vec![7.0f64; t * n];

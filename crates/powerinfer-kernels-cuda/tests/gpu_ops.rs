@@ -175,7 +175,10 @@ proptest! {
         let mut sep = gpu.alloc_zeros::<f32>(s, t * n).unwrap();
         gpu.binary(s, Binary::SiluGate, &gsep, &usep, &mut sep).unwrap();
         let mut fused = gpu.upload(s, &vec![7.0f32; t * n]).unwrap();
-        gpu.gated_matmul(s, &slice, &up, &xd, &pd, 0.0, t, powerinfer_kernels_cuda::Gate::Silu, &mut fused).unwrap();
+        let mut count = gpu.alloc_zeros::<f32>(s, t).unwrap();
+        gpu.gated_matmul(s, &slice, &up, &xd, &pd, 0.0, t, powerinfer_kernels_cuda::Gate::Silu, Some((&mut count).into()), &mut fused).unwrap();
+        let want_count: Vec<f32> = (0..t).map(|tok| bucket.iter().filter(|&&r| scores[tok * n + r as usize] >= 0.0).count() as f32).collect();
+        prop_assert_eq!(count.to_host(s).unwrap(), want_count);
         // The activation's error from its operands': their bounds (abs_gemm) times the other.
         let (gs, us) = (gsep.to_host(s).unwrap(), usep.to_host(s).unwrap());
         let (ag, au) = (abs_gemm(&w, n, cols, &x64, t), abs_gemm(&wu, n, cols, &x64, t));

@@ -515,6 +515,7 @@ impl CudaDevice {
                 g.unary(s, Unary::Accumulate, view(bf, *x)?, yv)
                     .map_err(cuda)
             }),
+            Op::Zero { y } => with_out(bufs, *y, |_, yv| g.zero(s, yv).map_err(cuda)),
             Op::Copy { x, y } => with_out(bufs, *y, |bf, yv| {
                 g.copy(s, view(bf, *x)?, yv).map_err(cuda)
             }),
@@ -768,27 +769,27 @@ impl CudaDevice {
             ..
         } = sc;
         let mask_scratch = h.masked.then_some(&*masked);
-        let p = hot_scores(bufs, mask_scratch, scores, tn)?;
-        let xv = view(bufs, x)?;
+        // One token of a gated FFN: the gate and up products, the activation and the count of
+        // neurons in one launch.
+        let fused = h.gate.is_some() && t == 1;
         match &h.gate {
-            // One token of a gated FFN: the gate and up products and the activation in one
-            // launch.
-            Some(gs) if t == 1 => {
+            Some(gs) if fused => {
                 let av = act.view_mut(0, tn).map_err(cuda)?;
-                g.gated_matmul(
-                    s,
-                    gs,
-                    &h.up,
-                    xv,
-                    p.reborrow(),
-                    theta,
-                    t,
-                    gate_kind(h.act),
-                    av,
-                )
-                .map_err(cuda)?;
+                let run = |b: &[Option<DeviceBuffer<f32>>], cv: Option<DeviceViewMut<'_, f32>>| {
+                    let (xv, p) = (view(b, x)?, hot_scores(b, mask_scratch, scores, tn)?);
+                    let act = gate_kind(h.act);
+                    (g.gated_matmul(s, gs, &h.up, xv, p, theta, t, act, cv, av)).map_err(cuda)
+                };
+                match count {
+                    Some(c) => with_out(bufs, c, |b, cv| run(b, Some(cv)))?,
+                    None => run(bufs, None)?,
+                }
             }
-            _ => self.hot_products(h, xv, p.reborrow(), theta, t, tn, up, gate, act)?,
+            _ => {
+                let p = hot_scores(bufs, mask_scratch, scores, tn)?;
+                let xv = view(bufs, x)?;
+                self.hot_products(h, xv, p, theta, t, tn, up, gate, act)?
+            }
         }
         // F16 rows multiply activations rounded to f16, as the CPU's axpy does.
         let coeff = if h.down.weight().ty() == GgmlType::F16 {
@@ -812,7 +813,8 @@ impl CudaDevice {
             }
             .map_err(cuda)
         })?;
-        if let Some(c) = count {
+        // The count (into zeros, so written or added alike).
+        if let Some(c) = count.filter(|_| !fused) {
             with_out(bufs, c, |b, cv| {
                 g.count_active(
                     s,

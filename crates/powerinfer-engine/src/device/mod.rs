@@ -416,6 +416,8 @@ pub(crate) enum Op {
     Add { y: Span, x: Span },
     /// `y = x`.
     Copy { x: Span, y: Span },
+    /// `y = 0`.
+    Zero { y: Span },
     /// RoPE in place ([`RopeOp`]).
     Rope(RopeOp),
     /// K and V rows stored in a KV store, then causal attention over it ([`AttentionOp`]).
@@ -487,7 +489,9 @@ pub(crate) struct AttentionOp {
 /// [`Op::HotFfn`]: the hot part of a sparse FFN for `t` tokens: the sum over the slice's
 /// enabled neurons with `score ≥ threshold` of `act(gate·x, up·x (+ bias)) · down` is written
 /// to `y` (`t × n_embd`), or added to it with `accumulate` (the FFN's residual add, no zeroing
-/// first); `count` (`t` values), if given, gets how many neurons each token computed.
+/// first); `count` (`t` values), if given, gets how many neurons each token computed: written,
+/// or, for one token of a gated FFN, added to it (the fused products count while they run; the
+/// caller zeroes the counts first, one [`Op::Zero`] for every layer's counts of a step).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct HotFfnOp {
     pub(crate) hot: HotId,
@@ -543,13 +547,15 @@ pub(crate) fn launches_of(
                 (true, false) => 3,
                 (false, _) => 2 + u64::from(k.up_bias),
             };
+            // The fused products count the neurons too.
+            let fused = k.gated && f.t == 1;
             2 * u64::from(k.masked)
                 + u64::from(k.converts)
                 + products
                 + u64::from(k.f16_down)
                 + u64::from(!f.accumulate)
                 + 1
-                + u64::from(f.count.is_some())
+                + u64::from(f.count.is_some() && !fused)
         }
         // The rows stored, then the attention.
         Op::Attention(_) => 2,

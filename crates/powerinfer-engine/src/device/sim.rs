@@ -1097,6 +1097,10 @@ impl Stream {
                 add(out, ins[0])?;
                 Ok(one(8 * y.len as u64))
             }
+            Op::Zero { y } => {
+                span_mut(&mut mem.bufs, *y)?.fill(0.0);
+                Ok(one(4 * y.len as u64))
+            }
             Op::Copy { x, y } => {
                 let (ins, out) = io(&mut mem.bufs, &[*x], *y)?;
                 if ins[0].len() != out.len() {
@@ -1229,8 +1233,10 @@ impl Stream {
                     if out.len() != counts.len() {
                         return Err(EngineError::Device("a count span of the wrong size".into()));
                     }
+                    // Added for one token of a gated FFN (as a GPU's fused products count).
+                    let adds = h.gate.is_some() && f.t == 1;
                     for (o, &n) in out.iter_mut().zip(&counts) {
-                        *o = n as f32;
+                        *o = if adds { *o + n as f32 } else { n as f32 };
                     }
                 }
                 Ok(Cost {

@@ -241,6 +241,14 @@ impl Run<'_> {
         let (t, ne, nl) = (c.t, hp.n_embd, model.layers.len());
         let x = w.x.span(0, t * ne);
         let mut host_x = Vec::new();
+        // Every layer's neuron counts, zeroed in the chunk's first program when the hot FFNs
+        // add to them (one token of a gated FFN: the fused products count).
+        let zero_counts = DevOp::Zero {
+            y: w.out.span(0, nl * t),
+        };
+        let gated =
+            (model.layers.iter()).any(|l| matches!(l.ffn, Ffn::Sparse { gate: Some(_), .. }));
+        let mut counts_zeroed = !(gated && t == 1);
         // The embeddings: on the device when it runs the first layer and holds the tables.
         let mut on_device = match (&h.embed, h.layers.first().and_then(|l| l.attn.as_ref())) {
             (Some(e), Some(_)) => {
@@ -267,6 +275,10 @@ impl Run<'_> {
                     &self.lay.tokens[c.start..c.start + t],
                     &step.positions,
                 )?;
+                if !counts_zeroed {
+                    ops.push(zero_counts.clone());
+                    counts_zeroed = true;
+                }
                 dev.enqueue(&ops)?;
                 true
             }
@@ -289,6 +301,10 @@ impl Run<'_> {
                 if !on_device {
                     dev.write(x, &host_x)?;
                     on_device = true;
+                }
+                if !counts_zeroed {
+                    dev.enqueue(std::slice::from_ref(&zero_counts))?;
+                    counts_zeroed = true;
                 }
                 self.device_layer(step, c, w, l, balance, &mut counted, &mut shares)?;
             } else {

@@ -24,8 +24,8 @@ EMU_ROWS(matmul_q4_0_mma)
 #define EMU_GATED(NAME)                                                                         \
     extern "C" void emu_##NAME(EMU_GRID, const u8* wg, const u8* wu, long rb, int n_rows, int K, \
                                const float* x, int T, const float* p, const u32* bucket,       \
-                               float theta, int N, int kind, float* dst) {                     \
-        emu_launch(gx, gy, gz, bx, [=] { NAME(wg, wu, rb, n_rows, K, x, T, p, bucket, theta, N, kind, dst); }); \
+                               float theta, int N, int kind, float* count, float* dst) {       \
+        emu_launch(gx, gy, gz, bx, [=] { NAME(wg, wu, rb, n_rows, K, x, T, p, bucket, theta, N, kind, count, dst); }); \
     }
 EMU_GATED(matmul_gated_f32_t1)
 EMU_GATED(matmul_gated_f16_t1)
