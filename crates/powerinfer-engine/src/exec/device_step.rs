@@ -665,30 +665,41 @@ impl Run<'_> {
                 ops.push(predictor);
                 ex_cur
             };
-            dev.enqueue(&ops)?;
-            ops.clear();
             let read = if cpu_part {
+                dev.enqueue(&ops)?;
+                ops.clear();
                 Some(dev.read(w.exchange.span(0, t * (ne + nff)))?)
             } else {
                 None
             };
             if let Some(s) = state {
-                // The hot part is added to the hidden state by its own axpy (the residual add);
-                // the CPU's share is added in one program after it (graphs: three a layer).
-                dev.enqueue(&[
-                    DevOp::Mark { slot: 2 * l },
-                    DevOp::HotFfn(HotFfnOp {
-                        hot: s.hot,
-                        x: fin,
-                        scores,
-                        threshold: self.exec.options().threshold,
-                        t,
-                        y: x,
-                        accumulate: true,
-                        count: Some(w.out.span(l * t, t)),
-                    }),
-                    DevOp::Mark { slot: 2 * l + 1 },
-                ])?;
+                // The hot part is added to the hidden state by its own axpy (the residual add).
+                let hot = DevOp::HotFfn(HotFfnOp {
+                    hot: s.hot,
+                    x: fin,
+                    scores,
+                    threshold: self.exec.options().threshold,
+                    t,
+                    y: x,
+                    accumulate: true,
+                    count: Some(w.out.span(l * t, t)),
+                });
+                if balance.options.balance || read.is_some() {
+                    // Timed between marks for the balancer and the layer split; the CPU's share
+                    // is added in one program after it (graphs: three a layer).
+                    if !ops.is_empty() {
+                        dev.enqueue(&ops)?;
+                        ops.clear();
+                    }
+                    dev.enqueue(&[
+                        DevOp::Mark { slot: 2 * l },
+                        hot,
+                        DevOp::Mark { slot: 2 * l + 1 },
+                    ])?;
+                } else {
+                    // Nothing reads its time: the layer is one program.
+                    ops.push(hot);
+                }
                 counted[l] = true;
             }
             step.laps.lap(Op::Device, || 0);
