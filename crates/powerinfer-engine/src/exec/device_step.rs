@@ -31,7 +31,9 @@ use super::step::{norm, Buffers, LayerRun, Step};
 use super::weights::ModelMats;
 use super::Segment;
 use super::{embed, host_logits, logit_rows, outputs, EvalOptions, EvalOutput, Executor, Layout};
-use crate::device::{AttentionOp, BufId, HotFfnOp, KvId, Op as DevOp, PredictorOp, RopeOp, RowsOf};
+use crate::device::{
+    AttentionOp, BufId, Device, HotFfnOp, KvId, Op as DevOp, PredictorOp, RopeOp, RowsOf,
+};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{Arch, Ffn, Model};
@@ -249,6 +251,8 @@ impl Run<'_> {
         let gated =
             (model.layers.iter()).any(|l| matches!(l.ffn, Ffn::Sparse { gate: Some(_), .. }));
         let mut counts_zeroed = !(gated && t == 1);
+        // The device's ops not sent yet (see `flush`).
+        let mut pending: Vec<DevOp> = Vec::new();
         // The embeddings: on the device when it runs the first layer and holds the tables.
         let mut on_device = match (&h.embed, h.layers.first().and_then(|l| l.attn.as_ref())) {
             (Some(e), Some(_)) => {
@@ -279,7 +283,7 @@ impl Run<'_> {
                     ops.push(zero_counts.clone());
                     counts_zeroed = true;
                 }
-                dev.enqueue(&ops)?;
+                pending.extend(ops);
                 true
             }
             _ => {
@@ -299,16 +303,27 @@ impl Run<'_> {
         for l in 0..nl {
             if h.layers[l].attn.is_some() {
                 if !on_device {
+                    flush(dev, &mut pending)?;
                     dev.write(x, &host_x)?;
                     on_device = true;
                 }
                 if !counts_zeroed {
-                    dev.enqueue(std::slice::from_ref(&zero_counts))?;
+                    pending.push(zero_counts.clone());
                     counts_zeroed = true;
                 }
-                self.device_layer(step, c, w, l, balance, &mut counted, &mut shares)?;
+                self.device_layer(
+                    step,
+                    c,
+                    w,
+                    l,
+                    balance,
+                    &mut counted,
+                    &mut shares,
+                    &mut pending,
+                )?;
             } else {
                 if on_device {
+                    flush(dev, &mut pending)?;
                     let r = dev.read(x)?;
                     host_x.resize(t * ne, 0.0);
                     dev.wait(r, &mut host_x)?;
@@ -363,7 +378,8 @@ impl Run<'_> {
                         y: w.out.span(counts_len, n_out * nv),
                         t: n_out,
                     });
-                    dev.enqueue(&ops)?;
+                    pending.extend(ops);
+                    flush(dev, &mut pending)?;
                     step.laps.lap(Op::Device, || 0);
                     let mut got = vec![0f32; counts_len + n_out * nv];
                     let r = dev.read(w.out.span(0, got.len()))?;
@@ -374,7 +390,8 @@ impl Run<'_> {
                 }
                 _ => {
                     pick(&mut ops, w.out, counts_len);
-                    dev.enqueue(&ops)?;
+                    pending.extend(ops);
+                    flush(dev, &mut pending)?;
                     let mut got = vec![0f32; counts_len + n_out * ne];
                     let r = dev.read(w.out.span(0, got.len()))?;
                     dev.wait(r, &mut got)?;
@@ -387,6 +404,7 @@ impl Run<'_> {
                 }
             }
         } else {
+            flush(dev, &mut pending)?;
             if any_counted {
                 let r = dev.read(w.out.span(0, counts_len))?;
                 dev.wait(r, &mut counts)?;
@@ -432,6 +450,7 @@ impl Run<'_> {
         balance: &mut Balance,
         counted: &mut [bool],
         shares: &mut [Option<CpuShare>],
+        pending: &mut Vec<DevOp>,
     ) -> Result<()> {
         let (model, h) = (self.model, self.h);
         let hp = &model.hparams;
@@ -615,7 +634,7 @@ impl Run<'_> {
             if falcon {
                 ops.push(residual);
             }
-            dev.enqueue(&ops)?;
+            pending.extend(ops);
             step.laps.lap(Op::Device, || 0);
             return Ok(());
         }
@@ -666,8 +685,8 @@ impl Run<'_> {
                 ex_cur
             };
             let read = if cpu_part {
-                dev.enqueue(&ops)?;
-                ops.clear();
+                pending.append(&mut ops);
+                flush(dev, pending)?;
                 Some(dev.read(w.exchange.span(0, t * (ne + nff)))?)
             } else {
                 None
@@ -687,10 +706,8 @@ impl Run<'_> {
                 if balance.options.balance || read.is_some() {
                     // Timed between marks for the balancer and the layer split; the CPU's share
                     // is added in one program after it (graphs: three a layer).
-                    if !ops.is_empty() {
-                        dev.enqueue(&ops)?;
-                        ops.clear();
-                    }
+                    pending.append(&mut ops);
+                    flush(dev, pending)?;
                     dev.enqueue(&[
                         DevOp::Mark { slot: 2 * l },
                         hot,
@@ -722,6 +739,7 @@ impl Run<'_> {
                 let active = ffn::cold_part(step, &run, cur_h, sc_h, skip, &mut out_h)?;
                 let time = t0.elapsed();
                 let cy = w.cpu_y.span(0, t * ne);
+                flush(dev, pending)?;
                 dev.write(cy, &out_h)?;
                 ops.push(DevOp::Add { y: x, x: cy });
                 shares[l] = Some(CpuShare {
@@ -733,7 +751,7 @@ impl Run<'_> {
             if let Some(b) = hl.down_b {
                 ops.push(DevOp::AddRows { y: x, b });
             }
-            dev.enqueue(&ops)?;
+            pending.extend(ops);
             step.laps.lap(Op::Device, || 0);
             return Ok(());
         }
@@ -741,7 +759,8 @@ impl Run<'_> {
         if !falcon {
             ops.push(residual.clone());
         }
-        dev.enqueue(&ops)?;
+        pending.extend(ops);
+        flush(dev, pending)?;
         let r = dev.read(x)?;
         if falcon {
             dev.enqueue(&[residual])?;
@@ -763,8 +782,9 @@ impl Run<'_> {
         let mut out_h = vec![0f32; t * ne];
         ffn::forward(step, &run, &xh, &cur, &mut out_h)?;
         let cy = w.cpu_y.span(0, t * ne);
+        flush(dev, pending)?;
         dev.write(cy, &out_h)?;
-        dev.enqueue(&[DevOp::Add { y: x, x: cy }])?;
+        pending.push(DevOp::Add { y: x, x: cy });
         step.laps.lap(Op::Device, || 0);
         Ok(())
     }
@@ -847,6 +867,18 @@ fn check_rows(model: &Model, tokens: &[u32], positions: &[usize]) -> Result<()> 
                 ctx_len: pe.rows - OPT_POSITION_OFFSET,
             });
         }
+    }
+    Ok(())
+}
+
+/// Sends the ops queued for the device as one program. The step queues ops as it builds them
+/// and sends them when the host next needs the device (before a read, a copy in, or a timed
+/// run) and at the chunk's end, so that a chunk the device holds whole is one program (one
+/// launch with graphs).
+fn flush(dev: &dyn Device, pending: &mut Vec<DevOp>) -> Result<()> {
+    if !pending.is_empty() {
+        dev.enqueue(pending)?;
+        pending.clear();
     }
     Ok(())
 }
