@@ -65,6 +65,10 @@ fn gate_kind(act: FfnAct) -> Gate {
     }
 }
 
+/// Captured programs kept (least recently used dropped first): a step's programs differ by the
+/// tokens of a chunk and the batch's sequences, so a server sees new ones for a while.
+const MAX_GRAPHS: usize = 64;
+
 /// Layer `layer` of KV store `kv`.
 fn kv_layer(kvs: &[Vec<KvCache>], kv: KvId, layer: usize) -> Result<&KvCache> {
     kvs.get(kv.0)
@@ -639,20 +643,27 @@ impl CudaDevice {
             let (run, after) = rest.split_at(end);
             let masked = masked_of(&st.hots, run);
             let seen = (st.graphs.iter()).position(|c| c.ops[..] == *run && c.masked == masked);
-            let i = match seen {
-                Some(i) => i,
+            let captured = match seen {
+                // The most recently used last.
+                Some(i) => st.graphs.remove(i),
                 None => {
+                    if st.graphs.len() >= MAX_GRAPHS {
+                        // The least recently used goes; it may still be running.
+                        self.gpu.stream().synchronize().map_err(cuda)?;
+                        self.traffic.waited();
+                        st.graphs.remove(0);
+                    }
                     let graph =
                         (self.gpu.stream()).capture(|| -> Result<()> { self.run(st, run) })?;
-                    st.graphs.push(Captured {
+                    Captured {
                         ops: run.to_vec(),
                         masked,
                         graph,
-                    });
-                    st.graphs.len() - 1
+                    }
                 }
             };
-            st.graphs[i].graph.launch().map_err(cuda)?;
+            captured.graph.launch().map_err(cuda)?;
+            st.graphs.push(captured);
             launches += 1;
             rest = after;
         }
