@@ -489,6 +489,25 @@ __device__ __forceinline__ float row_dot_t1(const u8* r, const float* x, const f
     return acc[0];
 }
 
+// Lane 0 of the warp for slice row j of a one-token block: *slot = j when the row exists and is
+// active (p == NULL or p[row] >= theta, row = bucket ? bucket[j] : j), else -1, and an inactive
+// row's output is written 0. The caller synchronizes the block before reading the slots.
+__device__ __forceinline__ void mark_active_row(int j, int n_rows, const float* p,
+                                                const u32* bucket, float theta, float* dst,
+                                                int lane, int* slot) {
+    if (lane != 0) return;
+    int a = -1;
+    if (j < n_rows) {
+        long row = bucket ? (long)bucket[j] : (long)j;
+        if (p == 0 || p[row] >= theta) {
+            a = j;
+        } else {
+            dst[row] = 0.0f;
+        }
+    }
+    *slot = a;
+}
+
 // One token: the block's 8 warps first find which of its 8 rows are active (p >= theta, or all
 // for a dense product) and write 0 for the inactive ones; then the n active rows share the warps,
 // G = 8 / (n rounded up to a power of two) warps per row, interleaved over the row (G = 1 for a
@@ -502,18 +521,7 @@ __device__ __forceinline__ void matmul_rows_t1(const u8* w, long row_bytes, int 
     __shared__ float part[8];  // per warp: its partial sum
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int j = blockIdx.x * 8 + warp;
-    if (lane == 0) {
-        int a = -1;
-        if (j < n_rows) {
-            long row = bucket ? (long)bucket[j] : (long)j;
-            if (p == 0 || p[row] >= theta) {
-                a = j;
-            } else {
-                dst[row] = 0.0f;
-            }
-        }
-        active[warp] = a;
-    }
+    mark_active_row(j, n_rows, p, bucket, theta, dst, lane, active + warp);
     __syncthreads();
     // Every thread reads the same flags, so n, G and the early return are uniform in the block.
     int n = 0, mine = -1;
@@ -820,18 +828,7 @@ __device__ __forceinline__ void gated_rows_t1(const u8* wg, const u8* wu, long r
     const float* xd = (const float*)((const u8*)x + (long)T * K) + (long)t * (K >> 5);
     const float* pt = p ? p + (long)t * N : 0;
     float* dt = dst + (long)t * N;
-    if (lane == 0) {
-        int a = -1;
-        if (j < n_rows) {
-            long row = bucket ? (long)bucket[j] : (long)j;
-            if (pt == 0 || pt[row] >= theta) {
-                a = j;
-            } else {
-                dt[row] = 0.0f;
-            }
-        }
-        active[warp] = a;
-    }
+    mark_active_row(j, n_rows, pt, bucket, theta, dt, lane, active + warp);
     __syncthreads();
     int n = 0, list[8];
 #pragma unroll

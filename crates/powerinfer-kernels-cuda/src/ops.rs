@@ -366,6 +366,12 @@ impl Binary {
     }
 }
 
+/// What a norm kernel reads: `x`, or `x` that it first adds the residual `a` to.
+enum NormInput<'x, 'a> {
+    Plain(In<'x>),
+    Residual(Out<'x>, In<'a>),
+}
+
 /// The shape of a norm: `rows` rows of `n`, and its epsilon.
 #[derive(Clone, Copy, Debug)]
 struct NormShape {
@@ -508,14 +514,9 @@ impl Gpu {
             } else {
                 "rms_norm"
             };
-            return self.norm(
-                stream,
-                kernel,
-                x,
-                &[w.as_ref(), bias.as_ref()][..1 + usize::from(bias.is_some())],
-                shape,
-                y,
-            );
+            let params = [w.as_ref(), bias.as_ref()];
+            let params = &params[..1 + usize::from(bias.is_some())];
+            return self.norm(stream, kernel, NormInput::Plain(x), params, shape, y);
         };
         check_len("x", rows * n, x.len())?;
         check_len("y", rows * n, y.len())?;
@@ -544,7 +545,14 @@ impl Gpu {
             };
             let params = [w.as_ref(), bias.as_ref()];
             let params = &params[..1 + usize::from(bias.is_some())];
-            self.norm(stream, kernel, x, params, shape, y.as_mut())?;
+            self.norm(
+                stream,
+                kernel,
+                NormInput::Plain(x),
+                params,
+                shape,
+                y.as_mut(),
+            )?;
             return self.launch_products(stream, &y.as_view(), rows, &mut products);
         }
         // Quantized types have widths of whole blocks (checked when the tensors are made).
@@ -895,7 +903,8 @@ impl Gpu {
         y: impl Into<Out<'y>>,
     ) -> Result<()> {
         let shape = NormShape { eps, rows, n };
-        self.norm(stream, "rms_norm", x.into(), &[w.as_ref()], shape, y.into())
+        let x = NormInput::Plain(x.into());
+        self.norm(stream, "rms_norm", x, &[w.as_ref()], shape, y.into())
     }
 
     /// LayerNorm of `rows` rows of `n`: `y = (x - mean) / sqrt(var + eps) * w + b` (population
@@ -914,7 +923,8 @@ impl Gpu {
     ) -> Result<()> {
         let shape = NormShape { eps, rows, n };
         let params = [w.as_ref(), bias.as_ref()];
-        self.norm(stream, "layer_norm", x.into(), &params, shape, y.into())
+        let x = NormInput::Plain(x.into());
+        self.norm(stream, "layer_norm", x, &params, shape, y.into())
     }
 
     /// The residual add and the RMSNorm after it in one launch: `x += a`, then
@@ -934,7 +944,8 @@ impl Gpu {
     ) -> Result<()> {
         let shape = NormShape { eps, rows, n };
         let (x, a, y) = (x.into(), a.into(), y.into());
-        self.add_norm(stream, "add_rms_norm", x, a, &[w.as_ref()], shape, y)
+        let x = NormInput::Residual(x, a);
+        self.norm(stream, "add_rms_norm", x, &[w.as_ref()], shape, y)
     }
 
     /// The residual add and the LayerNorm after it in one launch: `x += a`, then
@@ -955,58 +966,36 @@ impl Gpu {
         let shape = NormShape { eps, rows, n };
         let (x, a, y) = (x.into(), a.into(), y.into());
         let params = [w.as_ref(), bias.as_ref()];
-        self.add_norm(stream, "add_layer_norm", x, a, &params, shape, y)
+        self.norm(
+            stream,
+            "add_layer_norm",
+            NormInput::Residual(x, a),
+            &params,
+            shape,
+            y,
+        )
     }
 
-    /// An add-and-norm kernel over `rows` rows of `n`: `x` (updated), `a`, the optional
-    /// per-column parameters, `y`, `n` and `eps`.
-    #[allow(clippy::too_many_arguments)]
-    fn add_norm(
-        &self,
-        stream: &Stream,
-        kernel: &'static str,
-        mut x: Out<'_>,
-        a: In<'_>,
-        params: &[Option<&In<'_>>],
-        sh: NormShape,
-        mut y: Out<'_>,
-    ) -> Result<()> {
-        let NormShape { eps, rows, n } = sh;
-        check_len("x", rows * n, x.len())?;
-        check_len("a", rows * n, a.len())?;
-        check_len("y", rows * n, y.len())?;
-        for v in params.iter().flatten() {
-            check_len("weight/bias", n, v.len())?;
-        }
-        if rows == 0 || n == 0 {
-            return Ok(());
-        }
-        let n32 = i32_arg("n", n)?;
-        let mut b = Args::new(self, stream, kernel);
-        b.view_mut(&mut x).view(&a);
-        for &v in params {
-            b.view_or_null(v);
-        }
-        b.view_mut(&mut y).scalar(&n32).scalar(&eps);
-        // SAFETY: parameters match add_rms_norm and add_layer_norm in kernels/ops.cu (x, a, the
-        // optional parameters, y, n, eps); lengths checked above. x and y are distinct mutable
-        // views (their buffers cannot overlap), a is read only.
-        unsafe { b.launch(geometry::per_row(kernel, rows)?) }
-    }
-
-    /// A norm kernel over `rows` rows of `n`: `x`, its optional per-column parameters (each of
-    /// length n, null when absent), `y`, `n` and `eps`.
+    /// A norm kernel over `rows` rows of `n`: its input (`x`, or `x` updated by the residual
+    /// `a` for the add-and-norm kernels), its optional per-column parameters (each of length n,
+    /// null when absent), `y`, `n` and `eps`.
     fn norm(
         &self,
         stream: &Stream,
         kernel: &'static str,
-        x: In<'_>,
+        mut x: NormInput<'_, '_>,
         params: &[Option<&In<'_>>],
         sh: NormShape,
         mut y: Out<'_>,
     ) -> Result<()> {
         let NormShape { eps, rows, n } = sh;
-        check_len("x", rows * n, x.len())?;
+        match &x {
+            NormInput::Plain(v) => check_len("x", rows * n, v.len())?,
+            NormInput::Residual(v, a) => {
+                check_len("x", rows * n, v.len())?;
+                check_len("a", rows * n, a.len())?;
+            }
+        }
         check_len("y", rows * n, y.len())?;
         for v in params.iter().flatten() {
             check_len("weight/bias", n, v.len())?;
@@ -1016,13 +1005,17 @@ impl Gpu {
         }
         let n32 = i32_arg("n", n)?;
         let mut b = Args::new(self, stream, kernel);
-        b.view(&x);
+        match &mut x {
+            NormInput::Plain(v) => b.view(v),
+            NormInput::Residual(v, a) => b.view_mut(v).view(a),
+        };
         for &v in params {
             b.view_or_null(v);
         }
         b.view_mut(&mut y).scalar(&n32).scalar(&eps);
-        // SAFETY: parameters match rms_norm and layer_norm in kernels/ops.cu (x, the optional
-        // parameters, y, n, eps); lengths checked above.
+        // SAFETY: parameters match rms_norm, layer_norm, add_rms_norm and add_layer_norm in
+        // kernels/ops.cu (the input, the optional parameters, y, n, eps); lengths checked above.
+        // A residual's x and y are distinct mutable views, its a is read only.
         unsafe { b.launch(geometry::per_row(kernel, rows)?) }
     }
 

@@ -206,6 +206,16 @@ fn view(bufs: &[Option<DeviceBuffer<f32>>], s: Span) -> Result<DeviceView<'_, f3
     buf(bufs, s.buf)?.view(s.off, s.len).map_err(cuda)
 }
 
+/// The held matrices `ms`.
+fn held_mats<'m>(mats: &'m [DeviceTensor], ms: &[MatId]) -> Result<Vec<&'m DeviceTensor>> {
+    (ms.iter())
+        .map(|m| {
+            mats.get(m.0)
+                .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", m.0)))
+        })
+        .collect()
+}
+
 /// Runs `f` with the buffers and a write view of `y`, whose buffer is taken out of the table
 /// meanwhile (so that `f` cannot read it through the table).
 fn with_out<R>(
@@ -371,12 +381,7 @@ impl CudaDevice {
             }
         }
         let State { mats, bufs, .. } = st;
-        let ws = (ms.iter())
-            .map(|m| {
-                mats.get(m.0)
-                    .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", m.0)))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let ws = held_mats(mats, &ms)?;
         let (g, s) = (&self.gpu, self.gpu.stream());
         with_outs(bufs, &outs, |bf, mut views| {
             let yv = views.remove(0);
@@ -410,12 +415,7 @@ impl CudaDevice {
         }
         let x = x.ok_or_else(|| EngineError::Device("no products".into()))?;
         let State { mats, bufs, .. } = st;
-        let ws = (ms.iter())
-            .map(|m| {
-                mats.get(m.0)
-                    .ok_or_else(|| EngineError::Device(format!("unknown device matrix {}", m.0)))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let ws = held_mats(mats, &ms)?;
         let (g, s) = (&self.gpu, self.gpu.stream());
         with_outs(bufs, &ys, |b, outs| {
             let products = (ws.iter().zip(outs))
