@@ -197,10 +197,11 @@ fn part_of_the_ffn_on_the_device_sends_a_layer_its_share_only() {
     }
 }
 
-/// With graphs a device replays each program (the runs between timing marks) with one launch:
-/// the same tokens, and per token one launch (up to three a layer when the balancer times the
-/// hot FFN between two marks) instead of one per kernel, the link and the waits as without
-/// graphs (with the static split; the balancer's moves follow measured times).
+/// With graphs a device replays each program (the runs between timing marks) with one launch
+/// once it has seen it twice: the same tokens, and per token one launch (up to three a layer
+/// when the balancer times the hot FFN between two marks) instead of one per kernel, the link
+/// and the waits as without graphs (with the static split; the balancer's moves follow
+/// measured times).
 #[test]
 fn graphs_replay_a_layer_with_a_launch_or_three() {
     for (i, family) in [Family::Llama, Family::Opt].into_iter().enumerate() {
@@ -225,10 +226,13 @@ fn graphs_replay_a_layer_with_a_launch_or_three() {
                  graphs"
             );
             // One program a token when the device holds everything and nothing times the hot
-            // FFN (the static split); up to three a layer when the balancer does.
-            let bound = if balance { 3 * n_layer + 2 } else { 1 };
+            // FFN (the static split); up to three a layer when the balancer does. A program
+            // runs as it is the first time it is seen (the first decode token), is captured the
+            // second time and replayed after.
+            let bound = if balance { 3 * n_layer + 2 } else { 1 } as f64;
+            let n = 12.0;
             assert!(
-                launches <= bound as f64,
+                launches <= (plain + (n - 1.0) * bound) / n + 1e-9,
                 "{family:?}: {launches} launches per token with graphs"
             );
             assert!(launches < plain, "{family:?}: {launches} vs {plain}");

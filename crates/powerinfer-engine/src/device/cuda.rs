@@ -23,10 +23,10 @@ use powerinfer_kernels_cuda::{
 };
 
 use super::{
-    converts_activation, entry, entry_mut, free_entry, norm_conversion_run, program_launches,
-    shared_activation_run, unknown_kv, BufId, Conversion, Device, HotFfnOp, HotId, HotKind,
-    HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, ReadId, RowsOf, ScratchShape,
-    Span, Traffic, TrafficCounters,
+    converts_activation, entry, entry_mut, free_entry, masked_flags, norm_conversion_run,
+    program_launches, shared_activation_run, unknown_kv, BufId, Conversion, Device, GraphCache,
+    HotFfnOp, HotId, HotKind, HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp,
+    ReadId, RowsOf, ScratchShape, Sighting, Span, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -64,10 +64,6 @@ fn gate_kind(act: FfnAct) -> Gate {
         _ => Gate::Relu,
     }
 }
-
-/// Captured programs kept (least recently used dropped first): a step's programs differ by the
-/// tokens of a chunk and the batch's sequences, so a server sees new ones for a while.
-const MAX_GRAPHS: usize = 64;
 
 /// Layer `layer` of KV store `kv`.
 fn kv_layer(kvs: &[Vec<KvCache>], kv: KvId, layer: usize) -> Result<&KvCache> {
@@ -155,30 +151,14 @@ struct State {
     marks: HashMap<usize, TimedEvent>,
     /// Captured programs (a decode step has a few per layer; a lookup compares ops, which
     /// differ from the first one for programs of other layers).
-    graphs: Vec<Captured>,
-}
-
-/// A captured program: the ops it ran, whether each of its hot FFNs' enabled masks applied
-/// (that adds a kernel), and the graph. Buffers never move after load, so the ops' ids stand
-/// for the memory the graph points at.
-struct Captured {
-    ops: Vec<Op>,
-    masked: Vec<bool>,
-    graph: Graph,
+    graphs: GraphCache<Graph>,
 }
 
 /// Per hot FFN of `ops`, whether its enabled mask applies.
 fn masked_of(hots: &[Option<CudaHot>], ops: &[Op]) -> Vec<bool> {
-    (ops.iter())
-        .filter_map(|op| match op {
-            Op::HotFfn(f) => Some(
-                hots.get(f.hot.0)
-                    .and_then(Option::as_ref)
-                    .is_some_and(|h| h.masked),
-            ),
-            _ => None,
-        })
-        .collect()
+    masked_flags(ops, |h| {
+        (hots.get(h.0).and_then(Option::as_ref)).is_some_and(|h| h.masked)
+    })
 }
 
 /// An NVIDIA GPU through `powerinfer-kernels-cuda`.
@@ -327,6 +307,14 @@ impl CudaDevice {
             Some(b) => Ok(b),
             None => self.gpu.alloc_pinned::<f32>(len).map_err(cuda),
         }
+    }
+
+    /// The kernel launches of program `ops` ([`program_launches`]).
+    fn launches(&self, st: &State, ops: &[Op]) -> u64 {
+        let hot = |h: HotId| {
+            (st.hots.get(h.0).and_then(Option::as_ref)).map_or(HotKind::default(), CudaHot::kind)
+        };
+        program_launches(ops, |m| Self::conversion(st, m), hot)
     }
 
     /// How a held matrix's products convert their activation.
@@ -642,29 +630,26 @@ impl CudaDevice {
                 .unwrap_or(rest.len());
             let (run, after) = rest.split_at(end);
             let masked = masked_of(&st.hots, run);
-            let seen = (st.graphs.iter()).position(|c| c.ops[..] == *run && c.masked == masked);
-            let captured = match seen {
-                // The most recently used last.
-                Some(i) => st.graphs.remove(i),
-                None => {
-                    if st.graphs.len() >= MAX_GRAPHS {
-                        // The least recently used goes; it may still be running.
-                        self.gpu.stream().synchronize().map_err(cuda)?;
-                        self.traffic.waited();
-                        st.graphs.remove(0);
-                    }
+            match st.graphs.sight(run, &masked) {
+                Sighting::First => {
+                    launches += self.launches(st, run);
+                    self.run(st, run)?;
+                }
+                Sighting::Capture => {
                     let graph =
                         (self.gpu.stream()).capture(|| -> Result<()> { self.run(st, run) })?;
-                    Captured {
-                        ops: run.to_vec(),
-                        masked,
-                        graph,
-                    }
+                    graph.launch().map_err(cuda)?;
+                    st.graphs.keep(run, &masked, graph);
+                    launches += 1;
                 }
-            };
-            captured.graph.launch().map_err(cuda)?;
-            st.graphs.push(captured);
-            launches += 1;
+                Sighting::Replay => {
+                    let graph = st.graphs.last().ok_or_else(|| {
+                        EngineError::Device("a replayed program without its graph".into())
+                    })?;
+                    graph.launch().map_err(cuda)?;
+                    launches += 1;
+                }
+            }
             rest = after;
         }
         self.traffic.launched(launches);
@@ -824,7 +809,7 @@ impl CudaDevice {
             }
             .map_err(cuda)
         })?;
-        // The count (into zeros, so written or added alike).
+        // The count, written (the fused products added theirs).
         if let Some(c) = count.filter(|_| !fused) {
             with_out(bufs, c, |b, cv| {
                 g.count_active(
@@ -1137,10 +1122,7 @@ impl Device for CudaDevice {
         if self.graphs {
             return self.replay(&mut st, ops);
         }
-        let hot = |h: HotId| {
-            (st.hots.get(h.0).and_then(Option::as_ref)).map_or(HotKind::default(), CudaHot::kind)
-        };
-        let launches = program_launches(ops, |m| Self::conversion(&st, m), hot);
+        let launches = self.launches(&st, ops);
         self.run(&mut st, ops)?;
         self.traffic.launched(launches);
         Ok(())

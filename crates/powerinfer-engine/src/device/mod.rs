@@ -438,6 +438,98 @@ pub(crate) fn graph_segments(ops: &[Op]) -> impl Iterator<Item = &[Op]> {
     (ops.split(|op| matches!(op, Op::Mark { .. }))).filter(|s| !s.is_empty())
 }
 
+/// A program as a device with graphs knows it: its ops, and per hot FFN in them whether its
+/// enabled mask applies (that adds kernels). Buffers never move after load, so the ops' ids
+/// stand for the memory a graph points at.
+pub(crate) type GraphKey = (Vec<Op>, Vec<bool>);
+
+/// Per hot FFN of `ops`, whether its enabled mask applies (`masked`).
+pub(crate) fn masked_flags(ops: &[Op], masked: impl Fn(HotId) -> bool) -> Vec<bool> {
+    (ops.iter())
+        .filter_map(|op| match op {
+            Op::HotFfn(f) => Some(masked(f.hot)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Captured programs kept (least recently used dropped first): a server's batches make new
+/// programs for a while, and each lookup compares ops.
+const MAX_GRAPHS: usize = 64;
+/// Programs seen once and not captured, remembered.
+const MAX_SIGHTED: usize = 64;
+
+/// What a device with graphs does with a program ([`GraphCache::sight`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sighting {
+    /// The first time: run as it is (a prompt's last chunk, a batch layout seen once).
+    First,
+    /// The second time: capture it, then launch the graph.
+    Capture,
+    /// Captured before: launch the graph ([`GraphCache::last`]).
+    Replay,
+}
+
+/// Which programs a device with graphs captures and replays: a program is captured the second
+/// time it is seen, and the [`MAX_GRAPHS`] most recently used are kept. Both devices use it,
+/// so that the simulated one counts the launches the CUDA one makes (`G`: the captured graph,
+/// `()` on sim).
+pub(crate) struct GraphCache<G> {
+    sighted: Vec<GraphKey>,
+    kept: Vec<(GraphKey, G)>,
+}
+
+impl<G> Default for GraphCache<G> {
+    fn default() -> Self {
+        GraphCache {
+            sighted: Vec::new(),
+            kept: Vec::new(),
+        }
+    }
+}
+
+impl<G> GraphCache<G> {
+    /// What to do with program `ops` (`masked`: [`masked_flags`]). For [`Sighting::Replay`]
+    /// its graph is now [`GraphCache::last`].
+    pub(crate) fn sight(&mut self, ops: &[Op], masked: &[bool]) -> Sighting {
+        let is = |k: &GraphKey| k.0[..] == *ops && k.1[..] == *masked;
+        if let Some(i) = self.kept.iter().position(|(k, _)| is(k)) {
+            let e = self.kept.remove(i);
+            self.kept.push(e);
+            return Sighting::Replay;
+        }
+        if let Some(i) = self.sighted.iter().position(is) {
+            self.sighted.remove(i);
+            return Sighting::Capture;
+        }
+        if self.sighted.len() >= MAX_SIGHTED {
+            self.sighted.remove(0);
+        }
+        self.sighted.push((ops.to_vec(), masked.to_vec()));
+        Sighting::First
+    }
+
+    /// Keeps the graph captured for program `ops` as the most recently used (dropping the least
+    /// recently used beyond [`MAX_GRAPHS`]; a graph still running is freed when it completes).
+    pub(crate) fn keep(&mut self, ops: &[Op], masked: &[bool], graph: G) {
+        if self.kept.len() >= MAX_GRAPHS {
+            self.kept.remove(0);
+        }
+        self.kept.push(((ops.to_vec(), masked.to_vec()), graph));
+    }
+
+    /// The most recently used graph.
+    pub(crate) fn last(&self) -> Option<&G> {
+        self.kept.last().map(|(_, g)| g)
+    }
+
+    /// Forgets every program (their memory moved or was freed).
+    pub(crate) fn clear(&mut self) {
+        self.sighted.clear();
+        self.kept.clear();
+    }
+}
+
 /// Whether a product with a matrix of type `ty` first converts its activations in a launch of
 /// its own (quantized to Q8_0 for the quantized types, rounded to f16 for F16).
 pub(crate) fn converts_activation(ty: GgmlType) -> bool {
@@ -926,6 +1018,33 @@ mod tests {
             y,
             t,
         }
+    }
+
+    #[test]
+    fn a_program_is_captured_the_second_time_and_kept_while_used() {
+        let mut c = GraphCache::<u32>::default();
+        let prog = |i: usize| {
+            vec![Op::Copy {
+                x: span(0, i + 1),
+                y: span(1, i + 1),
+            }]
+        };
+        assert_eq!(c.sight(&prog(0), &[]), Sighting::First);
+        assert_eq!(c.sight(&prog(0), &[true]), Sighting::First, "another mask");
+        assert_eq!(c.sight(&prog(0), &[]), Sighting::Capture);
+        c.keep(&prog(0), &[], 7);
+        assert_eq!(c.sight(&prog(0), &[]), Sighting::Replay);
+        assert_eq!(c.last(), Some(&7));
+        // 64 more programs captured push the least recently used out.
+        for i in 1..=MAX_GRAPHS {
+            assert_eq!(c.sight(&prog(i), &[]), Sighting::First);
+            assert_eq!(c.sight(&prog(i), &[]), Sighting::Capture);
+            c.keep(&prog(i), &[], i as u32);
+        }
+        assert_eq!(c.sight(&prog(1), &[]), Sighting::Replay);
+        assert_eq!(c.sight(&prog(0), &[]), Sighting::First, "dropped");
+        c.clear();
+        assert_eq!(c.sight(&prog(1), &[]), Sighting::First);
     }
 
     #[test]

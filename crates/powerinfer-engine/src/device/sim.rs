@@ -43,9 +43,9 @@ use powerinfer_predictor::predictor::Predictor;
 
 use super::{
     converts_activation, entry, entry_mut, free_entry, graph_segments, hot_slice_overhead,
-    program_launches, unknown_kv, AttentionDevice, AttentionJob, BufId, Device, HotId, HotKind,
-    HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp, Queue, ReadId, RowsOf,
-    SimOptions, SimSpeed, Span, Ticket, Traffic, TrafficCounters,
+    masked_flags, program_launches, unknown_kv, AttentionDevice, AttentionJob, BufId, Device,
+    GraphCache, HotId, HotKind, HotSpec, HotSwap, KvId, KvRows, KvShape, MatId, Op, PredictorOp,
+    Queue, ReadId, RowsOf, Sighting, SimOptions, SimSpeed, Span, Ticket, Traffic, TrafficCounters,
 };
 use crate::error::{EngineError, Result};
 
@@ -112,7 +112,11 @@ struct Memory {
 
 /// A command of the device's stream. Inputs are the host's copies in flight.
 enum Cmd {
-    Ops(Vec<Op>),
+    /// A program; per run between its marks, whether it replays as a graph (one launch).
+    Ops {
+        ops: Vec<Op>,
+        graphed: Vec<bool>,
+    },
     Step {
         ids: Vec<u32>,
         positions: Vec<usize>,
@@ -200,6 +204,8 @@ pub(crate) struct SimDevice {
     /// Per hot slice, whether its enabled mask applies (as the host last set it: what a GPU's
     /// programs queued from now on launch for).
     masked: Mutex<Vec<bool>>,
+    /// With graphs, the programs a GPU would have captured (to count its launches).
+    graph_cache: Mutex<GraphCache<()>>,
     /// Error of a command the worker could not run, reported at the next wait.
     failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
@@ -245,7 +251,6 @@ impl SimDevice {
             marks: marks.clone(),
             failed: failed.clone(),
             threads: opts.threads.max(1),
-            graphs,
         };
         let worker = std::thread::Builder::new()
             .name("powerinfer-sim-gpu".into())
@@ -263,6 +268,7 @@ impl SimDevice {
             traffic,
             marks,
             masked: Mutex::new(Vec::new()),
+            graph_cache: Mutex::new(GraphCache::default()),
             failed,
             threads: opts.threads.max(1),
             speed: opts.speed,
@@ -491,6 +497,8 @@ impl Device for SimDevice {
     }
 
     fn drop_hot(&self, hot: HotId) -> Result<()> {
+        // A GPU forgets its captured programs (they may point at the slice).
+        (self.graph_cache.lock().unwrap_or_else(|e| e.into_inner())).clear();
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
         free_entry(&mut mem.hots, hot.0, "hot slice")
     }
@@ -548,13 +556,12 @@ impl Device for SimDevice {
     }
 
     fn enqueue(&self, ops: &[Op]) -> Result<()> {
-        let launches = if self.graphs {
-            graph_segments(ops).count() as u64
-        } else {
-            let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-            let masked = self.masked.lock().unwrap_or_else(|e| e.into_inner());
+        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
+        let masked = self.masked.lock().unwrap_or_else(|e| e.into_inner());
+        let is_masked = |h: HotId| masked.get(h.0).copied().unwrap_or(false);
+        let plain = |run: &[Op]| {
             program_launches(
-                ops,
+                run,
                 |m| {
                     let d = mem.mats.get(m.0)?;
                     converts_activation(d.ty).then_some((d.ty, d.cols))
@@ -568,14 +575,36 @@ impl Device for SimDevice {
                         f16_down: d.down.ty == GgmlType::F16,
                     });
                     HotKind {
-                        masked: masked.get(h.0).copied().unwrap_or(false),
+                        masked: is_masked(h),
                         ..kind.unwrap_or_default()
                     }
                 },
             )
         };
+        // With graphs, what a GPU does with each run: run it the first time it sees it,
+        // capture it the second, replay it after (one launch each time but the first).
+        let (mut launches, mut graphed) = (0, Vec::new());
+        if self.graphs {
+            let mut cache = self.graph_cache.lock().unwrap_or_else(|e| e.into_inner());
+            for run in graph_segments(ops) {
+                let flags = masked_flags(run, is_masked);
+                let sighting = cache.sight(run, &flags);
+                if sighting == Sighting::Capture {
+                    cache.keep(run, &flags, ());
+                }
+                let replayed = sighting != Sighting::First;
+                launches += if replayed { 1 } else { plain(run) };
+                graphed.push(replayed);
+            }
+        } else {
+            launches = plain(ops);
+        }
+        drop((mem, masked));
         self.traffic.launched(launches);
-        self.send(Cmd::Ops(ops.to_vec()))
+        self.send(Cmd::Ops {
+            ops: ops.to_vec(),
+            graphed,
+        })
     }
 
     fn write(&self, dst: Span, src: &[f32]) -> Result<()> {
@@ -750,8 +779,6 @@ struct Stream {
     marks: Arc<Mutex<Vec<Option<Instant>>>>,
     failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
-    /// Programs replay as one launch each (CUDA graphs).
-    graphs: bool,
 }
 
 /// What a command cost in the speed model's terms.
@@ -808,10 +835,10 @@ impl Stream {
         start: Instant,
     ) -> Result<Cost> {
         match cmd {
-            Cmd::Ops(ops) => {
+            Cmd::Ops { ops, graphed } => {
                 let mut cost = Cost::default();
-                // With graphs, each run of ops between marks is one launch.
-                let mut in_graph = false;
+                // A run replayed as a graph is one launch.
+                let (mut run, mut in_run) = (0, false);
                 for op in &ops {
                     if let Op::Mark { slot } = op {
                         // The marks of the speed model's time, not the host's.
@@ -821,15 +848,19 @@ impl Stream {
                             marks.resize(slot + 1, None);
                         }
                         marks[*slot] = Some(Instant::now());
-                        in_graph = false;
+                        if in_run {
+                            run += 1;
+                            in_run = false;
+                        }
                         continue;
                     }
+                    let first = !in_run;
+                    in_run = true;
                     let c = self.op(mm, st, op)?;
-                    if !self.graphs {
+                    if !graphed.get(run).copied().unwrap_or(false) {
                         cost.launches += c.launches;
-                    } else if !in_graph {
+                    } else if first {
                         cost.launches += 1;
-                        in_graph = true;
                     }
                     cost.read += c.read;
                 }

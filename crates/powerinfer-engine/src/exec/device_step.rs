@@ -325,6 +325,7 @@ impl Run<'_> {
                 if on_device {
                     flush(dev, &mut pending)?;
                     let r = dev.read(x)?;
+                    step.laps.lap(Op::Device, || 0);
                     host_x.resize(t * ne, 0.0);
                     dev.wait(r, &mut host_x)?;
                     step.laps.lap(Op::DeviceWait, || 0);
@@ -394,6 +395,7 @@ impl Run<'_> {
                     flush(dev, &mut pending)?;
                     let mut got = vec![0f32; counts_len + n_out * ne];
                     let r = dev.read(w.out.span(0, got.len()))?;
+                    step.laps.lap(Op::Device, || 0);
                     dev.wait(r, &mut got)?;
                     step.laps.lap(Op::DeviceWait, || 0);
                     counts.copy_from_slice(&got[..counts_len]);
@@ -405,6 +407,7 @@ impl Run<'_> {
             }
         } else {
             flush(dev, &mut pending)?;
+            step.laps.lap(Op::Device, || 0);
             if any_counted {
                 let r = dev.read(w.out.span(0, counts_len))?;
                 dev.wait(r, &mut counts)?;
@@ -763,7 +766,8 @@ impl Run<'_> {
         flush(dev, pending)?;
         let r = dev.read(x)?;
         if falcon {
-            dev.enqueue(&[residual])?;
+            // After the read: the CPU's FFN reads the layer's input.
+            pending.push(residual);
         }
         step.laps.lap(Op::Device, || 0);
         let mut xh = vec![0f32; t * ne];
