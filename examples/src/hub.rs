@@ -49,11 +49,9 @@ impl HubOptions {
     /// `ON`, `YES` or `TRUE`); the cache `HF_HUB_CACHE`, else `$HF_HOME/hub`, where `HF_HOME`
     /// defaults to `$XDG_CACHE_HOME/huggingface`, else `~/.cache/huggingface`.
     pub fn from_env() -> HubOptions {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let var = crate::env::var;
         let home = var("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
-            var("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .or_else(|| var("HOME").map(|h| Path::new(&h).join(".cache")))
+            crate::env::cache_home()
                 .unwrap_or_else(std::env::temp_dir)
                 .join("huggingface")
         });

@@ -1,16 +1,20 @@
 //! The `powerinfer` command as a library: every subcommand ([`cmd`]), the model-file tools
 //! ([`synth`], [`convert`], [`reorder`], [`predictor_storage`]) and models from the Hugging
 //! Face Hub ([`hub`]), so that tests and other
-//! programs call them directly instead of spawning the binary. `src/main.rs` is [`main`].
+//! programs call them directly instead of spawning the binary. `src/main.rs` is [`main`]; the
+//! environment is read in [`env`](mod@env) alone.
 //!
 //! The tools build on the engine (`powerinfer-engine`) like any other program; the engine's
-//! own tests use [`synth`] to make their models.
+//! tests that run models are this package's (`tests/engine*.rs`) and use [`synth`].
+
+#![forbid(unsafe_code)]
 
 use clap::{CommandFactory, FromArgMatches, Subcommand};
 use std::process::ExitCode;
 
 pub mod cmd;
 pub mod convert;
+pub mod env;
 pub mod hub;
 pub mod predictor_storage;
 pub mod reorder;

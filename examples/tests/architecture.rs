@@ -5,7 +5,10 @@
 //! - "no import cycle among the files of a crate": the `crate::` / `super::` paths of every
 //!   library source file (the `powerinfer` command's library included) form no cycle;
 //! - its table of where things are: each item is defined in the file it names;
-//! - it stays a map (short).
+//! - it stays a map (short);
+//! - the invariants it marks checked: tests never depend on a crate above theirs, `unsafe` is
+//!   forbidden outside the kernel crates, only `examples/src/env.rs` reads the environment; and
+//!   the engine's files stay under 1,000 lines.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -38,11 +41,16 @@ fn documented(root: &Path) -> BTreeMap<String, BTreeSet<String>> {
 
 /// The workspace crates named in the `[dependencies]` table of `manifest`.
 fn dependencies(manifest: &str, workspace: &BTreeSet<String>) -> BTreeSet<String> {
+    named_in(manifest, "[dependencies]", workspace)
+}
+
+/// The workspace crates named in the table `table` of `manifest`.
+fn named_in(manifest: &str, table: &str, workspace: &BTreeSet<String>) -> BTreeSet<String> {
     let mut in_deps = false;
     let mut out = BTreeSet::new();
     for line in manifest.lines().map(str::trim) {
         if line.starts_with('[') {
-            in_deps = line == "[dependencies]";
+            in_deps = line == table;
             continue;
         }
         if !in_deps {
@@ -59,9 +67,8 @@ fn dependencies(manifest: &str, workspace: &BTreeSet<String>) -> BTreeSet<String
     out
 }
 
-#[test]
-fn dependency_block_matches_the_manifests() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+/// Every workspace crate's name and manifest.
+fn manifests(root: &Path) -> BTreeMap<String, String> {
     let ws = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
     let members: Vec<String> = ws
         .split_once("members = [")
@@ -85,6 +92,13 @@ fn dependency_block_matches_the_manifests() {
             .to_string();
         manifests.insert(name, text);
     }
+    manifests
+}
+
+#[test]
+fn dependency_block_matches_the_manifests() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let manifests = manifests(&root);
     let workspace: BTreeSet<String> = manifests.keys().cloned().collect();
     let actual: BTreeMap<String, BTreeSet<String>> = manifests
         .iter()
@@ -95,6 +109,101 @@ fn dependency_block_matches_the_manifests() {
         actual,
         "ARCHITECTURE.md's dependency block and the Cargo.toml files differ"
     );
+}
+
+/// No crate's tests depend on a crate above it: every workspace crate a `[dev-dependencies]`
+/// table names is one its `[dependencies]` reach, or one that does not reach it (so no
+/// package is built twice, once as a dependency of its own test).
+#[test]
+fn dev_dependencies_point_down() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let manifests = manifests(&root);
+    let workspace: BTreeSet<String> = manifests.keys().cloned().collect();
+    let deps: BTreeMap<String, BTreeSet<String>> = (manifests.iter())
+        .map(|(n, t)| (n.clone(), dependencies(t, &workspace)))
+        .collect();
+    let reaches = |from: &str, to: &str| {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(c) = todo.pop() {
+            if c == to {
+                return true;
+            }
+            if seen.insert(c.clone()) {
+                todo.extend(deps[&c].iter().cloned());
+            }
+        }
+        false
+    };
+    for (name, text) in &manifests {
+        for dev in named_in(text, "[dev-dependencies]", &workspace) {
+            assert!(
+                dev == *name || !reaches(&dev, name),
+                "{name}'s tests depend on {dev}, which depends on {name}"
+            );
+        }
+    }
+}
+
+/// The files that say `#![forbid(unsafe_code)]`: every crate but the kernels and the
+/// container (whose one `unsafe` is the memory map).
+const NO_UNSAFE: [&str; 5] = [
+    "crates/powerinfer-engine/src/lib.rs",
+    "crates/powerinfer-predictor/src/lib.rs",
+    "crates/powerinfer-placement/src/lib.rs",
+    "examples/src/lib.rs",
+    "examples/src/main.rs",
+];
+
+#[test]
+fn unsafe_is_forbidden_outside_the_kernels() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for f in NO_UNSAFE {
+        let text = std::fs::read_to_string(root.join(f)).unwrap();
+        assert!(
+            text.lines().any(|l| l.trim() == "#![forbid(unsafe_code)]"),
+            "{f} does not forbid unsafe code"
+        );
+    }
+}
+
+/// Only `examples/src/env.rs` reads environment variables; every library takes options.
+#[test]
+fn only_the_command_reads_the_environment() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let allowed = root.join("examples/src/env.rs");
+    let mut found = Vec::new();
+    for dir in SOURCE_DIRS {
+        let mut files = Vec::new();
+        rust_files(&root.join(dir), &mut files);
+        for f in files.into_iter().filter(|f| *f != allowed) {
+            let text = std::fs::read_to_string(&f).unwrap();
+            for (i, l) in code_lines(&text).lines().enumerate() {
+                if ["env::var(", "env::var_os(", "env::vars("]
+                    .iter()
+                    .any(|p| l.contains(p))
+                {
+                    found.push(format!("{}:{}", f.display(), i + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "environment read outside env.rs: {found:?}"
+    );
+}
+
+/// The engine's files stay small enough to read (its rooms split by job).
+#[test]
+fn engine_files_stay_short() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    rust_files(&root.join("crates/powerinfer-engine/src"), &mut files);
+    for f in files {
+        let n = std::fs::read_to_string(&f).unwrap().lines().count();
+        assert!(n <= 1000, "{}: {n} lines", f.display());
+    }
 }
 
 /// The map stays a map.
@@ -548,6 +657,7 @@ fn items_are_where_the_map_says() {
                     let l = l.trim_start();
                     let l = l
                         .strip_prefix("pub(crate) ")
+                        .or_else(|| l.strip_prefix("pub(super) "))
                         .or_else(|| l.strip_prefix("pub "))
                         .unwrap_or(l);
                     let l = l.strip_prefix("async ").unwrap_or(l);

@@ -25,7 +25,7 @@ mod safetensors_src;
 use safetensors_src::{exact, no_output_left, np_transpose, write_safetensors, SrcTensor};
 
 // The engine tests' helpers: these tests run the models they write as the engine's do.
-#[path = "../../crates/powerinfer-engine/tests/common/mod.rs"]
+#[path = "support/engine.rs"]
 mod common;
 use common::{opts as engine_opts, rel_diff};
 

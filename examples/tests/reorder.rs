@@ -13,7 +13,7 @@ use powerinfer_gguf::{GgmlType, GgufFile};
 use powerinfer_predictor::stats::ActivationStats;
 
 // The engine tests' helpers: these tests run the models they write as the engine's do.
-#[path = "../../crates/powerinfer-engine/tests/common/mod.rs"]
+#[path = "support/engine.rs"]
 mod common;
 use common::{argmax, opts, rel_diff, PROMPT};
 

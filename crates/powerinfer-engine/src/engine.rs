@@ -205,7 +205,7 @@ impl Engine {
     }
 
     /// The executor (tests drive its device's schedule).
-    #[cfg(test)]
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn executor(&self) -> &Executor {
         &self.exec
     }

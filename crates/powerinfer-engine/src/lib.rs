@@ -32,6 +32,7 @@
 //! (`powerinfer-cli`), which uses this crate like any other program.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod chat;
 pub mod device;
@@ -46,6 +47,9 @@ pub mod sampling;
 pub mod schedule;
 mod scheduler;
 mod session;
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+pub mod test_hooks;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
@@ -59,7 +63,7 @@ pub use observer::FfnObserver;
 /// The kernels' choices that [`EngineOptions`] takes, re-exported so that a user needs no
 /// other crate to set them.
 pub use powerinfer_kernels_cpu::{AxpyCoefficients, Backend};
-pub use profile::{Op, OpProfile};
+pub use profile::{OpKind, OpProfile};
 pub use sampling::{Sampler, SamplingParams};
 pub use schedule::{BalanceOptions, BalanceReport, DeviceOptions, GpuIndexMode};
 pub use scheduler::{Event, Finish, Scheduler, SchedulerOptions, SeqHandle};

@@ -25,7 +25,7 @@ pub(crate) fn ratio(part: u64, whole: u64) -> f64 {
 /// An operation of the forward pass, as [`OpProfile`] counts them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Op {
+pub enum OpKind {
     /// RMSNorm / LayerNorm before attention, before the FFN and before the output head.
     Norm,
     /// The Q, K and V products (separate or fused) and their biases.
@@ -36,7 +36,7 @@ pub enum Op {
     /// The attention output product and its bias.
     AttnOutput,
     /// The predictor of a PowerInfer layer: `fc1` (and `fc2` where the scores of a block are
-    /// computed together; a one-token sparse FFN computes `fc2` inside [`Op::FfnUpGate`]).
+    /// computed together; a one-token sparse FFN computes `fc2` inside [`OpKind::FfnUpGate`]).
     Predictor,
     /// The FFN's up and gate products and the activation: every neuron (dense), or the active
     /// ones (sparse; for one token together with the predictor's `fc2` scores and the active
@@ -55,36 +55,36 @@ pub enum Op {
     Other,
 }
 
-impl Op {
+impl OpKind {
     /// Every operation, in the order of a layer.
-    pub const ALL: [Op; 11] = [
-        Op::Norm,
-        Op::Qkv,
-        Op::Attention,
-        Op::AttnOutput,
-        Op::Predictor,
-        Op::FfnUpGate,
-        Op::FfnDown,
-        Op::Device,
-        Op::DeviceWait,
-        Op::OutputHead,
-        Op::Other,
+    pub const ALL: [OpKind; 11] = [
+        OpKind::Norm,
+        OpKind::Qkv,
+        OpKind::Attention,
+        OpKind::AttnOutput,
+        OpKind::Predictor,
+        OpKind::FfnUpGate,
+        OpKind::FfnDown,
+        OpKind::Device,
+        OpKind::DeviceWait,
+        OpKind::OutputHead,
+        OpKind::Other,
     ];
 
     /// A short name (`qkv`, `ffn_up_gate`, ...).
     pub fn name(self) -> &'static str {
         match self {
-            Op::Norm => "norm",
-            Op::Qkv => "qkv",
-            Op::Attention => "attention",
-            Op::AttnOutput => "attn_output",
-            Op::Predictor => "predictor",
-            Op::FfnUpGate => "ffn_up_gate",
-            Op::FfnDown => "ffn_down",
-            Op::DeviceWait => "device_wait",
-            Op::Device => "device",
-            Op::OutputHead => "output_head",
-            Op::Other => "other",
+            OpKind::Norm => "norm",
+            OpKind::Qkv => "qkv",
+            OpKind::Attention => "attention",
+            OpKind::AttnOutput => "attn_output",
+            OpKind::Predictor => "predictor",
+            OpKind::FfnUpGate => "ffn_up_gate",
+            OpKind::FfnDown => "ffn_down",
+            OpKind::DeviceWait => "device_wait",
+            OpKind::Device => "device",
+            OpKind::OutputHead => "output_head",
+            OpKind::Other => "other",
         }
     }
 
@@ -93,7 +93,7 @@ impl Op {
     }
 }
 
-/// Totals of one [`Op`].
+/// Totals of one [`OpKind`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OpTime {
@@ -247,7 +247,7 @@ pub struct OpProfile {
     pub tokens: u64,
     /// What the device charged in them (zero without a device).
     pub device: DeviceTraffic,
-    ops: [OpTime; Op::ALL.len()],
+    ops: [OpTime; OpKind::ALL.len()],
     layers: Vec<LayerSplit>,
     batch: Vec<BatchDensity>,
 }
@@ -259,13 +259,13 @@ impl OpProfile {
     }
 
     /// The totals of `op`.
-    pub fn get(&self, op: Op) -> &OpTime {
+    pub fn get(&self, op: OpKind) -> &OpTime {
         &self.ops[op.index()]
     }
 
-    /// Every operation with its totals, in [`Op::ALL`] order.
-    pub fn iter(&self) -> impl Iterator<Item = (Op, &OpTime)> + '_ {
-        Op::ALL.iter().map(|&op| (op, self.get(op)))
+    /// Every operation with its totals, in [`OpKind::ALL`] order.
+    pub fn iter(&self) -> impl Iterator<Item = (OpKind, &OpTime)> + '_ {
+        OpKind::ALL.iter().map(|&op| (op, self.get(op)))
     }
 
     /// The sum of all operations' times (the evaluations' wall time).
@@ -322,7 +322,7 @@ impl OpProfile {
         &mut self.layers[layer]
     }
 
-    fn add(&mut self, op: Op, time: Duration, bytes: u64) {
+    fn add(&mut self, op: OpKind, time: Duration, bytes: u64) {
         let o = &mut self.ops[op.index()];
         o.time += time;
         o.calls += 1;
@@ -346,7 +346,7 @@ impl<'p> Laps<'p> {
 
     /// Charges the time since the previous lap to `op`, with `bytes` read.
     #[inline]
-    pub(crate) fn lap(&mut self, op: Op, bytes: impl FnOnce() -> u64) {
+    pub(crate) fn lap(&mut self, op: OpKind, bytes: impl FnOnce() -> u64) {
         if let (Some(p), Some(last)) = (self.prof.as_deref_mut(), self.last.as_mut()) {
             let now = Instant::now();
             p.add(op, now - *last, bytes());
@@ -400,16 +400,16 @@ mod tests {
             let mut l = Laps::new(Some(&mut p));
             l.eval(3);
             std::thread::sleep(Duration::from_millis(2));
-            l.lap(Op::Qkv, || 100);
-            l.lap(Op::Qkv, || 20);
-            l.lap(Op::FfnDown, || 7);
+            l.lap(OpKind::Qkv, || 100);
+            l.lap(OpKind::Qkv, || 20);
+            l.lap(OpKind::FfnDown, || 7);
         }
         assert_eq!((p.evals, p.tokens), (1, 3));
-        let q = p.get(Op::Qkv);
+        let q = p.get(OpKind::Qkv);
         assert_eq!((q.calls, q.bytes), (2, 120));
         assert!(q.time >= Duration::from_millis(2));
-        assert_eq!(p.get(Op::FfnDown).bytes, 7);
-        assert_eq!(p.get(Op::Norm), &OpTime::default());
+        assert_eq!(p.get(OpKind::FfnDown).bytes, 7);
+        assert_eq!(p.get(OpKind::Norm), &OpTime::default());
         assert_eq!(p.total_bytes(), 127);
         assert_eq!(
             p.total_time(),
@@ -418,10 +418,12 @@ mod tests {
         let mut twice = p.clone();
         twice.merge(&p);
         assert_eq!((twice.evals, twice.tokens), (2, 6));
-        assert_eq!(twice.get(Op::Qkv).bytes, 240);
+        assert_eq!(twice.get(OpKind::Qkv).bytes, 240);
         assert_eq!(twice.total_time(), p.total_time() * 2);
         // Without a profile nothing is computed.
         let mut off = Laps::new(None);
-        off.lap(Op::Qkv, || unreachable!("bytes computed without a profile"));
+        off.lap(OpKind::Qkv, || {
+            unreachable!("bytes computed without a profile")
+        });
     }
 }

@@ -272,27 +272,32 @@ impl<T> DeviceViewMut<'_, T> {
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits> DeviceView<'_, T> {
-    /// Copies the view into a pinned host buffer of its length, asynchronously on `stream`
-    /// (the buffer's contents wait for the copy when read).
+    /// Copies the view into the first `len` elements of a pinned host buffer at least as long,
+    /// asynchronously on `stream` (the buffer's contents wait for the copy when read). A
+    /// staging buffer made once for the longest copy serves every shorter one.
     pub fn copy_to_pinned(&self, stream: &Stream, dst: &mut PinnedBuffer<T>) -> Result<()> {
-        check_len("copy destination", self.len, dst.len())?;
+        check_room("copy destination", self.len, dst.len())?;
         if self.len == 0 {
             return Ok(());
         }
-        stream.inner.memcpy_dtoh(&self.inner, &mut dst.inner)?;
+        // The prefix as a plain slice: cudarc copies exactly its length and adds no wait of its
+        // own; the buffer's event, recorded below, is what its readers wait for.
+        let host = &mut dst.inner.as_mut_slice()?[..self.len];
+        stream.inner.memcpy_dtoh(&self.inner, host)?;
         dst.copied(stream)
     }
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits> DeviceViewMut<'_, T> {
-    /// Copies a pinned host buffer of the view's length into it, asynchronously on `stream`
-    /// (the buffer waits for the copy before it is written again).
+    /// Copies the first `len` elements of a pinned host buffer at least as long into it,
+    /// asynchronously on `stream` (the buffer waits for the copy before it is written again).
     pub fn copy_from_pinned(&mut self, stream: &Stream, src: &PinnedBuffer<T>) -> Result<()> {
-        check_len("copy source", self.len, src.len())?;
+        check_room("copy source", self.len, src.len())?;
         if self.len == 0 {
             return Ok(());
         }
-        stream.inner.memcpy_htod(&src.inner, &mut self.inner)?;
+        let host = &src.inner.as_slice()?[..self.len];
+        stream.inner.memcpy_htod(host, &mut self.inner)?;
         src.copied(stream)
     }
 }
@@ -397,6 +402,19 @@ impl<T: DeviceRepr + ValidAsZeroBits> PinnedBuffer<T> {
     pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
         self.done.synchronize()?;
         Ok(self.inner.as_mut_slice()?)
+    }
+}
+
+/// A pinned buffer of `got` elements holds a copy of `needed`.
+fn check_room(what: &'static str, needed: usize, got: usize) -> Result<()> {
+    if needed <= got {
+        Ok(())
+    } else {
+        Err(CudaError::Length {
+            what,
+            expected: needed,
+            got,
+        })
     }
 }
 

@@ -7,7 +7,7 @@
 //! - Kernels are CUDA C (`kernels/*.cu`), compiled by NVRTC on a CPU machine
 //!   (`scripts/build-cuda-kernels`) to PTX for compute_80 and CUBINs for sm_80 / sm_90, embedded
 //!   in the crate ([`kernels`]) and loaded with the driver alone.
-//! - Device buffers ([`DeviceBuffer`], [`DeviceTensor`], [`GpuSlice`], [`KvCache`]) are held
+//! - Device buffers ([`DeviceBuffer`], [`DeviceTensor`], [`GpuSlice`], [`LayerKv`]) are held
 //!   against a byte budget ([`MemoryBudget`]) that refuses rather than exceed it.
 //! - Operators ([`Gpu::matmul`], [`Gpu::sparse_matmul`], [`Gpu::sparse_axpy`], [`Gpu::rms_norm`],
 //!   [`Gpu::layer_norm`], [`Gpu::rope`], [`Gpu::softmax`], [`Gpu::kv_store`],
@@ -36,5 +36,5 @@ pub use device::{
     PinnedBuffer, Stream, TimedEvent,
 };
 pub use error::{BudgetError, CudaError, NoGpu, Result};
-pub use ops::{Binary, Gate, KvCache, Product, RopeMode, Unary};
+pub use ops::{Binary, Gate, LayerKv, Product, RopeMode, Unary};
 pub use tensor::{DeviceTensor, GpuSlice};

@@ -22,7 +22,7 @@ fn i32_arg(what: &'static str, v: usize) -> Result<i32> {
 /// The key-value cache of one layer on the device: f16, position-major (`n_ctx` positions of
 /// `n_kv_head * head_dim` values).
 #[derive(Debug)]
-pub struct KvCache {
+pub struct LayerKv {
     k: DeviceBuffer<u16>,
     v: DeviceBuffer<u16>,
     n_ctx: usize,
@@ -30,7 +30,7 @@ pub struct KvCache {
     head_dim: usize,
 }
 
-impl KvCache {
+impl LayerKv {
     /// A zeroed cache.
     pub fn new(
         gpu: &Gpu,
@@ -42,7 +42,7 @@ impl KvCache {
         let n = n_ctx * n_kv_head * head_dim;
         let k = gpu.alloc_zeros(stream, n)?;
         let v = gpu.alloc_zeros(stream, n)?;
-        Ok(KvCache {
+        Ok(LayerKv {
             k,
             v,
             n_ctx,
@@ -111,7 +111,7 @@ impl KvCache {
     }
 
     /// Copies the first `n` positions into `to` (same shape), on `stream`.
-    pub fn copy_prefix(&self, stream: &Stream, to: &mut KvCache, n: usize) -> Result<()> {
+    pub fn copy_prefix(&self, stream: &Stream, to: &mut LayerKv, n: usize) -> Result<()> {
         let row = self.row();
         if row != to.row() || n > self.n_ctx || n > to.n_ctx {
             return Err(CudaError::Shape(format!(
@@ -1339,7 +1339,7 @@ impl Gpu {
     pub fn kv_store<'k, 'v, 'p>(
         &self,
         stream: &Stream,
-        cache: &mut KvCache,
+        cache: &mut LayerKv,
         k: impl Into<In<'k>>,
         v: impl Into<In<'v>>,
         pos: impl Into<DeviceView<'p, i32>>,
@@ -1379,7 +1379,7 @@ impl Gpu {
         &self,
         stream: &Stream,
         q: impl Into<In<'q>>,
-        cache: &KvCache,
+        cache: &LayerKv,
         n_head: usize,
         pos: impl Into<DeviceView<'p, i32>>,
         t: usize,

@@ -9,7 +9,7 @@ use half::f16;
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::reference::{matmul as rm, ops as ro};
 use powerinfer_kernels_cuda::{
-    Binary, CudaError, DeviceTensor, Gpu, GpuSlice, KvCache, NoGpu, RopeMode, Stream, Unary,
+    Binary, CudaError, DeviceTensor, Gpu, GpuSlice, LayerKv, NoGpu, RopeMode, Stream, Unary,
 };
 use proptest::prelude::*;
 
@@ -338,7 +338,7 @@ proptest! {
         let row = n_kv * head_dim;
         let tq = tq.min(len);
         let s = gpu.stream();
-        let mut cache = KvCache::new(gpu, s, len + 3, n_kv, head_dim).unwrap();
+        let mut cache = LayerKv::new(gpu, s, len + 3, n_kv, head_dim).unwrap();
         let (k, v) = (rng.vec(len * row), rng.vec(len * row));
         // Store in batches of `batch` tokens (the last one shorter).
         let mut pos = 0;

@@ -19,6 +19,7 @@
 //!   ([`predict`]): PowerInfer's static split against the balanced one.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod budget;
 pub mod cost;

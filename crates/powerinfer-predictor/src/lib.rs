@@ -37,6 +37,7 @@
 //! (CLI: `powerinfer profile`, `powerinfer train-predictor`); this crate does not depend on it.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod predictor;
 pub mod profile;

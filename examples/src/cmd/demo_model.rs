@@ -26,10 +26,7 @@ pub(crate) fn demo_shape() -> Shape {
 
 /// The folder of the demo model and the benchmarks' synthetic models.
 pub(crate) fn cache_dir() -> PathBuf {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir);
+    let base = crate::env::cache_home().unwrap_or_else(std::env::temp_dir);
     base.join("powerinfer-rs").join("demo")
 }
 

@@ -111,9 +111,7 @@ fn on_off(s: &str) -> Result<bool, String> {
 
 /// The default calibration cache file.
 fn default_cache() -> Option<std::path::PathBuf> {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))?;
+    let base = crate::env::cache_home()?;
     Some(base.join("powerinfer-rs").join("calibration.tsv"))
 }
 

@@ -118,13 +118,10 @@ pub fn engine_options(threads: usize, sparse_threshold: Option<f32>) -> EngineOp
     } else {
         threads
     };
-    o.sparse_threshold = sparse_threshold.or_else(|| {
-        std::env::var("LLAMA_SPARSE_PRED_THRESHOLD")
-            .ok()
-            .and_then(|s| s.trim().parse::<f32>().ok())
-    });
-    o.fuse = std::env::var_os("POWERINFER_NOFUSE").is_none();
-    if std::env::var("POWERINFER_CPU_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+    let tuning = crate::env::Tuning::from_env();
+    o.sparse_threshold = sparse_threshold.or(tuning.sparse_threshold);
+    o.fuse = !tuning.no_fuse;
+    if tuning.scalar_kernels {
         let b = powerinfer_kernels_cpu::Backend::Scalar;
         // Fixed for the process before any kernel runs.
         let _ = b.prefer();

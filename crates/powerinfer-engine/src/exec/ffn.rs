@@ -22,7 +22,7 @@ use super::step::{add_bias, for_row_parts, FfnScratch, LayerRun, Step};
 use super::weights::{product, products, FfnMats};
 use crate::error::Result;
 use crate::model::{FfnAct, Layer};
-use crate::profile::{BatchDensity, Op};
+use crate::profile::{BatchDensity, OpKind};
 
 /// In dense mode, zero activations are passed to the axpy kernel as this value so that it does
 /// not skip their rows (it skips exact zeros): every neuron's row is then read and added, as a
@@ -61,7 +61,7 @@ pub(crate) fn forward(
             FfnMats::Sparse { predictor, .. } => {
                 resize(&mut s.scores, t * nff);
                 predictor.scores_with(step.mm, h, t, &mut s.hidden, &mut s.scores)?;
-                laps.lap(Op::Predictor, || predictor.bytes_per_token() as u64);
+                laps.lap(OpKind::Predictor, || predictor.bytes_per_token() as u64);
                 Some(&s.scores[..])
             }
             FfnMats::Dense { .. } => None,
@@ -69,9 +69,9 @@ pub(crate) fn forward(
         let (g, u) = (&mut s.gate, &mut s.up);
         hidden_dense(step.mm, step.act, step.opts.fuse, layer, mats, cur, t, g, u)?;
         obs.observe(index, t, h, &s.gate, scores);
-        laps.lap(Op::FfnUpGate, || mats.gate_up_bytes());
+        laps.lap(OpKind::FfnUpGate, || mats.gate_up_bytes());
         down_dense(step.mm, layer, mats, nff, &mut s.gate, t, out)?;
-        laps.lap(Op::FfnDown, || mats.down_bytes());
+        laps.lap(OpKind::FfnDown, || mats.down_bytes());
         step.density.iter_mut().for_each(|d| *d += 1.0);
         return Ok(());
     }
@@ -97,9 +97,9 @@ pub(crate) fn forward(
         _ => {
             let (mm, act, fuse) = (step.mm, step.act, step.opts.fuse);
             hidden_dense(mm, act, fuse, layer, mats, cur, t, &mut s.gate, &mut s.up)?;
-            laps.lap(Op::FfnUpGate, || mats.gate_up_bytes());
+            laps.lap(OpKind::FfnUpGate, || mats.gate_up_bytes());
             down_dense(mm, layer, mats, nff, &mut s.gate, t, out)?;
-            laps.lap(Op::FfnDown, || mats.down_bytes());
+            laps.lap(OpKind::FfnDown, || mats.down_bytes());
             step.density.iter_mut().for_each(|d| *d += 1.0);
             Ok(())
         }
@@ -219,7 +219,7 @@ fn sparse(
             false
         }
     };
-    laps.lap(Op::Predictor, || {
+    laps.lap(OpKind::Predictor, || {
         if given.is_some() {
             0
         } else if scores_ready {
@@ -238,14 +238,14 @@ fn sparse(
         };
         let n_up = sparse_hidden_fused(mm, &w.rows, theta, cur, split, s, given, skip)?;
         let n_active = s.active.len() as u64;
-        laps.lap(Op::FfnUpGate, || {
+        laps.lap(OpKind::FfnUpGate, || {
             let fc2 = if scores_ready { 0 } else { fc2_bytes };
             fc2 + n_active * gate_row + n_up as u64 * up_row
         });
         out.fill(0.0);
         mm.sparse_axpy_indexed(w.rows.down, &s.gate, &s.active, out)?;
         cpu_active = n_active;
-        laps.lap(Op::FfnDown, || nonzero(&s.gate, &s.active) * down_row);
+        laps.lap(OpKind::FfnDown, || nonzero(&s.gate, &s.active) * down_row);
     } else {
         resize(&mut s.gate, t * nff);
         if w.rows.gate.is_some() {
@@ -291,12 +291,12 @@ fn sparse(
             let mut bufs = TokenBufs { g, u, fired };
             let n_up = hidden(mm, &w.rows, x, &s.active, &mut bufs)? as u64;
             let n_active = s.active.len() as u64;
-            laps.lap(Op::FfnUpGate, || n_active * gate_row + n_up * up_row);
+            laps.lap(OpKind::FfnUpGate, || n_active * gate_row + n_up * up_row);
             let g = &*bufs.g;
             mm.sparse_axpy_indexed(w.rows.down, g, &s.active, y)?;
             cpu_active += n_active;
             step.density[i] += n_active as f32 / nff as f32;
-            laps.lap(Op::FfnDown, || nonzero(g, &s.active) * down_row);
+            laps.lap(OpKind::FfnDown, || nonzero(g, &s.active) * down_row);
         }
         if count_union {
             laps.batch(
@@ -317,7 +317,7 @@ fn sparse(
     if given.is_none() {
         add_bias(out, layer.down_b.as_deref())?;
     }
-    laps.lap(Op::Other, || 0);
+    laps.lap(OpKind::Other, || 0);
     Ok(cpu_active)
 }
 

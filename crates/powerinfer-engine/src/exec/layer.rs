@@ -18,7 +18,7 @@ use crate::device::AttentionJob;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::Qkv;
-use crate::profile::Op;
+use crate::profile::OpKind;
 use crate::schedule::balance::Balance;
 
 /// The attention half of layer `l` over the batch: reads the layer input `x` and returns the
@@ -55,7 +55,7 @@ pub(crate) fn attention(
         }
         None => &b.cur,
     };
-    laps.lap(Op::Norm, || 0);
+    laps.lap(OpKind::Norm, || 0);
     match (&mats.qkv, &layer.qkv) {
         (QkvMats::Separate([wq, wk, wv]), Qkv::Separate { bq, bk, bv, .. }) => {
             if step.opts.fuse {
@@ -77,7 +77,7 @@ pub(crate) fn attention(
             add_bias(&mut b.q, bq.as_deref())?;
             add_bias(&mut b.k, bk.as_deref())?;
             add_bias(&mut b.v, bv.as_deref())?;
-            laps.lap(Op::Qkv, || wq.bytes() + wk.bytes() + wv.bytes());
+            laps.lap(OpKind::Qkv, || wq.bytes() + wk.bytes() + wv.bytes());
         }
         (QkvMats::Fused(w), _) => {
             let width = ne + 2 * nkv;
@@ -88,7 +88,7 @@ pub(crate) fn attention(
                 b.k[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne..ne + nkv]);
                 b.v[i * nkv..(i + 1) * nkv].copy_from_slice(&row[ne + nkv..]);
             }
-            laps.lap(Op::Qkv, || w.bytes());
+            laps.lap(OpKind::Qkv, || w.bytes());
         }
         (QkvMats::Separate(_), Qkv::Fused(_)) => unreachable!("views follow the model"),
     }
@@ -154,9 +154,9 @@ pub(crate) fn attention(
         kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
         attention_block(mm.pool(), q_s, kc, vc, n, &step.ap, out_s)?;
     }
-    laps.lap(Op::Attention, || kv_bytes);
+    laps.lap(OpKind::Attention, || kv_bytes);
     product(mm, &mats.wo, &b.heads, t, &mut b.tmp)?;
     add_bias(&mut b.tmp, layer.bo.as_deref())?;
-    laps.lap(Op::AttnOutput, || mats.wo.bytes());
+    laps.lap(OpKind::AttnOutput, || mats.wo.bytes());
     Ok(std::mem::take(&mut b.tmp))
 }

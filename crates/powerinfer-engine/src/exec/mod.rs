@@ -10,178 +10,32 @@
 //!    neurons between the devices;
 //! 4. back here for the residual and the next layer.
 
+mod batch;
 mod device_step;
+mod ends;
 pub(crate) mod ffn;
 pub(crate) mod fused;
 pub(crate) mod layer;
 pub(crate) mod step;
 pub(crate) mod weights;
 
-use powerinfer_kernels_cpu::ops::activation::add;
-use powerinfer_kernels_cpu::{AxpyCoefficients, Backend, MatMul, ThreadPool};
+use powerinfer_kernels_cpu::{Backend, MatMul, ThreadPool};
+
+pub use batch::{Batch, EvalOptions, EvalOutput, Logits, Segment};
 
 use crate::device::DeviceReport;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::kv_cache::{KvCache, SeqId};
-use crate::model::{Arch, Model, OPT_POSITION_OFFSET};
+use crate::model::{Arch, Model};
 use crate::observer::FfnObserver;
-use crate::profile::{Laps, Op, OpProfile};
-use crate::schedule::placement::Hybrid;
+use crate::profile::{Laps, OpKind};
+use crate::schedule::hybrid::Hybrid;
 use crate::schedule::BalanceReport;
-
+use ends::{embed, host_logits, layout, logit_rows, outputs, Layout};
 use fused::FusedSplit;
+pub(crate) use step::ExecOptions;
 use step::{add_par, norm, LayerRun, Step};
-use weights::{product, ModelMats, Repacked};
-
-/// A block of consecutive new tokens of one sequence: one entry of a [`Batch`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Segment<'a> {
-    /// The sequence the tokens continue.
-    pub seq: SeqId,
-    /// The tokens, evaluated as the next positions of `seq`.
-    pub tokens: &'a [u32],
-}
-
-/// The work of one evaluation: new tokens of one or several sequences (prompt blocks and
-/// decode tokens side by side), each weight read once for all of them.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Batch<'a> {
-    segments: Vec<Segment<'a>>,
-}
-
-impl<'a> Batch<'a> {
-    /// An empty batch.
-    pub fn new() -> Batch<'a> {
-        Batch::default()
-    }
-
-    /// A batch of `tokens` of one sequence.
-    pub fn one(seq: SeqId, tokens: &'a [u32]) -> Batch<'a> {
-        Batch {
-            segments: vec![Segment { seq, tokens }],
-        }
-    }
-
-    /// One decode step: one token of each listed sequence.
-    pub fn decode(step: &'a [(SeqId, u32)]) -> Batch<'a> {
-        Batch {
-            segments: step
-                .iter()
-                .map(|(seq, tok)| Segment {
-                    seq: *seq,
-                    tokens: std::slice::from_ref(tok),
-                })
-                .collect(),
-        }
-    }
-
-    /// Adds `tokens` of sequence `seq`.
-    pub fn push(&mut self, seq: SeqId, tokens: &'a [u32]) -> &mut Self {
-        self.segments.push(Segment { seq, tokens });
-        self
-    }
-
-    /// The segments, in order.
-    pub fn segments(&self) -> &[Segment<'a>] {
-        &self.segments
-    }
-
-    /// Tokens in all segments.
-    pub fn n_tokens(&self) -> usize {
-        self.segments.iter().map(|s| s.tokens.len()).sum()
-    }
-}
-
-/// Which logits an evaluation returns.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Logits {
-    /// Each segment's last token's (what sampling needs).
-    #[default]
-    Last,
-    /// Every token's (scoring a text, perplexity).
-    All,
-    /// None: the output head is skipped (a prompt's blocks before its last, whose logits
-    /// nobody reads); every [`EvalOutput::logits`] is empty.
-    None,
-}
-
-/// How one evaluation runs and what it reports ([`Engine::eval`](crate::Engine::eval)).
-#[derive(Default)]
-#[non_exhaustive]
-pub struct EvalOptions<'a> {
-    /// Which logits to return.
-    pub logits: Logits,
-    /// Sees every layer's FFN (which is then computed densely): profiling activations,
-    /// training and evaluating predictors.
-    pub observer: Option<&'a mut dyn FfnObserver>,
-    /// Receives each operation's time, calls and bytes read.
-    pub profile: Option<&'a mut OpProfile>,
-}
-
-impl<'a> EvalOptions<'a> {
-    /// The defaults: the last token's logits, nothing observed or profiled.
-    pub fn new() -> EvalOptions<'a> {
-        EvalOptions::default()
-    }
-
-    /// Returns every token's logits.
-    pub fn all_logits(mut self) -> Self {
-        self.logits = Logits::All;
-        self
-    }
-
-    /// Returns no logits and skips the output head ([`Logits::None`]).
-    pub fn no_logits(mut self) -> Self {
-        self.logits = Logits::None;
-        self
-    }
-
-    /// Reports every layer's FFN to `observer` (computed densely).
-    pub fn observe(mut self, observer: &'a mut dyn FfnObserver) -> Self {
-        self.observer = Some(observer);
-        self
-    }
-
-    /// Adds each operation's time, calls and bytes read to `profile`.
-    pub fn profile(mut self, profile: &'a mut OpProfile) -> Self {
-        self.profile = Some(profile);
-        self
-    }
-}
-
-impl std::fmt::Debug for EvalOptions<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EvalOptions")
-            .field("logits", &self.logits)
-            .field("observer", &self.observer.is_some())
-            .field("profile", &self.profile.is_some())
-            .finish()
-    }
-}
-
-/// The result of evaluating one segment.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct EvalOutput {
-    /// Logits, `n_vocab` per row: one row per token of the segment, or only the last token's.
-    pub logits: Vec<f32>,
-    /// Per token, the mean over layers of the share of FFN neurons computed (1 for dense FFNs).
-    pub density: Vec<f32>,
-}
-
-/// How the executor computes the FFN.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct ExecOptions {
-    /// Predictor threshold θ (a neuron is active when its score is ≥ θ).
-    pub(crate) threshold: f32,
-    /// Compute every neuron of a PowerInfer file (ignore the predictor).
-    pub(crate) dense: bool,
-    /// Put a token's several row-parallel products in one thread-pool dispatch.
-    pub(crate) fuse: bool,
-    /// How the sparse axpy multiplies the FFN's hidden values into the down rows.
-    pub(crate) axpy: AxpyCoefficients,
-}
+use weights::{ModelMats, Repacked};
 
 /// Execution state of a model: options, repacked copies, learned splits, and the device
 /// with what it holds.
@@ -219,7 +73,7 @@ impl Executor {
     }
 
     /// The device and what it holds (tests).
-    #[cfg(test)]
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn hybrid(&self) -> Option<&Hybrid> {
         self.hybrid.as_ref()
     }
@@ -341,7 +195,7 @@ impl Executor {
 
         let mut x = vec![0f32; t * hp.n_embd];
         embed(model, &lay.tokens, &step.positions, &mut x)?;
-        step.laps.lap(Op::Other, || 0);
+        step.laps.lap(OpKind::Other, || 0);
         for l in 0..model.layers.len() {
             self.host_layer(&mut step, cache, model, mats, l, &mut x)?;
         }
@@ -354,7 +208,7 @@ impl Executor {
         let n_layer = model.layers.len().max(1) as f32;
         density.iter_mut().for_each(|d| *d /= n_layer);
         let outs = outputs(which, segments, &step.starts, hp.n_vocab, &logits, &density);
-        step.laps.lap(Op::Other, || 0);
+        step.laps.lap(OpKind::Other, || 0);
         Ok(outs)
     }
 
@@ -390,11 +244,11 @@ impl Executor {
             step.buf.tmp = attn;
         } else {
             add_par(mm, x, &attn)?; // x = ffn_inp
-            step.laps.lap(Op::Other, || 0);
+            step.laps.lap(OpKind::Other, || 0);
             let mut cur = std::mem::take(&mut step.buf.cur);
             if let Some(n) = &layer.ffn_norm {
                 norm(mm, x, n, model.hparams.rms_eps, &mut cur)?;
-                step.laps.lap(Op::Norm, || 0);
+                step.laps.lap(OpKind::Norm, || 0);
             }
             let mut out = attn;
             ffn::forward(step, &run, x, &cur, &mut out)?;
@@ -402,7 +256,7 @@ impl Executor {
             add_par(mm, x, &out)?;
             step.buf.tmp = out;
         }
-        step.laps.lap(Op::Other, || 0);
+        step.laps.lap(OpKind::Other, || 0);
         Ok(())
     }
 
@@ -426,171 +280,4 @@ impl Executor {
     pub(crate) fn split(&self, l: usize) -> &FusedSplit {
         &self.splits[l]
     }
-}
-
-/// Where a batch's tokens are: each segment's first token, each token's position, the tokens.
-pub(crate) struct Layout {
-    pub(crate) starts: Vec<usize>,
-    pub(crate) positions: Vec<usize>,
-    pub(crate) tokens: Vec<u32>,
-}
-
-/// Checks `segments` against `cache` (no sequence twice, each known and fitting its context)
-/// and lays them out.
-fn layout(cache: &KvCache, segments: &[Segment<'_>]) -> Result<Layout> {
-    let mut lay = Layout {
-        starts: Vec::with_capacity(segments.len()),
-        positions: Vec::new(),
-        tokens: Vec::new(),
-    };
-    for (i, sg) in segments.iter().enumerate() {
-        if segments[..i].iter().any(|o| o.seq == sg.seq) {
-            return Err(EngineError::Invalid(format!(
-                "sequence {} appears twice in one batch",
-                sg.seq
-            )));
-        }
-        cache.reserve(sg.seq, sg.tokens.len())?;
-        let p0 = cache.pos(sg.seq)?;
-        lay.starts.push(lay.tokens.len());
-        lay.positions.extend(p0..p0 + sg.tokens.len());
-        lay.tokens.extend_from_slice(sg.tokens);
-    }
-    Ok(lay)
-}
-
-/// The rows (batch token indices) whose logits an evaluation returns: every token, each
-/// segment's last, or none.
-pub(crate) fn logit_rows(
-    which: Logits,
-    segments: &[Segment<'_>],
-    starts: &[usize],
-    t: usize,
-) -> Vec<usize> {
-    match which {
-        Logits::All => (0..t).collect(),
-        Logits::Last => segments
-            .iter()
-            .zip(starts)
-            .filter(|(sg, _)| !sg.tokens.is_empty())
-            .map(|(sg, &s0)| s0 + sg.tokens.len() - 1)
-            .collect(),
-        Logits::None => Vec::new(),
-    }
-}
-
-/// The logits of `rows` of the hidden states `x` on the CPU: output norm, then the head.
-pub(crate) fn host_logits(
-    step: &mut Step<'_>,
-    model: &Model,
-    mats: &ModelMats<'_>,
-    x: &[f32],
-    rows: &[usize],
-) -> Result<Vec<f32>> {
-    let hp = &model.hparams;
-    let (ne, nv, mm) = (hp.n_embd, hp.n_vocab, step.mm);
-    let n_out = rows.len();
-    let mut logits = vec![0f32; n_out * nv];
-    if n_out == 0 {
-        return Ok(logits);
-    }
-    let mut normed = vec![0f32; n_out * ne];
-    if n_out * ne == x.len() {
-        norm(mm, x, &model.output_norm, hp.rms_eps, &mut normed)?;
-    } else {
-        let mut picked = vec![0f32; n_out * ne];
-        for (dst, &r) in picked.chunks_exact_mut(ne).zip(rows) {
-            dst.copy_from_slice(&x[r * ne..][..ne]);
-        }
-        norm(mm, &picked, &model.output_norm, hp.rms_eps, &mut normed)?;
-    }
-    step.laps.lap(Op::Norm, || 0);
-    product(mm, &mats.output, &normed, n_out, &mut logits)?;
-    step.laps.lap(Op::OutputHead, || mats.output.bytes());
-    Ok(logits)
-}
-
-/// One [`EvalOutput`] per segment from the logits of the rows [`logit_rows`] chose and every
-/// token's density.
-pub(crate) fn outputs(
-    which: Logits,
-    segments: &[Segment<'_>],
-    starts: &[usize],
-    nv: usize,
-    logits: &[f32],
-    density: &[f32],
-) -> Vec<EvalOutput> {
-    let mut outs = Vec::with_capacity(segments.len());
-    let mut row = 0;
-    for (sg, &s0) in segments.iter().zip(starts) {
-        let n = sg.tokens.len();
-        if n == 0 {
-            outs.push(EvalOutput::empty());
-            continue;
-        }
-        let k = match which {
-            Logits::All => n,
-            Logits::Last => 1,
-            Logits::None => 0,
-        };
-        outs.push(EvalOutput {
-            logits: logits[row * nv..(row + k) * nv].to_vec(),
-            density: density[s0..s0 + n].to_vec(),
-        });
-        row += k;
-    }
-    outs
-}
-
-impl EvalOutput {
-    fn empty() -> EvalOutput {
-        EvalOutput {
-            logits: Vec::new(),
-            density: Vec::new(),
-        }
-    }
-}
-
-/// The embeddings of `tokens` into `x` (`n_embd` each): rows of `token_embd`, plus, for `opt`,
-/// the learned position embedding of each token's position.
-pub(crate) fn embed(
-    model: &Model,
-    tokens: &[u32],
-    positions: &[usize],
-    x: &mut [f32],
-) -> Result<()> {
-    let ne = model.hparams.n_embd;
-    let file = model.file();
-    let row_of = |t: &crate::model::TensorRef, row: usize, out: &mut [f32]| -> Result<()> {
-        let data = file.data_of(&t.info);
-        let row_bytes = data.len() / t.rows;
-        let bytes = &data[row * row_bytes..][..row_bytes];
-        powerinfer_gguf::quants::dequantize(t.ty, bytes, out)?;
-        Ok(())
-    };
-    let te = &model.tok_embd;
-    for (out, &tok) in x.chunks_exact_mut(ne).zip(tokens) {
-        if tok as usize >= te.rows {
-            return Err(EngineError::InvalidToken {
-                id: tok,
-                n_vocab: te.rows,
-            });
-        }
-        row_of(te, tok as usize, out)?;
-    }
-    if let Some(pe) = &model.pos_embd {
-        let mut scratch = vec![0f32; ne];
-        for (out, &pos) in x.chunks_exact_mut(ne).zip(positions) {
-            let row = pos + OPT_POSITION_OFFSET;
-            if row >= pe.rows {
-                return Err(EngineError::ContextFull {
-                    needed: pos + 1,
-                    ctx_len: pe.rows - OPT_POSITION_OFFSET,
-                });
-            }
-            row_of(pe, row, &mut scratch)?;
-            add(out, &scratch)?;
-        }
-    }
-    Ok(())
 }

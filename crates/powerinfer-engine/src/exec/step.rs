@@ -5,22 +5,35 @@ use powerinfer_kernels_cpu::ops::activation::add;
 use powerinfer_kernels_cpu::ops::attention::AttentionParams;
 use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::{RopeMode, RopeParams};
-use powerinfer_kernels_cpu::MatMul;
+use powerinfer_kernels_cpu::{AxpyCoefficients, MatMul};
 
 use std::ops::Range;
 use std::sync::Mutex;
 
 use powerinfer_kernels_cpu::KernelError;
 
+use super::batch::Segment;
 use super::fused::{run_threads, FusedSplit};
 use super::weights::LayerMats;
-use super::{ExecOptions, Segment};
 use crate::device::AttentionDevice;
 use crate::error::Result;
 use crate::model::{Arch, FfnAct, Hparams, Layer, Model, Norm};
 use crate::observer::FfnObserver;
 use crate::profile::Laps;
 use crate::schedule::balance::Balance;
+
+/// How the executor computes the FFN.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ExecOptions {
+    /// Predictor threshold θ (a neuron is active when its score is ≥ θ).
+    pub(crate) threshold: f32,
+    /// Compute every neuron of a PowerInfer file (ignore the predictor).
+    pub(crate) dense: bool,
+    /// Put a token's several row-parallel products in one thread-pool dispatch.
+    pub(crate) fuse: bool,
+    /// How the sparse axpy multiplies the FFN's hidden values into the down rows.
+    pub(crate) axpy: AxpyCoefficients,
+}
 
 /// Buffers reused from layer to layer.
 #[derive(Default)]

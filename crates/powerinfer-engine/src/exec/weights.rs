@@ -9,7 +9,6 @@ use powerinfer_predictor::predictor::Predictor;
 
 use crate::error::Result;
 use crate::model::{Ffn, Model, Qkv, TensorRef};
-use crate::schedule::placement::{Slot, SLOTS};
 
 /// A kernel view of one matrix, with the cell of its repacked copy when it is marked for
 /// repacking.
@@ -290,3 +289,19 @@ pub(crate) fn products(
     mm.gemm_multi(&mut gj, t)?;
     Ok(())
 }
+
+/// A dense matrix of a layer: the ones one-token products may read repacked.
+#[derive(Clone, Copy)]
+pub(crate) enum Slot {
+    Q,
+    K,
+    V,
+    Qkv,
+    Wo,
+    Gate,
+    Up,
+    Down,
+}
+
+/// Number of [`Slot`]s.
+pub(crate) const SLOTS: usize = 8;

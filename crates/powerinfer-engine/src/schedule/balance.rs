@@ -533,7 +533,7 @@ impl LayerBalanceState {
     }
 
     /// Sets which held neurons the device computes (tests: arbitrary schedules).
-    #[cfg(test)]
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn set_enabled(&mut self, mut on: impl FnMut(u32) -> bool) {
         self.n_enabled = 0;
         for &j in &self.slots {
@@ -544,7 +544,7 @@ impl LayerBalanceState {
     }
 
     /// Neurons of each slot (tests).
-    #[cfg(test)]
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn slots(&self) -> &[u32] {
         &self.slots
     }

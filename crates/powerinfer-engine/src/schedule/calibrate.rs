@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use powerinfer_kernels_cpu::MatMul;
 
-use crate::device::{Device, HotFfnOp, HotSpec, Op, Span};
+use crate::device::{Device, HotFfnOp, HotSpec, Op, Program, Span};
 use crate::error::{EngineError, Result};
 use powerinfer_kernels_cpu::ffn::{token_ffn, NeuronRows, TokenBufs};
 
@@ -292,23 +292,21 @@ fn measure(
             sink = sink.wrapping_add(evict(&flush));
             // The device's FFN between two marks; its inputs copied in before them.
             let mut run = || -> Result<f64> {
-                device.write(xb, &x)?;
-                device.write(sb, &scores)?;
-                device.enqueue(&[
-                    Op::Mark { slot: 0 },
-                    Op::HotFfn(HotFfnOp {
-                        hot,
-                        x: xb,
-                        scores: sb,
-                        threshold: s.threshold,
-                        t,
-                        y: yb,
-                        accumulate: false,
-                        count: None,
-                    }),
-                    Op::Mark { slot: 1 },
-                ])?;
-                let read = device.read(yb)?;
+                let mut prog = Program::default();
+                prog.write(device, xb, &x)?;
+                prog.write(device, sb, &scores)?;
+                let ffn = Op::HotFfn(HotFfnOp {
+                    hot,
+                    x: xb,
+                    scores: sb,
+                    threshold: s.threshold,
+                    t,
+                    y: yb,
+                    accumulate: false,
+                    count: None,
+                });
+                prog.timed(device, 0, ffn)?;
+                let read = prog.read(device, yb)?;
                 device.wait(read, &mut y)?;
                 Ok(device.elapsed(0, 1)?.as_secs_f64() * 1e6)
             };

@@ -16,10 +16,9 @@
 pub(crate) mod attention;
 pub(crate) mod balance;
 pub(crate) mod calibrate;
+pub(crate) mod hybrid;
 pub(crate) mod kv;
 pub(crate) mod placement;
-#[cfg(test)]
-mod schedule_props;
 
 pub use attention::AttentionBalance;
 pub use balance::{BalanceOptions, BalanceReport, LayerBalance};

@@ -1,90 +1,12 @@
-//! Helpers shared by the engine's integration tests (each test crate uses a subset) and by the
-//! command's tool tests that run the models they write (`examples/tests/reorder.rs`,
-//! `convert_falcon_opt.rs`, which include this file with `#[path]`).
+//! Helpers of the engine's integration tests: where llama.cpp's vocabularies are, and the
+//! hostile mutations of a file's contents (`hostile.rs`, which the command's hostile-model
+//! test includes too). Tests that need a model file are the command's package's
+//! (`examples/tests/engine*.rs`): the synthetic generator is the command's.
 #![allow(dead_code)]
 
+pub mod hostile;
+
 use std::path::PathBuf;
-
-use powerinfer_cli::synth::{self, Arch, Family, Shape, SynthConfig, SynthOutputs};
-use powerinfer_engine::EngineOptions;
-use powerinfer_gguf::GgmlType;
-
-/// Engine options of the tests: 2 threads, θ = 0, a 256-position context.
-pub fn opts(dense: bool) -> EngineOptions {
-    let mut o = EngineOptions::default();
-    o.threads = 2;
-    o.sparse_threshold = Some(0.0);
-    o.dense = dense;
-    o.ctx_len = 256;
-    o.mmap = false;
-    o
-}
-
-/// A fixed prompt of ordinary token ids (BOS first).
-pub const PROMPT: [u32; 12] = [1, 300, 301, 77, 120, 5, 260, 400, 33, 90, 270, 11];
-
-/// max |a - b| / std(b).
-pub fn rel_diff(a: &[f32], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let mean = b.iter().sum::<f64>() / b.len() as f64;
-    let var = b.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / b.len() as f64;
-    let max = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as f64 - y).abs())
-        .fold(0.0, f64::max);
-    max / var.sqrt()
-}
-
-/// A tiny synthetic PowerInfer file and its dense twin in a temporary directory.
-pub struct Files {
-    _dir: tempfile::TempDir,
-    pub sparse: PathBuf,
-    pub dense: PathBuf,
-}
-
-/// Writes the `tiny` shape of type `ty` and architecture `arch` with `seed`.
-pub fn make(ty: GgmlType, arch: Arch, seed: u64) -> Files {
-    make_family(
-        ty,
-        match arch {
-            Arch::Llama => Family::Llama,
-            Arch::Bamboo => Family::Bamboo,
-        },
-        seed,
-    )
-}
-
-/// Writes the `tiny` shape of type `ty` and model family `family` (any of the four) with `seed`.
-pub fn make_family(ty: GgmlType, family: Family, seed: u64) -> Files {
-    let dir = tempfile::tempdir().unwrap();
-    let sparse = dir.path().join("model.powerinfer.gguf");
-    let dense = dir.path().join("model.gguf");
-    let mut cfg = SynthConfig::new(Shape::preset("tiny").unwrap());
-    cfg.ty = ty;
-    cfg.set_family(family);
-    cfg.seed = seed;
-    let out = SynthOutputs {
-        model: sparse.clone(),
-        dense: Some(dense.clone()),
-        activation_dir: None,
-        predictor_dir: None,
-    };
-    synth::synthesize(&cfg, &out, &mut |_, _| {}).unwrap();
-    Files {
-        _dir: dir,
-        sparse,
-        dense,
-    }
-}
-
-/// The index of the largest value (the first of equal ones): a greedy token.
-pub fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
-        .0 as u32
-}
 
 /// llama.cpp's vocabulary files and test vectors (`shared/testdata/vocab`): the directory
 /// `$POWERINFER_TESTDATA/vocab` if set, else `shared/testdata/vocab` beside or inside the
@@ -94,9 +16,9 @@ pub fn vocab_dir() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("POWERINFER_TESTDATA") {
         candidates.push(PathBuf::from(dir).join("vocab"));
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    candidates.push(root.join("../shared/testdata/vocab"));
-    candidates.push(root.join("shared/testdata/vocab"));
+    // `shared/` inside or beside the repository.
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    candidates.extend(here.ancestors().map(|d| d.join("shared/testdata/vocab")));
     if let Some(dir) = candidates
         .into_iter()
         .find(|d| d.join("ggml-vocab-gpt-2.gguf").is_file())

@@ -11,6 +11,7 @@ use powerinfer_engine::{
 use powerinfer_gguf::GgmlType;
 use proptest::prelude::*;
 
+#[path = "support/engine.rs"]
 mod common;
 use common::{argmax, PROMPT};
 
@@ -49,7 +50,7 @@ fn options(device: DeviceChoice, budget: Option<u64>) -> EngineOptions {
     o.device.choice = device;
     o.device.vram_budget = budget;
     o.device.gpu_index = GpuIndexMode::Reset;
-    // PowerInfer's static split: every held neuron computed on the device (tests/balance.rs
+    // PowerInfer's static split: every held neuron computed on the device (engine_balance.rs
     // covers the run-time scheduling).
     o.device.balance.balance = false;
     o.device.balance.hot_cache = false;

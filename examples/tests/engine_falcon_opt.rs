@@ -11,6 +11,7 @@ use powerinfer_engine::EngineError;
 use powerinfer_engine::FfnObserver;
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter, Value};
 
+#[path = "support/engine.rs"]
 mod common;
 use common::{opts, rel_diff, PROMPT};
 
@@ -709,7 +710,7 @@ fn unused_tensors_are_reported() {
 /// Writes Q4_0 falcon, opt and llama models (and dense twins) of one small shape (8 layers, n_embd 1024, n_ff
 /// 4096, 16 heads) into `$FALCON_OPT_BENCH_DIR`, for timing with `powerinfer run`:
 /// `FALCON_OPT_BENCH_DIR=/tmp/b cargo test --release --test falcon_opt -- --ignored`. Also
-/// writes the tiny llama twins of `tests/data/llama-cpp/models.sha256` (`tiny-T.*.gguf`, seed
+/// writes the tiny llama twins of `crates/powerinfer-engine/tests/data/llama-cpp/models.sha256` (`tiny-T.*.gguf`, seed
 /// 0) to check that the llama generator's bytes did not change (`sha256sum -c`).
 #[test]
 #[ignore]

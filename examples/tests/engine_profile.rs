@@ -5,11 +5,12 @@
 use std::path::Path;
 
 use powerinfer_cli::synth::{Arch, Shape};
-use powerinfer_engine::profile::Op;
+use powerinfer_engine::profile::OpKind;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_engine::Engine;
 use powerinfer_gguf::{GgmlType, GgufFile};
 
+#[path = "support/engine.rs"]
 mod common;
 use common::{make, opts};
 
@@ -55,10 +56,10 @@ fn generate(
         let n_layer = engine.model().hparams().n_layer as u64;
         assert_eq!(pp.tokens as usize, s.stats().prompt_tokens);
         assert!(pp.evals >= 1 && pp.total_time() <= s.stats().prompt_time);
-        for op in [Op::Qkv, Op::Attention, Op::AttnOutput] {
+        for op in [OpKind::Qkv, OpKind::Attention, OpKind::AttnOutput] {
             assert_eq!(pp.get(op).calls, n_layer * pp.evals, "{op:?}");
         }
-        for op in [Op::FfnUpGate, Op::FfnDown] {
+        for op in [OpKind::FfnUpGate, OpKind::FfnDown] {
             assert!(pp.get(op).calls >= n_layer * pp.evals, "{op:?}");
         }
     } else {
@@ -89,30 +90,30 @@ fn profile_counts_match_the_model() {
         assert_eq!((p.evals, p.tokens), (steps, steps), "{what}");
         assert!(p.total_time() <= stats.decode_time, "{what}");
         for op in [
-            Op::Qkv,
-            Op::Attention,
-            Op::AttnOutput,
-            Op::FfnUpGate,
-            Op::FfnDown,
+            OpKind::Qkv,
+            OpKind::Attention,
+            OpKind::AttnOutput,
+            OpKind::FfnUpGate,
+            OpKind::FfnDown,
         ] {
             assert_eq!(p.get(op).calls, n_layer * steps, "{op:?} {what}");
         }
-        assert_eq!(p.get(Op::OutputHead).calls, steps, "{what}");
+        assert_eq!(p.get(OpKind::OutputHead).calls, steps, "{what}");
 
         // Dense products read whole tensors once per step.
         let per_step = |suffixes: &[&str]| bytes(path, suffixes) * steps;
         assert_eq!(
-            p.get(Op::Qkv).bytes,
+            p.get(OpKind::Qkv).bytes,
             per_step(&["attn_q.weight", "attn_k.weight", "attn_v.weight"]),
             "{what}"
         );
         assert_eq!(
-            p.get(Op::AttnOutput).bytes,
+            p.get(OpKind::AttnOutput).bytes,
             per_step(&["attn_output.weight"]),
             "{what}"
         );
         assert_eq!(
-            p.get(Op::OutputHead).bytes,
+            p.get(OpKind::OutputHead).bytes,
             per_step(&["output.weight"]),
             "{what}"
         );
@@ -122,10 +123,10 @@ fn profile_counts_match_the_model() {
         if sparse_run {
             // fc1 alone; fc2 with the active gate/up rows; only active rows of down.
             let fc2 = per_step(&["fc2.weight"]);
-            assert_eq!(p.get(Op::Predictor).bytes, per_step(&["fc1.weight"]));
-            let ug = p.get(Op::FfnUpGate).bytes;
+            assert_eq!(p.get(OpKind::Predictor).bytes, per_step(&["fc1.weight"]));
+            let ug = p.get(OpKind::FfnUpGate).bytes;
             assert!(ug > fc2 && ug < fc2 + gate_up, "{ug} vs {fc2} + {gate_up}");
-            let d = p.get(Op::FfnDown).bytes;
+            let d = p.get(OpKind::FfnDown).bytes;
             assert!(d > 0 && d < down, "{d} vs {down}");
             // Whole rows: a gate row per active neuron, an up row per active neuron whose
             // gate fired (ReGLU: the others' up rows are not read), a down row per neuron
@@ -152,12 +153,12 @@ fn profile_counts_match_the_model() {
                 share(most)
             );
         } else {
-            assert_eq!(p.get(Op::Predictor), &Default::default(), "{what}");
-            assert_eq!(p.get(Op::FfnUpGate).bytes, gate_up, "{what}");
-            assert_eq!(p.get(Op::FfnDown).bytes, down, "{what}");
+            assert_eq!(p.get(OpKind::Predictor), &Default::default(), "{what}");
+            assert_eq!(p.get(OpKind::FfnUpGate).bytes, gate_up, "{what}");
+            assert_eq!(p.get(OpKind::FfnDown).bytes, down, "{what}");
         }
         // Attention reads the cache: K and V, f16, of every position so far, per layer.
-        let att = p.get(Op::Attention).bytes;
+        let att = p.get(OpKind::Attention).bytes;
         assert!(att > 0 && att % (n_layer * 2 * 2) == 0, "{att}");
     }
 }

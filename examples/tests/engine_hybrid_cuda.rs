@@ -5,6 +5,7 @@ use powerinfer_cli::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_engine::{DeviceChoice, DeviceReport, Engine, GpuIndexMode};
 use powerinfer_gguf::GgmlType;
 
+#[path = "support/engine.rs"]
 mod common;
 use common::{argmax, PROMPT};
 

@@ -1,7 +1,7 @@
 //! The run-time scheduling on the simulated GPU: a slow device hands neurons to the CPU (and
 //! PowerInfer's static split never does), the load-time calibration starts the split there,
 //! and the hot-neuron cache follows a change of topic that the activation statistics do not
-//! predict. (`src/device/schedule_props.rs` checks that no schedule changes the results beyond
+//! predict. (`engine_schedule.rs` checks that no schedule changes the results beyond
 //! float reordering; speeds are measured by `powerinfer bench schedule`, not here.)
 
 use std::path::PathBuf;
@@ -13,6 +13,7 @@ use powerinfer_engine::schedule::LayerBalance;
 use powerinfer_engine::{DeviceChoice, Engine, EngineOptions, GpuIndexMode, SamplingParams};
 use powerinfer_gguf::GgmlType;
 
+#[path = "support/engine.rs"]
 mod common;
 use common::PROMPT;
 

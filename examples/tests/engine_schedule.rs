@@ -5,14 +5,13 @@
 //! The model has one layer, so that every FFN input is the same bits in both engines: with
 //! more layers, a reordered sum changes the next layer's input in its last bits, and a
 //! predictor score that close to the threshold flips a neuron (a different computation, not a
-//! reordering; `tests/hybrid.rs` compares whole models).
+//! reordering; `engine_hybrid.rs` compares whole models).
 
 use proptest::prelude::*;
 
-use super::placement::layer_spec;
-use crate::device::DeviceChoice;
-use crate::{Engine, EngineOptions, GpuIndexMode};
 use powerinfer_cli::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
+use powerinfer_engine::test_hooks::shuffle_schedule;
+use powerinfer_engine::{DeviceChoice, Engine, EngineOptions, GpuIndexMode};
 use powerinfer_gguf::GgmlType;
 
 /// A tiny model with activation statistics (the placement needs them).
@@ -35,11 +34,9 @@ fn model(dir: &std::path::Path, ty: GgmlType, family: Family, seed: u64) -> std:
 }
 
 fn options(device: DeviceChoice, budget: Option<u64>) -> EngineOptions {
-    let mut o = EngineOptions {
-        threads: 1,
-        ctx_len: 64,
-        ..Default::default()
-    };
+    let mut o = EngineOptions::default();
+    o.threads = 1;
+    o.ctx_len = 64;
     o.device.choice = device;
     o.device.vram_budget = budget;
     o.device.gpu_index = GpuIndexMode::Reset;
@@ -61,57 +58,6 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
         .map(|(&x, &y)| (x as f64 - y as f64).abs())
         .fold(0.0, f64::max);
     d / var.sqrt().max(1e-12)
-}
-
-/// A tiny xorshift for the schedule's choices.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
-/// Before every evaluation, each layer gets a random enabled set and, sometimes, a random
-/// migration (random held neurons swapped for random outside ones, rows copied to the device;
-/// always with `migrate`).
-fn shuffle(engine: &Engine, rng: &mut Rng, migrate: bool) {
-    let h = engine.executor().hybrid().expect("a device");
-    let mut b = h.balance.lock().unwrap();
-    let keep = rng.below(101);
-    for (l, state) in b.layers.iter_mut().enumerate() {
-        let Some(state) = state else { continue };
-        let n_ff = state.on_device.len();
-        if migrate || rng.below(3) == 0 {
-            let held: Vec<u32> = state.slots().to_vec();
-            let mut outside: Vec<u32> = (0..n_ff as u32).filter(|j| !held.contains(j)).collect();
-            let k = 1 + rng.below(held.len().min(outside.len()).min(64));
-            let mut outs = Vec::new();
-            let mut ins = Vec::new();
-            let mut pool = held.clone();
-            for _ in 0..k {
-                outs.push(pool.swap_remove(rng.below(pool.len())));
-                ins.push(outside.swap_remove(rng.below(outside.len())));
-            }
-            let spec = layer_spec(engine.model(), l).unwrap().unwrap();
-            state
-                .replace(h.device.as_ref(), &spec, &outs, &ins)
-                .unwrap();
-        }
-        let mut r = Rng(rng.next() | 1);
-        state.set_enabled(|_| r.below(100) < keep);
-        // The device computes what the split says from its next program on.
-        h.device
-            .set_enabled(state.hot, state.enabled_slots().as_deref())
-            .unwrap();
-    }
 }
 
 proptest! {
@@ -150,8 +96,8 @@ proptest! {
 
         let prompt = [1u32, 5, 9, 13, 2, 7];
         let (mut a, mut b) = (cpu.session(), sim.session());
-        let mut rng = Rng(seed | 1);
-        shuffle(&sim, &mut rng, true);
+        let mut rng = seed | 1;
+        shuffle_schedule(&sim, &mut rng, true).unwrap();
         let mut want = a.eval(&prompt).unwrap();
         let mut got = b.eval(&prompt).unwrap();
         // Float sums of a few hundred terms in another order. The output head rounds its input
@@ -170,7 +116,7 @@ proptest! {
                 .max_by(|x, y| x.1.total_cmp(y.1))
                 .map(|(i, _)| i as u32)
                 .unwrap();
-            shuffle(&sim, &mut rng, false);
+            shuffle_schedule(&sim, &mut rng, false).unwrap();
             want = a.eval(&[next]).unwrap();
             got = b.eval(&[next]).unwrap();
         }

@@ -21,6 +21,7 @@ use powerinfer_engine::{
 use powerinfer_gguf::GgmlType;
 use proptest::prelude::*;
 
+#[path = "support/engine.rs"]
 mod common;
 use common::{argmax, PROMPT};
 

@@ -10,6 +10,7 @@ use powerinfer_engine::{
 };
 use powerinfer_gguf::GgmlType;
 
+#[path = "support/engine.rs"]
 mod common;
 use common::make_family;
 

@@ -1,5 +1,5 @@
 //! Dense files: our logits against llama.cpp's, from golden files made by
-//! `tests/data/llama-cpp/golden.py` (see the README there) on the same synthetic dense twins.
+//! `crates/powerinfer-engine/tests/data/llama-cpp/golden.py` (see the README there) on the same synthetic dense twins.
 //!
 //! Bounds are max |ours - llama.cpp| / std(llama.cpp logits); the test prints the measured value
 //! next to the target (F32 1e-4, F16 1e-3, quantized 1e-2). Measured when the goldens
@@ -18,7 +18,7 @@ const TOKENS: [u32; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 
 fn golden(name: &str) -> Vec<f32> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/llama-cpp")
+        .join("../crates/powerinfer-engine/tests/data/llama-cpp")
         .join(name);
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     bytes

@@ -10,6 +10,7 @@ use powerinfer_engine::model::Model;
 use powerinfer_engine::sampling::SamplingParams;
 use powerinfer_gguf::{GgmlType, GgufFile, GgufWriter};
 
+#[path = "support/engine.rs"]
 mod common;
 use common::{argmax, make, opts, rel_diff, PROMPT};
 
