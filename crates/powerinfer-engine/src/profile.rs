@@ -209,7 +209,8 @@ impl BatchDensity {
 }
 
 /// What a device charged over the evaluations recorded: kernel launches, host waits
-/// (synchronizations) and bytes over the host link.
+/// (synchronizations) and bytes over the host link; and the evaluations' time on the device's
+/// timeline (the modelled card's for a simulated device playing one, else the wall clock).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeviceTraffic {
@@ -219,15 +220,19 @@ pub struct DeviceTraffic {
     pub syncs: u64,
     /// Bytes copied between host and device.
     pub link_bytes: u64,
+    /// The evaluations' time on the device's timeline
+    /// ([`DeviceReport::eval_secs`](crate::DeviceReport::eval_secs)).
+    pub time: Duration,
 }
 
 impl DeviceTraffic {
-    /// These counts.
-    pub fn new(launches: u64, syncs: u64, link_bytes: u64) -> DeviceTraffic {
+    /// These counts, over `time` on the device's timeline.
+    pub fn new(launches: u64, syncs: u64, link_bytes: u64, time: Duration) -> DeviceTraffic {
         DeviceTraffic {
             launches,
             syncs,
             link_bytes,
+            time,
         }
     }
 
@@ -235,6 +240,7 @@ impl DeviceTraffic {
         self.launches += o.launches;
         self.syncs += o.syncs;
         self.link_bytes += o.link_bytes;
+        self.time += o.time;
     }
 }
 

@@ -257,7 +257,8 @@ pub fn run(a: Args) -> Result<(), String> {
         );
     }
     if let Some(p) = &batched.profile {
-        super::run::print_profile(p, super::run::bandwidth(&engine));
+        let timeline = super::device::timeline(&engine.device_report());
+        super::run::print_profile(p, super::run::bandwidth(&engine), &timeline);
         print_density(p);
     }
     Ok(())

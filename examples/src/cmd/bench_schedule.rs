@@ -133,6 +133,8 @@ fn base_options(a: &ScheduleArgs, bandwidth: Option<f64>) -> EngineOptions {
             LINK_GBPS * 1e9,
         )
     });
+    // The schedules are timed by the wall clock: the card's time must pass there too.
+    o.device.sim.paced = true;
     let b = &mut o.device.balance;
     b.balance = false;
     b.hot_cache = false;

@@ -34,9 +34,14 @@ pub struct DeviceArgs {
     /// `--gpu sim`: the simulated GPU's own worker threads.
     #[arg(long = "sim-threads", default_value_t = 1)]
     pub sim_threads: usize,
-    /// `--gpu sim`: play a device reading its memory at this many GB/s (with
-    /// `--sim-launch-us` per kernel and a `--sim-link-gbps` host link); default: as fast as
-    /// its threads compute.
+    /// `--gpu sim`: the card it plays, on its own clock (the balancer and the calibration
+    /// read the card's time, `run --json` and `--profile` give the time per token on it):
+    /// `h200` (4.3 TB/s, 141 GB), `rtx4090` (1.0 TB/s, 24 GB, PCIe 4.0 x16) or `none` (this
+    /// machine's wall clock: a device as fast as its threads compute).
+    #[arg(long = "sim-card", default_value = "h200", value_parser = sim_card)]
+    pub sim_card: String,
+    /// `--gpu sim`: play a device reading its memory at this many GB/s instead (with
+    /// `--sim-launch-us` per kernel and a `--sim-link-gbps` host link).
     #[arg(long = "sim-bandwidth")]
     pub sim_bandwidth: Option<f64>,
     /// `--gpu sim` with `--sim-bandwidth`: microseconds per kernel launch.
@@ -90,6 +95,18 @@ pub struct DeviceArgs {
     /// Largest change of a layer's share of attended positions on the device per move.
     #[arg(long = "attention-step", default_value_t = 0.05)]
     pub attention_step: f64,
+}
+
+/// `--sim-card`: a card [`SimSpeed::card`] knows, or `none` (the wall clock).
+fn sim_card(s: &str) -> Result<String, String> {
+    if s == "none" || SimSpeed::card(s).is_some() {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "`{s}`: expected {} or none",
+            SimSpeed::CARDS.join(", ")
+        ))
+    }
 }
 
 /// A size in GiB: a number ≥ 0 (fractions allowed).
@@ -171,7 +188,7 @@ impl DeviceArgs {
         b.attention_step = self.attention_step;
         d.sim.threads = self.sim_threads.max(1);
         d.sim.speed = match self.sim_bandwidth {
-            None => None,
+            None => SimSpeed::card(&self.sim_card),
             Some(bw) if bw > 0.0 && self.sim_link_gbps > 0.0 && self.sim_launch_us >= 0.0 => {
                 Some(SimSpeed::new(
                     bw * 1e9,
@@ -253,7 +270,28 @@ pub fn json(r: &DeviceReport) -> serde_json::Value {
         "launches_per_token": r.launches_per_token(),
         "syncs_per_token": r.syncs_per_token(),
         "link_bytes_per_token": r.link_bytes_per_token(),
+        "timeline": timeline(r),
+        "eval_secs": r.eval_secs,
+        "ms_per_token": r.secs_per_token() * 1e3,
+        "decode_tokens": r.decode_tokens,
+        "decode_secs": r.decode_secs,
+        "decode_tps": r.decode_tokens_per_sec(),
+        "graphs_captured": r.graphs_captured,
+        "late_allocations": r.late_allocations,
     })
+}
+
+/// Which clock the device's times are on: the card a simulated device models, else the wall
+/// clock.
+pub fn timeline(r: &DeviceReport) -> String {
+    match r
+        .kind
+        .strip_prefix("sim (")
+        .and_then(|k| k.split_once(" model"))
+    {
+        Some((card, _)) => format!("modelled {card}"),
+        None => "wall clock".to_string(),
+    }
 }
 
 /// What a device charged per token over a profile's evaluations: `(launches, host waits, link
@@ -276,6 +314,7 @@ pub fn traffic_json(p: &OpProfile) -> serde_json::Value {
     match traffic_per_token(p) {
         Some((l, s, b)) => serde_json::json!({
             "launches_per_token": l, "syncs_per_token": s, "link_bytes_per_token": b,
+            "ms_per_token": p.device.time.as_secs_f64() * 1e3 / p.tokens.max(1) as f64,
         }),
         None => serde_json::Value::Null,
     }

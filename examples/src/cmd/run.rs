@@ -454,7 +454,7 @@ fn profile_rows(p: &OpProfile) -> Vec<(&'static str, f64, f64, f64)> {
 
 /// The decode profile as a table on stderr, with each operation's read bandwidth against the
 /// machine's (`bandwidth`, bytes/s).
-pub(crate) fn print_profile(p: &OpProfile, bandwidth: f64) {
+pub(crate) fn print_profile(p: &OpProfile, bandwidth: f64, timeline: &str) {
     eprintln!(
         "decode profile: {} tokens, memory read bandwidth {:.1} GB/s",
         p.tokens,
@@ -497,6 +497,14 @@ pub(crate) fn print_profile(p: &OpProfile, bandwidth: f64) {
              waits, {:.1} KB over the link",
             bytes / 1e3
         );
+        let ms = p.device.time.as_secs_f64() * 1e3 / p.tokens.max(1) as f64;
+        if ms > 0.0 {
+            eprintln!(
+                "device timeline ({}): {ms:.3} ms per token, {:.1} tokens/s",
+                timeline,
+                1e3 / ms
+            );
+        }
     }
 }
 
@@ -622,7 +630,8 @@ pub fn run(args: Args) -> Result<(), String> {
             print_prompt_profile(p);
         }
         if let (Some(p), Some(bw)) = (&run.profile, bw) {
-            print_profile(p, bw);
+            let timeline = super::device::timeline(&engine.device_report());
+            print_profile(p, bw, &timeline);
             super::device::print_split(p);
             if let Some(m) = memory {
                 eprintln!("{}", m.describe(bw));
@@ -699,9 +708,9 @@ fn demo(args: &Args, prompt: &str) -> Result<(), String> {
         println!("{}", json(&s, &extra));
     } else if let (Some(dp), Some(sp), Some(bw)) = (&d.profile, &s.profile, bw) {
         eprintln!("--- dense FFN ---");
-        print_profile(dp, bw);
+        print_profile(dp, bw, "wall clock");
         eprintln!("--- sparse FFN ---");
-        print_profile(sp, bw);
+        print_profile(sp, bw, "wall clock");
     }
     eprintln!(
         "decode: dense {:.2} tokens/s, sparse {:.2} tokens/s, sparse/dense = {:.2}x (FFN density {:.3})",

@@ -123,8 +123,13 @@ pub(crate) trait Device: Send + Sync {
     fn read(&self, src: Span) -> Result<ReadId>;
     /// Waits for a read (and so for everything queued before it) and copies it into `dst`.
     fn wait(&self, read: ReadId, dst: &mut [f32]) -> Result<()>;
-    /// The device time from mark `from` to mark `to` ([`Op::Mark`]), once a wait covered both.
+    /// The device time from mark `from` to mark `to` ([`Op::Mark`]), once a wait covered both:
+    /// on the device's timeline ([`Device::now`]).
     fn elapsed(&self, from: usize, to: usize) -> Result<Duration>;
+    /// The host's time on the device's timeline: for a simulated device playing a card, the
+    /// modelled card's (the host's real work between device calls, the card's modelled work,
+    /// the waits between); else the wall clock. Differences of it time an evaluation.
+    fn now(&self) -> Duration;
 
     /// The attention split's side of the device, when it runs attention over a mirror of the
     /// host's KV rows (a capability the scheduling policy reads before it reserves anything).

@@ -36,15 +36,18 @@ impl std::str::FromStr for DeviceChoice {
     }
 }
 
-/// A speed to play for the simulated device: each piece of work takes at least the time
-/// these figures give it (the work itself runs for real on the device's threads; when that
-/// takes longer, the device is slower than asked and [`DeviceReport::overruns`](super::DeviceReport::overruns) counts it).
-/// It charges what a GPU charges: every kernel launch, every copy over the host link (a
-/// latency and the bytes at the link's bandwidth, on the device's stream), and every time the
-/// host waits for the device.
+/// The card the simulated device plays: what it charges for each piece of work (every kernel
+/// launch, every copy over the host link, a latency and the bytes at the link's bandwidth, and
+/// every time the host waits for the device) and the memory it has. With a speed the simulated
+/// device keeps the modelled card's clock: its timing marks, and so the calibration and the
+/// balancer, read the card's modelled time, not how long this machine took to emulate it; the
+/// CPU side keeps its real time. [`DeviceReport::eval_secs`](super::DeviceReport::eval_secs)
+/// is then an evaluation's time on the modelled card beside this machine's CPU.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct SimSpeed {
+    /// What it plays (`H200`, `RTX 4090`, `custom`).
+    pub name: &'static str,
     /// Bytes per second the device reads its memory at.
     pub bandwidth: f64,
     /// Time of one kernel launch.
@@ -56,13 +59,18 @@ pub struct SimSpeed {
     /// Time the host loses each time it waits for the device (the wake-up after a
     /// synchronization).
     pub host_wait: Duration,
+    /// Bytes of device memory (the default VRAM budget is what CUDA's would be: 90% less
+    /// 256 MiB).
+    pub memory: u64,
 }
 
 impl SimSpeed {
     /// A device reading `bandwidth` bytes/s, with `launch` per kernel and a host link of
-    /// `link_bandwidth` bytes/s (the link latency and the host's wait as [`SimSpeed::h200`]).
+    /// `link_bandwidth` bytes/s (the link latency, the host's wait and the memory as
+    /// [`SimSpeed::h200`]).
     pub fn new(bandwidth: f64, launch: Duration, link_bandwidth: f64) -> SimSpeed {
         SimSpeed {
+            name: "custom",
             bandwidth,
             launch,
             link_bandwidth,
@@ -72,14 +80,40 @@ impl SimSpeed {
 
     /// The figures of one H200 as the project measured it (`docs/tuning.md`, "The simulated
     /// GPU's speed model"): 4.3 TB/s of memory, 5 µs per launch, a host link of 25 GB/s with
-    /// 10 µs per copy, 10 µs per host wait.
+    /// 10 µs per copy, 10 µs per host wait, 141 GB.
     pub fn h200() -> SimSpeed {
         SimSpeed {
+            name: "H200",
             bandwidth: 4.3e12,
             launch: Duration::from_micros(5),
             link_bandwidth: 25e9,
             link_latency: Duration::from_micros(10),
             host_wait: Duration::from_micros(10),
+            memory: 141_000_000_000,
+        }
+    }
+
+    /// A 24 GB RTX 4090 on PCIe 4.0 x16: 1.0 TB/s of memory (its 1,008 GB/s peak), 5 µs per
+    /// launch, a host link of 25 GB/s (what pinned copies reach on PCIe 4.0 x16) with 10 µs
+    /// per copy, 10 µs per host wait.
+    pub fn rtx4090() -> SimSpeed {
+        SimSpeed {
+            name: "RTX 4090",
+            bandwidth: 1.0e12,
+            memory: 24 << 30,
+            ..SimSpeed::h200()
+        }
+    }
+
+    /// The cards [`SimSpeed::card`] knows, by the name it takes.
+    pub const CARDS: [&'static str; 2] = ["h200", "rtx4090"];
+
+    /// The card named `name` (`h200`, `rtx4090`; case does not matter).
+    pub fn card(name: &str) -> Option<SimSpeed> {
+        match name.to_ascii_lowercase().as_str() {
+            "h200" => Some(SimSpeed::h200()),
+            "rtx4090" | "4090" => Some(SimSpeed::rtx4090()),
+            _ => None,
         }
     }
 
@@ -89,6 +123,23 @@ impl SimSpeed {
         self.host_wait = host_wait;
         self
     }
+
+    /// The time this card takes for `launches` kernel launches reading `read` bytes and
+    /// `copies` copies of `copied` bytes over the host link.
+    pub fn time_of(&self, launches: u64, read: u64, copies: u32, copied: u64) -> Duration {
+        let secs = |bytes: u64, bps: f64| {
+            if bps > 0.0 {
+                Duration::from_secs_f64(bytes as f64 / bps)
+            } else {
+                Duration::ZERO
+            }
+        };
+        let launches = u32::try_from(launches).unwrap_or(u32::MAX);
+        self.launch * launches
+            + secs(read, self.bandwidth)
+            + self.link_latency * copies
+            + secs(copied, self.link_bandwidth)
+    }
 }
 
 /// Options of the simulated device.
@@ -97,15 +148,21 @@ impl SimSpeed {
 pub struct SimOptions {
     /// Its worker threads (its own, not the CPU side's pool).
     pub threads: usize,
-    /// The speed it plays; `None`: as fast as its threads compute.
+    /// The card it plays (default: [`SimSpeed::h200`]); `None`: none, its marks are this
+    /// machine's wall clock (a device as fast as its threads compute).
     pub speed: Option<SimSpeed>,
+    /// With a speed: also make its work take at least the card's time on the wall clock (for
+    /// benchmarks that time schedules by the wall clock, `bench schedule`); the card's clock
+    /// does not need it.
+    pub paced: bool,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
         SimOptions {
             threads: 1,
-            speed: None,
+            speed: Some(SimSpeed::h200()),
+            paced: false,
         }
     }
 }

@@ -59,6 +59,17 @@ pub struct DeviceReport {
     /// Programs captured as graphs so far (each instantiated while decoding, the second time
     /// its program is seen; `--graphs on`).
     pub graphs_captured: u64,
+    /// Seconds the evaluations on the device took on its timeline: on the modelled card
+    /// beside this machine's CPU for a simulated device playing one ([`SimSpeed`]: the CPU's
+    /// real work, the card's modelled work and copies, the waits between), else the wall
+    /// clock. Over [`DeviceReport::tokens`].
+    ///
+    /// [`SimSpeed`]: super::SimSpeed
+    pub eval_secs: f64,
+    /// Of [`DeviceReport::tokens`], those of decode steps (one token of each sequence).
+    pub decode_tokens: u64,
+    /// The decode steps' seconds on the device's timeline.
+    pub decode_secs: f64,
     /// Host staging buffers made after load (a copy wider than the step's widest; 0 in a
     /// step).
     pub late_allocations: u64,
@@ -83,6 +94,25 @@ impl DeviceReport {
     /// Host waits (synchronizations) per token evaluated.
     pub fn syncs_per_token(&self) -> f64 {
         per_token(self.host_waits, self.tokens)
+    }
+
+    /// Seconds per token evaluated on the device's timeline ([`DeviceReport::eval_secs`]).
+    pub fn secs_per_token(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.eval_secs / self.tokens as f64
+        }
+    }
+
+    /// Decode tokens per second on the device's timeline: on the modelled card for a
+    /// simulated device playing one (0 before any decode step).
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        if self.decode_secs > 0.0 {
+            self.decode_tokens as f64 / self.decode_secs
+        } else {
+            0.0
+        }
     }
 
     /// Bytes over the host link per token evaluated.

@@ -127,6 +127,10 @@ pub(crate) struct Hybrid {
     pub(crate) counters: (AtomicU64, AtomicU64),
     /// Tokens evaluated with the device.
     pub(crate) tokens: AtomicU64,
+    /// Their evaluations' time on the device's timeline, in nanoseconds.
+    pub(crate) eval_ns: AtomicU64,
+    /// Of which decode steps (one token of each sequence): tokens, nanoseconds.
+    pub(crate) decode: (AtomicU64, AtomicU64),
     /// Which neurons the device holds and computes in each layer, moved while decoding.
     pub(crate) balance: Mutex<Balance>,
 }
@@ -146,6 +150,9 @@ impl Hybrid {
             launches: t.launches,
             host_waits: t.waits,
             link_bytes: t.link_bytes.saturating_sub(self.report.link_bytes),
+            eval_secs: self.eval_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            decode_tokens: self.decode.0.load(Ordering::Relaxed),
+            decode_secs: self.decode.1.load(Ordering::Relaxed) as f64 * 1e-9,
             graphs_captured: t.captures,
             late_allocations: t.late_allocs,
             ..self.report.clone()

@@ -66,9 +66,13 @@ pub(crate) fn open(opts: &DeviceOptions, model: &Model, ctx_len: usize) -> Resul
     match opts.choice {
         DeviceChoice::None => Ok(Opened::Cpu(None)),
         DeviceChoice::Sim => {
-            let budget = match opts.vram_budget {
-                Some(b) => b,
-                None => everything(model, opts, ctx_len),
+            // By default everything it could hold, on a card of its memory what CUDA's default
+            // budget would be there (90% less 256 MiB).
+            let budget = match (opts.vram_budget, opts.sim.speed) {
+                (Some(b), _) => b,
+                (None, Some(card)) => everything(model, opts, ctx_len)
+                    .min((card.memory / 10 * 9).saturating_sub(256 << 20)),
+                (None, None) => everything(model, opts, ctx_len),
             };
             let sim = SimDevice::new(budget, &opts.sim, opts.graphs)?;
             Ok(Opened::Device(Box::new(sim)))
@@ -366,6 +370,8 @@ pub(crate) fn place(
         },
         counters: (AtomicU64::new(0), AtomicU64::new(0)),
         tokens: AtomicU64::new(0),
+        eval_ns: AtomicU64::new(0),
+        decode: (AtomicU64::new(0), AtomicU64::new(0)),
         balance: Mutex::new(Balance {
             options: opts.balance.clone(),
             ..Balance::default()
@@ -619,12 +625,17 @@ fn calibration(
 }
 
 /// The share of a layer's held activity whose device time equals the CPU's time on the rest,
-/// at calibrated costs: `device(x) = cpu(held + outside − x)`.
-fn balanced_share(c: &Calibration, held: f64, outside: f64) -> f64 {
+/// at calibrated costs: `device(x) = cpu(held + outside − x)`. A layer the device holds whole
+/// stays whole on it while the device's time is below `floor` (seconds), what the CPU's share
+/// would cost whatever its rows (the balancer's own rule).
+fn balanced_share(c: &Calibration, held: f64, outside: f64, floor: f64) -> f64 {
     if held <= 0.0 {
         return 1.0;
     }
     let (d, p) = (&c.device, &c.cpu);
+    if outside <= 0.0 && (d.fixed_us + d.per_row_us * held) * 1e-6 <= floor {
+        return 1.0;
+    }
     let x = (p.fixed_us - d.fixed_us + p.per_row_us * (held + outside))
         / (d.per_row_us + p.per_row_us).max(1e-12);
     (x / held).clamp(0.0, 1.0)
@@ -783,14 +794,19 @@ fn place_sparse(
             .unwrap_or_default();
         let mut state =
             LayerBalanceState::new(l, id, n_ff, &ls.bucket, prior.clone(), opts.balance.window);
-        if let Some(c) = &calib {
-            // The CPU's fixed cost, and a link's round trip of the share's input and output.
-            state.set_cpu_floor((c.cpu.fixed_us + c.device.fixed_us) * 1e-6 + 50e-6);
+        // The CPU's fixed cost, and a link's round trip of the share's input and output.
+        let floor = calib
+            .as_ref()
+            .map(|c| (c.cpu.fixed_us + c.device.fixed_us) * 1e-6 + 50e-6);
+        if let Some(f) = floor {
+            state.set_cpu_floor(f);
         }
-        if let (Some(c), true, false) = (&calib, opts.balance.balance, prior.is_empty()) {
+        if let (Some(c), Some(f), true, false) =
+            (&calib, floor, opts.balance.balance, prior.is_empty())
+        {
             let held: f64 = ls.bucket.iter().map(|&j| prior[j as usize] as f64).sum();
             let all: f64 = prior.iter().map(|&p| p as f64).sum();
-            state.enable_share(balanced_share(c, held, all - held));
+            state.enable_share(balanced_share(c, held, all - held, f));
             h.device.set_enabled(id, state.enabled_slots().as_deref())?;
         }
         balance.layers[l] = Some(state);

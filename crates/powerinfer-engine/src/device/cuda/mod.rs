@@ -60,6 +60,8 @@ pub(crate) struct CudaDevice {
     ///
     /// [`DeviceOptions::graphs`]: crate::schedule::DeviceOptions::graphs
     graphs: bool,
+    /// When it was opened (its clock is the wall clock).
+    origin: Instant,
 }
 
 impl CudaDevice {
@@ -83,6 +85,7 @@ impl CudaDevice {
             state: Mutex::new(State::default()),
             traffic: TrafficCounters::default(),
             graphs,
+            origin: Instant::now(),
         })
     }
 
@@ -510,6 +513,10 @@ impl Device for CudaDevice {
         self.traffic.waited();
         self.unpin(&mut self.state(), r.buf);
         Ok(())
+    }
+
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
     }
 
     fn elapsed(&self, from: usize, to: usize) -> Result<Duration> {

@@ -13,11 +13,12 @@ use powerinfer_kernels_cpu::ops::rope::rope_block;
 use powerinfer_kernels_cpu::MatMul;
 use powerinfer_predictor::predictor::Predictor;
 
+use super::clock::Cost;
 use super::memory::{
     buf, bytes_of, hot_mut, io, mat, put_rows, span, span_mut, span_vec, DevHot, DevMat, Memory,
     NewRows,
 };
-use super::stream::{Cost, StepState, Stream};
+use super::stream::{StepState, Stream};
 use crate::device::{
     entry, unknown_kv, AttentionOp, BufId, HotFfnOp, HotId, MatId, Op, PredictorOp, RopeOp, RowsOf,
     Span,

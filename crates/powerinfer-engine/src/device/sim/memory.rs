@@ -31,8 +31,6 @@ pub(super) struct DevHot {
     pub(super) up: DevMat,
     pub(super) down: DevMat,
     pub(super) bucket: Vec<u32>,
-    /// Neurons of the layer (the enabled mask a GPU keeps covers every one).
-    pub(super) n_ff: usize,
     /// Per slot, whether the device computes it (`None`: every slot).
     pub(super) enabled: Option<Vec<bool>>,
     pub(super) up_bias: Option<Vec<f32>>,

@@ -20,6 +20,7 @@
 //! The arithmetic is that of the CPU kernels (`powerinfer-kernels-cpu`) on the device's copies,
 //! so a layer computed here gives the CPU's bits.
 
+mod clock;
 mod kernels;
 mod memory;
 mod stream;
@@ -37,10 +38,11 @@ use powerinfer_kernels_cpu::ops::attention::AttentionPart;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::MemoryBudget;
 
+use clock::{Gate, HostClock};
 use memory::{budget_error, bytes_of, new_kv, DevBuf, DevHot, DevMat, Memory, Mirror, NewRows};
-use stream::{spin_until, wait, Cmd, Stream, REPLY_SPIN};
+use stream::{spin_until, wait, Answer, Cmd, Job, Stream, REPLY_SPIN};
 
-use super::cuda::launches::{converts_activation, program_launches, HotKind};
+use super::cuda::launches::{converts_activation, program_launches, Conversion, HotKind};
 use super::program::{graph_segments, masked_flags, GraphCache, Sighting};
 use super::report::TrafficCounters;
 use super::{
@@ -50,34 +52,49 @@ use super::{
 use crate::error::{EngineError, Result};
 
 /// Where an attention part and the device's time arrive.
-type AttentionReply = Receiver<Result<(AttentionPart, Duration)>>;
+type AttentionReply = Receiver<Answer<(AttentionPart, Duration)>>;
 
 /// Where a read's values arrive.
-type ReadReply = Receiver<Result<Vec<f32>>>;
+type ReadReply = Receiver<Answer<Vec<f32>>>;
 
 /// The simulated GPU (see the [module docs](self)).
 pub(crate) struct SimDevice {
     budget: MemoryBudget,
     memory: Arc<RwLock<Memory>>,
-    stream: Mutex<Sender<Cmd>>,
+    stream: Mutex<Sender<Job>>,
+    /// The host's side of the timeline.
+    clock: Mutex<HostClock>,
+    /// On a card's clock (not paced), the worker runs only while the host waits.
+    gate: Option<Arc<Gate>>,
     worker: Option<JoinHandle<()>>,
     reads: Mutex<HashMap<u64, ReadReply>>,
     pending_attention: Queue<AttentionReply>,
     next: AtomicU64,
     overruns: Arc<AtomicU64>,
     traffic: Arc<TrafficCounters>,
-    marks: Arc<Mutex<Vec<Option<Instant>>>>,
-    /// Per hot slice, whether its enabled mask applies (as the host last set it: what a GPU's
-    /// programs queued from now on launch for).
-    masked: Mutex<Vec<bool>>,
+    marks: Arc<Mutex<Vec<Option<Duration>>>>,
+    /// What the device holds, as the launch rules need it: the front counts a program's
+    /// launches from this, never from the worker's memory (which would wait for the worker).
+    known: Mutex<Known>,
     /// With graphs, the programs a GPU would have captured (to count its launches).
     graph_cache: Mutex<GraphCache<()>>,
     /// Error of a command the worker could not run, reported at the next wait.
     failed: Arc<Mutex<Option<EngineError>>>,
     threads: usize,
     speed: Option<SimSpeed>,
+    paced: bool,
     /// Programs replay as one launch each (CUDA graphs).
     graphs: bool,
+}
+
+/// What the device holds, as the launch rules ([`program_launches`]) need it.
+#[derive(Default)]
+struct Known {
+    /// Per matrix, how its products convert their activation.
+    mats: Vec<Conversion>,
+    /// Per hot slice, what its FFN's launches depend on (its mask as the host last set it:
+    /// what a GPU's programs queued from now on launch for), and its layer's neurons.
+    hots: Vec<(HotKind, usize)>,
 }
 
 fn stopped<E>(_: E) -> EngineError {
@@ -95,10 +112,15 @@ impl SimDevice {
         let traffic = Arc::new(TrafficCounters::default());
         let marks = Arc::new(Mutex::new(Vec::new()));
         let failed = Arc::new(Mutex::new(None));
-        let (tx, rx) = channel::<Cmd>();
+        let (tx, rx) = channel::<Job>();
+        let origin = Instant::now();
+        let gate = (opts.speed.is_some() && !opts.paced).then(|| Arc::new(Gate::default()));
         let stream = Stream {
+            gate: gate.clone(),
             memory: memory.clone(),
             speed: opts.speed,
+            paced: opts.paced,
+            origin,
             overruns: overruns.clone(),
             traffic: traffic.clone(),
             marks: marks.clone(),
@@ -113,6 +135,8 @@ impl SimDevice {
             budget,
             memory,
             stream: Mutex::new(tx),
+            clock: Mutex::new(HostClock::new(origin, opts.speed)),
+            gate,
             worker: Some(worker),
             reads: Mutex::new(HashMap::new()),
             pending_attention: Queue::new(),
@@ -120,34 +144,57 @@ impl SimDevice {
             overruns,
             traffic,
             marks,
-            masked: Mutex::new(Vec::new()),
+            known: Mutex::new(Known::default()),
             graph_cache: Mutex::new(GraphCache::default()),
             failed,
             threads: opts.threads.max(1),
             speed: opts.speed,
+            paced: opts.paced,
             graphs,
         })
     }
 
-    fn send(&self, cmd: Cmd) -> Result<()> {
-        self.stream
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(cmd)
-            .map_err(stopped)
+    fn known(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The host's side of a wait: counted, charged by the speed model, and the first error
-    /// of the stream (if any) reported.
-    fn host_waited(&self) -> Result<()> {
+    fn host_clock(&self) -> std::sync::MutexGuard<'_, HostClock> {
+        self.clock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Issues `cmd` to the stream at the host's time.
+    fn send(&self, cmd: Cmd) -> Result<()> {
+        let mut clock = self.host_clock();
+        let at = clock.enter();
+        let sent = (self.stream.lock().unwrap_or_else(|e| e.into_inner()))
+            .send(Job { at, cmd })
+            .map_err(stopped);
+        clock.leave();
+        sent
+    }
+
+    /// Waits for a command's answer: the host's time moves to its end (and the wake-up), the
+    /// wait is counted, and the first error of the stream (if any) reported.
+    fn answer<T>(&self, rx: &Receiver<Answer<T>>) -> Result<T> {
+        self.host_clock().enter();
+        if let Some(g) = &self.gate {
+            g.open();
+        }
+        let answered = wait(rx, REPLY_SPIN).map_err(stopped);
+        if let Some(g) = &self.gate {
+            g.close();
+        }
+        let (got, end) = answered?;
+        self.host_clock().waited(end);
         self.traffic.waited();
-        if let Some(s) = self.speed {
+        if let (true, Some(s)) = (self.paced, self.speed) {
             spin_until(Instant::now() + s.host_wait);
+            self.host_clock().leave();
         }
-        match self.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = self.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Err(e);
         }
+        got
     }
 
     /// A copy of `w`'s rows `rows` (all when `None`) in device memory.
@@ -201,9 +248,12 @@ fn gather(w: &Weights<'_>, rows: &[u32]) -> Result<Vec<u8>> {
 
 impl Drop for SimDevice {
     fn drop(&mut self) {
-        // Closing the channel ends the worker's loop.
+        // Closing the channel ends the worker's loop (once it has run out its queue).
         let (dead, _) = channel();
         *self.stream.lock().unwrap_or_else(|e| e.into_inner()) = dead;
+        if let Some(g) = &self.gate {
+            g.stop();
+        }
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
@@ -212,8 +262,12 @@ impl Drop for SimDevice {
 
 impl Device for SimDevice {
     fn name(&self) -> String {
+        let card = match self.speed {
+            Some(s) => format!("{} model, ", s.name),
+            None => String::new(),
+        };
         format!(
-            "sim ({} thread{}{})",
+            "sim ({card}{} thread{}{})",
             self.threads,
             if self.threads == 1 { "" } else { "s" },
             if self.graphs { ", graphs" } else { "" }
@@ -253,7 +307,11 @@ impl Device for SimDevice {
 
     fn upload(&self, w: &Weights<'_>) -> Result<MatId> {
         let m = self.copy_in(w, None)?;
+        let mut known = self.known();
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        known
+            .mats
+            .push(converts_activation(m.ty).then_some((m.ty, m.cols)));
         mem.mats.push(m);
         Ok(MatId(mem.mats.len() - 1))
     }
@@ -286,18 +344,26 @@ impl Device for SimDevice {
         let up_bias = spec
             .up_bias
             .map(|b| spec.bucket.iter().map(|&j| b[j as usize]).collect());
+        let kind = HotKind {
+            masked: false,
+            gated: gate.is_some(),
+            converts: converts_activation(up.ty),
+            up_bias: up_bias.is_some(),
+            f16_down: down.ty == GgmlType::F16,
+        };
         let hot = DevHot {
             gate,
             up,
             down,
             bucket: spec.bucket.to_vec(),
-            n_ff: spec.up.rows(),
             enabled: None,
             up_bias,
             act: spec.act,
             _held: held,
         };
+        let mut known = self.known();
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        known.hots.push((kind, spec.up.rows()));
         mem.hots.push(Some(hot));
         Ok(HotId(mem.hots.len() - 1))
     }
@@ -320,27 +386,19 @@ impl Device for SimDevice {
             rows,
             reply,
         })?;
-        let took = wait(&answer, REPLY_SPIN).map_err(stopped)??;
-        self.host_waited()?;
-        Ok(took)
+        self.answer(&answer)
     }
 
     fn set_enabled(&self, hot: HotId, enabled: Option<&[bool]>) -> Result<()> {
-        {
-            let mut masked = self.masked.lock().unwrap_or_else(|e| e.into_inner());
-            if masked.len() <= hot.0 {
-                masked.resize(hot.0 + 1, false);
+        let n_ff = match self.known().hots.get_mut(hot.0) {
+            Some((kind, n_ff)) => {
+                kind.masked = enabled.is_some();
+                *n_ff
             }
-            masked[hot.0] = enabled.is_some();
-        }
+            None => return Err(EngineError::Device(format!("unknown hot slice {}", hot.0))),
+        };
         // A GPU copies its mask over every neuron of the layer (an f32 each).
         if enabled.is_some() {
-            let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-            let n_ff = mem
-                .hots
-                .get(hot.0)
-                .and_then(Option::as_ref)
-                .map_or(0, |h| h.n_ff);
             self.traffic.moved(bytes_of::<f32>(n_ff));
         }
         self.send(Cmd::Enabled {
@@ -388,9 +446,8 @@ impl Device for SimDevice {
             n,
             reply,
         })?;
-        let (k, v) = wait(&answer, REPLY_SPIN).map_err(stopped)??;
+        let (k, v) = self.answer(&answer)?;
         self.traffic.moved(2 * bytes_of::<f16>(k.len()));
-        self.host_waited()?;
         Ok((k, v))
     }
 
@@ -409,30 +466,11 @@ impl Device for SimDevice {
     }
 
     fn enqueue(&self, ops: &[Op]) -> Result<()> {
-        let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        let masked = self.masked.lock().unwrap_or_else(|e| e.into_inner());
-        let is_masked = |h: HotId| masked.get(h.0).copied().unwrap_or(false);
+        let known = self.known();
+        let hot_kind = |h: HotId| known.hots.get(h.0).map_or(HotKind::default(), |k| k.0);
+        let is_masked = |h: HotId| hot_kind(h).masked;
         let plain = |run: &[Op]| {
-            program_launches(
-                run,
-                |m| {
-                    let d = mem.mats.get(m.0)?;
-                    converts_activation(d.ty).then_some((d.ty, d.cols))
-                },
-                |h| {
-                    let kind = (mem.hots.get(h.0).and_then(Option::as_ref)).map(|d| HotKind {
-                        masked: false,
-                        gated: d.gate.is_some(),
-                        converts: converts_activation(d.up.ty),
-                        up_bias: d.up_bias.is_some(),
-                        f16_down: d.down.ty == GgmlType::F16,
-                    });
-                    HotKind {
-                        masked: is_masked(h),
-                        ..kind.unwrap_or_default()
-                    }
-                },
-            )
+            program_launches(run, |m| known.mats.get(m.0).copied().flatten(), hot_kind)
         };
         // With graphs, what a GPU does with each run: run it the first time it sees it,
         // capture it the second, replay it after (one launch each time but the first).
@@ -453,7 +491,7 @@ impl Device for SimDevice {
         } else {
             launches = plain(ops);
         }
-        drop((mem, masked));
+        drop(known);
         self.traffic.launched(launches);
         self.send(Cmd::Ops {
             ops: ops.to_vec(),
@@ -489,9 +527,7 @@ impl Device for SimDevice {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&read.0)
             .ok_or_else(|| EngineError::Device(format!("unknown read {}", read.0)))?;
-        let got = wait(&answer, REPLY_SPIN).map_err(stopped)?;
-        self.host_waited()?;
-        let got = got?;
+        let got = self.answer(&answer)?;
         if got.len() != dst.len() {
             return Err(EngineError::Device(format!(
                 "a read of {} values into {}",
@@ -509,11 +545,18 @@ impl Device for SimDevice {
             marks.get(from).copied().flatten(),
             marks.get(to).copied().flatten(),
         ) {
-            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a)),
+            (Some(a), Some(b)) => Ok(b.saturating_sub(a)),
             _ => Err(EngineError::Device(format!(
                 "marks {from} and {to} were not both reached"
             ))),
         }
+    }
+
+    fn now(&self) -> Duration {
+        let mut clock = self.host_clock();
+        let t = clock.enter();
+        clock.leave();
+        t
     }
 
     fn attention(&self) -> Option<&dyn AttentionDevice> {
@@ -540,9 +583,7 @@ impl AttentionDevice for SimDevice {
             v: v.to_vec(),
             reply,
         })?;
-        let took = wait(&answer, REPLY_SPIN).map_err(stopped)??;
-        self.host_waited()?;
-        Ok(took)
+        self.answer(&answer)
     }
 
     fn submit_attention(&self, job: &AttentionJob<'_>) -> Result<Ticket> {
@@ -562,11 +603,10 @@ impl AttentionDevice for SimDevice {
 
     fn finish_attention(&self, ticket: Ticket) -> Result<(AttentionPart, Duration)> {
         let answer = self.pending_attention.take(ticket, "attention job")?;
-        let (part, took) = wait(&answer, REPLY_SPIN).map_err(stopped)??;
+        let (part, took) = self.answer(&answer)?;
         self.traffic.moved(bytes_of::<f32>(
             part.max.len() + part.sum.len() + part.acc.len(),
         ));
-        self.host_waited()?;
         Ok((part, took))
     }
 }

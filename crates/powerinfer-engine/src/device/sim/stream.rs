@@ -10,10 +10,20 @@ use half::f16;
 use powerinfer_kernels_cpu::ops::attention::{AttentionParams, AttentionPart};
 use powerinfer_kernels_cpu::{MatMul, ThreadPool};
 
+use super::clock::{Cost, DeviceClock, Gate};
 use super::memory::{bytes_of, hot_mut, put_rows, span, span_mut, take_rows, Memory, NewRows};
 use crate::device::report::TrafficCounters;
-use crate::device::{unknown_kv, HotId, KvId, Op, SimSpeed, Span};
+use crate::device::{unknown_kv, HotId, KvId, KvRows, Op, SimSpeed, Span};
 use crate::error::{EngineError, Result};
+
+/// What a command answers the host: its result and when it ended on the device's timeline.
+pub(super) type Answer<T> = (Result<T>, Duration);
+
+/// A command and the host's time when it issued it.
+pub(super) struct Job {
+    pub(super) at: Duration,
+    pub(super) cmd: Cmd,
+}
 
 /// A command of the device's stream. Inputs are the host's copies in flight.
 pub(super) enum Cmd {
@@ -32,7 +42,7 @@ pub(super) enum Cmd {
     },
     Read {
         src: Span,
-        reply: Sender<Result<Vec<f32>>>,
+        reply: Sender<Answer<Vec<f32>>>,
     },
     KvWrite {
         kv: KvId,
@@ -46,7 +56,7 @@ pub(super) enum Cmd {
         layer: usize,
         start: usize,
         n: usize,
-        reply: Sender<Result<(Vec<f16>, Vec<f16>)>>,
+        reply: Sender<Answer<KvRows>>,
     },
     KvCopy {
         from: KvId,
@@ -57,7 +67,8 @@ pub(super) enum Cmd {
         hot: HotId,
         slots: Vec<u32>,
         rows: NewRows,
-        reply: Sender<Result<Duration>>,
+        /// The copies' time on the timeline.
+        reply: Sender<Answer<Duration>>,
     },
     Enabled {
         hot: HotId,
@@ -68,15 +79,43 @@ pub(super) enum Cmd {
         start: usize,
         k: Vec<f16>,
         v: Vec<f16>,
-        reply: Sender<Result<Duration>>,
+        /// The copy's time on the timeline.
+        reply: Sender<Answer<Duration>>,
     },
     Attend {
         layer: usize,
         q: Vec<f32>,
         n: usize,
         params: AttentionParams,
-        reply: Sender<Result<(AttentionPart, Duration)>>,
+        /// The part and the device's time on the timeline.
+        reply: Sender<Answer<(AttentionPart, Duration)>>,
     },
+}
+
+/// An answer a command owes the host, sent once the command's end on the timeline is known.
+enum Reply {
+    Values(Sender<Answer<Vec<f32>>>, Result<Vec<f32>>),
+    Kv(Sender<Answer<KvRows>>, Result<KvRows>),
+    /// The command's own time.
+    Took(Sender<Answer<Duration>>, Result<()>),
+    Part(
+        Sender<Answer<(AttentionPart, Duration)>>,
+        Result<AttentionPart>,
+    ),
+}
+
+impl Reply {
+    /// Sends the answer of a command that ran from `start` to `end` on the timeline.
+    fn send(self, start: Duration, end: Duration) {
+        let took = end.saturating_sub(start);
+        // A host that stopped waiting is gone: nothing to tell.
+        match self {
+            Reply::Values(tx, r) => drop(tx.send((r, end))),
+            Reply::Kv(tx, r) => drop(tx.send((r, end))),
+            Reply::Took(tx, r) => drop(tx.send((r.map(|()| took), end))),
+            Reply::Part(tx, r) => drop(tx.send((r.map(|p| (p, took)), end))),
+        }
+    }
 }
 
 /// How long the worker polls for the next command before it sleeps: a layer's commands come
@@ -118,32 +157,19 @@ pub(super) fn spin_until(deadline: Instant) {
 pub(super) struct Stream {
     pub(super) memory: Arc<RwLock<Memory>>,
     pub(super) speed: Option<SimSpeed>,
+    /// The card's time is also made to pass on the wall clock ([`SimOptions::paced`]).
+    ///
+    /// [`SimOptions::paced`]: crate::device::SimOptions::paced
+    pub(super) paced: bool,
+    pub(super) origin: Instant,
     pub(super) overruns: Arc<AtomicU64>,
     pub(super) traffic: Arc<TrafficCounters>,
-    pub(super) marks: Arc<Mutex<Vec<Option<Instant>>>>,
+    /// Lets the worker run only while a host waits (a card's clock, not paced).
+    pub(super) gate: Option<Arc<Gate>>,
+    /// Timing marks, on the device's timeline.
+    pub(super) marks: Arc<Mutex<Vec<Option<Duration>>>>,
     pub(super) failed: Arc<Mutex<Option<EngineError>>>,
     pub(super) threads: usize,
-}
-
-/// What a command cost in the speed model's terms.
-#[derive(Default)]
-pub(super) struct Cost {
-    pub(super) launches: u64,
-    pub(super) read: u64,
-    /// Bytes over the link, and copies (each paying the link's latency).
-    pub(super) copied: u64,
-    pub(super) copies: u32,
-}
-
-impl Cost {
-    /// One copy of `bytes` over the host link.
-    pub(super) fn copy(bytes: u64) -> Cost {
-        Cost {
-            copied: bytes,
-            copies: 1,
-            ..Cost::default()
-        }
-    }
 }
 
 /// The worker's state between commands: the step's parameters and scratch.
@@ -156,7 +182,7 @@ pub(super) struct StepState {
 }
 
 impl Stream {
-    pub(super) fn run(self, rx: Receiver<Cmd>) {
+    pub(super) fn run(self, rx: Receiver<Job>) {
         let pool = ThreadPool::new(self.threads);
         let mm = MatMul::new(&pool);
         let mut st = StepState {
@@ -166,12 +192,20 @@ impl Stream {
             fired: Vec::new(),
             u: Vec::new(),
         };
-        while let Ok(cmd) = wait(&rx, COMMAND_SPIN) {
-            let start = Instant::now();
-            let cost = self.execute(&mm, &mut st, cmd, start);
-            match cost {
-                Ok(c) => {
-                    self.pace(start, &c);
+        let mut clock = DeviceClock::new(self.origin, self.speed);
+        while let Ok(job) = wait(&rx, COMMAND_SPIN) {
+            if let Some(g) = &self.gate {
+                g.pass();
+            }
+            let wall = Instant::now();
+            let start = clock.start(job.at);
+            match self.execute(&mm, &mut st, job.cmd, (&clock, start, wall)) {
+                Ok((cost, reply)) => {
+                    let end = clock.end(start, &cost);
+                    self.pace(wall, &cost);
+                    if let Some(r) = reply {
+                        r.send(start, end);
+                    }
                 }
                 Err(e) => {
                     let mut f = self.failed.lock().unwrap_or_else(|e| e.into_inner());
@@ -181,34 +215,34 @@ impl Stream {
         }
     }
 
-    /// Runs one command; replies go out here (after pacing for the commands that answer).
+    /// Runs one command (`at`: the device's clock, when it started on it and on the wall
+    /// clock); what it cost, and the answer it owes the host.
     fn execute(
         &self,
         mm: &MatMul<'_>,
         st: &mut StepState,
         cmd: Cmd,
-        start: Instant,
-    ) -> Result<Cost> {
+        at: (&DeviceClock, Duration, Instant),
+    ) -> Result<(Cost, Option<Reply>)> {
+        let done = |cost: Cost| Ok((cost, None));
         match cmd {
-            Cmd::Ops { ops, graphed } => self.program(mm, st, &ops, &graphed, start),
+            Cmd::Ops { ops, graphed } => done(self.program(mm, st, &ops, &graphed, at)?),
             Cmd::Step { ids, positions } => {
                 let n = (ids.len() + positions.len()) as u64;
                 st.ids = ids;
                 st.positions = positions;
-                Ok(Cost::copy(4 * n))
+                done(Cost::copy(4 * n))
             }
             Cmd::Write { dst, data } => {
                 let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
                 span_mut(&mut mem.bufs, dst)?.copy_from_slice(&data);
-                Ok(Cost::copy(bytes_of::<f32>(data.len())))
+                done(Cost::copy(bytes_of::<f32>(data.len())))
             }
             Cmd::Read { src, reply } => {
                 let mem = self.memory.read().unwrap_or_else(|e| e.into_inner());
                 let got = span(&mem.bufs, src).map(<[f32]>::to_vec);
-                drop(mem);
-                self.pace(start, &Cost::copy(bytes_of::<f32>(src.len)));
-                let _ = reply.send(got);
-                Ok(Cost::default())
+                let cost = Cost::copy(bytes_of::<f32>(src.len));
+                Ok((cost, Some(Reply::Values(reply, got))))
             }
             Cmd::KvWrite {
                 kv,
@@ -220,7 +254,7 @@ impl Stream {
                 let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
                 let store = mem.kvs.get_mut(kv.0).ok_or_else(|| unknown_kv(kv))?;
                 put_rows(store, layer, from, &k, &v)?;
-                Ok(Cost::copy(2 * bytes_of::<f16>(k.len())))
+                done(Cost::copy(2 * bytes_of::<f16>(k.len())))
             }
             Cmd::KvRead {
                 kv,
@@ -233,28 +267,20 @@ impl Stream {
                 let got = (mem.kvs.get(kv.0))
                     .ok_or_else(|| unknown_kv(kv))
                     .and_then(|s| take_rows(s, layer, from, n));
-                drop(mem);
                 let bytes = (got.as_ref()).map_or(0, |(k, _)| 2 * bytes_of::<f16>(k.len()));
-                self.pace(start, &Cost::copy(bytes));
-                let _ = reply.send(got);
-                Ok(Cost::default())
+                Ok((Cost::copy(bytes), Some(Reply::Kv(reply, got))))
             }
-            Cmd::KvCopy { from, to, n } => self.kv_copy(from, to, n),
+            Cmd::KvCopy { from, to, n } => done(self.kv_copy(from, to, n)?),
             Cmd::Replace {
                 hot,
                 slots,
                 rows,
                 reply,
-            } => {
-                let r = self.replace(hot, &slots, rows);
-                let took = r.map(|cost| {
-                    self.pace(start, &cost);
-                    start.elapsed()
-                });
-                let _ = reply.send(took);
-                Ok(Cost::default())
-            }
-            Cmd::Enabled { hot, enabled } => self.set_enabled(hot, enabled),
+            } => Ok(match self.replace(hot, &slots, rows) {
+                Ok(cost) => (cost, Some(Reply::Took(reply, Ok(())))),
+                Err(e) => (Cost::default(), Some(Reply::Took(reply, Err(e)))),
+            }),
+            Cmd::Enabled { hot, enabled } => done(self.set_enabled(hot, enabled)?),
             Cmd::MirrorWrite {
                 layer,
                 start: from,
@@ -267,13 +293,11 @@ impl Stream {
                     Some(m) => put_rows(&mut m.kv, layer, from, &k, &v),
                     None => Err(EngineError::Device("no KV mirror reserved".into())),
                 };
-                drop(mem);
-                let r = r.map(|()| {
-                    self.pace(start, &Cost::copy(2 * bytes_of::<f16>(k.len())));
-                    start.elapsed()
-                });
-                let _ = reply.send(r);
-                Ok(Cost::default())
+                let cost = match r {
+                    Ok(()) => Cost::copy(2 * bytes_of::<f16>(k.len())),
+                    Err(_) => Cost::default(),
+                };
+                Ok((cost, Some(Reply::Took(reply, r))))
             }
             Cmd::Attend {
                 layer,
@@ -281,37 +305,34 @@ impl Stream {
                 n,
                 params,
                 reply,
-            } => {
-                let r = self.attend(layer, &q, n, &params).map(|(part, cost)| {
-                    self.pace(start, &cost);
-                    (part, start.elapsed())
-                });
-                let _ = reply.send(r);
-                Ok(Cost::default())
-            }
+            } => Ok(match self.attend(layer, &q, n, &params) {
+                Ok((part, cost)) => (cost, Some(Reply::Part(reply, Ok(part)))),
+                Err(e) => (Cost::default(), Some(Reply::Part(reply, Err(e)))),
+            }),
         }
     }
 
     /// A program's ops in order; a run between marks that replays as a graph is one launch.
+    /// A mark records the device's clock where the stream reaches it.
     fn program(
         &self,
         mm: &MatMul<'_>,
         st: &mut StepState,
         ops: &[Op],
         graphed: &[bool],
-        start: Instant,
+        (clock, start, wall): (&DeviceClock, Duration, Instant),
     ) -> Result<Cost> {
         let mut cost = Cost::default();
         let (mut run, mut in_run) = (0, false);
         for op in ops {
             if let Op::Mark { slot } = op {
-                // The marks of the speed model's time, not the host's.
-                self.pace(start, &cost);
+                self.pace(wall, &cost);
+                let at = clock.after(start, &cost);
                 let mut marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
                 if marks.len() <= *slot {
                     marks.resize(slot + 1, None);
                 }
-                marks[*slot] = Some(Instant::now());
+                marks[*slot] = Some(at);
                 if in_run {
                     run += 1;
                     in_run = false;
@@ -369,25 +390,13 @@ impl Stream {
         Ok(Cost::copy(bytes))
     }
 
-    /// Waits until the speed model's time for `cost` has passed since `start` (counting an
-    /// overrun when the work itself took longer).
-    fn pace(&self, start: Instant, cost: &Cost) {
-        let Some(s) = self.speed else {
+    /// With [`Stream::paced`], waits until the card's time for `cost` has passed since `wall`
+    /// on the wall clock (counting an overrun when the work itself took longer).
+    fn pace(&self, wall: Instant, cost: &Cost) {
+        let (true, Some(s)) = (self.paced, self.speed) else {
             return;
         };
-        let secs = |bytes: u64, bps: f64| {
-            if bps > 0.0 {
-                Duration::from_secs_f64(bytes as f64 / bps)
-            } else {
-                Duration::ZERO
-            }
-        };
-        let launches = u32::try_from(cost.launches).unwrap_or(u32::MAX);
-        let modeled = s.launch * launches
-            + secs(cost.read, s.bandwidth)
-            + s.link_latency * cost.copies
-            + secs(cost.copied, s.link_bandwidth);
-        let deadline = start + modeled;
+        let deadline = wall + cost.on(&s);
         if Instant::now() > deadline && cost.read > 0 {
             self.overruns.fetch_add(1, Ordering::Relaxed);
             return;

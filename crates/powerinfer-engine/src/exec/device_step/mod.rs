@@ -173,6 +173,7 @@ impl Run<'_> {
         let mut logits = vec![0f32; rows_all.len() * nv];
         let mut density = vec![0f32; t_all];
         let before = self.dev().traffic();
+        let began = self.dev().now();
         Laps::new(profile.as_deref_mut()).eval(t_all);
         let mut bufs = Buffers::default();
         let mut balance = h.balance.lock().unwrap_or_else(|e| e.into_inner());
@@ -214,12 +215,20 @@ impl Run<'_> {
                 cache.advance(p.seq, p.n)?;
             }
         }
+        let took = self.dev().now().saturating_sub(began);
         h.tokens.fetch_add(t_all as u64, Ordering::Relaxed);
+        h.eval_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        if self.segments.iter().all(|sg| sg.tokens.len() == 1) {
+            h.decode.0.fetch_add(t_all as u64, Ordering::Relaxed);
+            (h.decode.1).fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        }
         let traffic = self.dev().traffic() - before;
         Laps::new(profile).traffic(DeviceTraffic::new(
             traffic.launches,
             traffic.waits,
             traffic.link_bytes,
+            took,
         ));
         let n_layer = model.layers.len().max(1) as f32;
         density.iter_mut().for_each(|d| *d /= n_layer);
