@@ -8,6 +8,9 @@
 //!   (32 heads, 8 kv heads, 128). Throughput in bytes of K and V read.
 //! - `attention_block/<isa>/t<threads>/<T>`: a causal block of `T` new tokens after 256 cached
 //!   positions (mha32).
+//! - `attention_kv/<isa>/<K>-<V>/t<threads>/<n_pos>`: one new token over caches of the types `K`
+//!   and `V` (f16, q8_0, q4_0), TinyLlama's shape (32 heads, 4 kv heads, 64). Throughput in
+//!   bytes of K and V read.
 //!
 //! Run: `cargo bench -p powerinfer-benches --bench ops -- --warm-up-time 1 --measurement-time 3`
 
@@ -16,6 +19,8 @@ use half::f16;
 use powerinfer_kernels_cpu::ops::attention::{
     attention_block_with, attention_with, AttentionParams,
 };
+use powerinfer_kernels_cpu::ops::attention_kv::{attention_kv_with, kv_bytes_read};
+use powerinfer_kernels_cpu::ops::kv::{KvBuf, KvType};
 use powerinfer_kernels_cpu::ops::norm::rms_norm_with;
 use powerinfer_kernels_cpu::ops::rope::{rope, RopeMode, RopeParams};
 use powerinfer_kernels_cpu::ops::softmax::softmax_with;
@@ -134,5 +139,53 @@ fn bench_attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_elementwise, bench_attention);
+fn bench_attention_kv(c: &mut Criterion) {
+    let mut g = c.benchmark_group("attention_kv");
+    let p = AttentionParams::new(32, 4, 64);
+    let n_threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut thread_counts = vec![1usize];
+    if n_threads > 1 {
+        thread_counts.push(n_threads);
+    }
+    let types = [
+        (KvType::F16, KvType::F16),
+        (KvType::Q8_0, KvType::Q8_0),
+        (KvType::Q4_0, KvType::Q4_0),
+        (KvType::Q8_0, KvType::F16),
+    ];
+    for n_pos in [512usize, 4096] {
+        let q = random_f32(p.q_len(), 11);
+        let rows = random_f32(n_pos * p.kv_row_len(), 12);
+        let mut out = vec![0f32; p.q_len()];
+        for (tk, tv) in types {
+            let mut k = KvBuf::new(tk, p.n_kv_head, p.head_dim).unwrap();
+            let mut v = KvBuf::new(tv, p.n_kv_head, p.head_dim).unwrap();
+            k.push_f32(&rows).unwrap();
+            v.push_f32(&rows).unwrap();
+            let bytes = kv_bytes_read(tk, tv, n_pos, p.kv_row_len());
+            g.throughput(Throughput::Bytes(bytes as u64));
+            for isa in Backend::available() {
+                for &t in &thread_counts {
+                    let pool = ThreadPool::new(t);
+                    let id = BenchmarkId::new(format!("{}/{tk}-{tv}/t{t}", isa.name()), n_pos);
+                    g.bench_with_input(id, &n_pos, |b, _| {
+                        b.iter(|| {
+                            let (kv, vv) = (k.view(), v.view());
+                            attention_kv_with(isa, &pool, black_box(&q), kv, vv, 1, &p, &mut out)
+                                .unwrap()
+                        })
+                    });
+                }
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_elementwise,
+    bench_attention,
+    bench_attention_kv
+);
 criterion_main!(benches);

@@ -114,6 +114,7 @@ fn bench(c: &mut Criterion) {
         stats_digest: powerinfer_placement::stats_digest(&stats),
         model_size: 0,
         model_mtime: 0,
+        kv_types: "F16/F16".into(),
     };
     let path = std::env::temp_dir().join(format!(
         "powerinfer-bench-placement-{}.gpuidx",

@@ -71,12 +71,16 @@ enum Command {
 /// A subcommand's arguments parsed from `args` (the words after the subcommand's name) as the
 /// command line parses them, defaults and checks included: how programs and tests call a
 /// subcommand's functions directly, e.g.
-/// `parse_args::<cmd::plan::Args>(["-m", "m.gguf", "--vram-budget", "4"])`.
+/// `parse_args::<cmd::plan::Args>(["-m", "m.gguf", "--vram-budget", "4"])`. llama.cpp's
+/// multi-letter short flags (`-ngl`, `-ctk`, ...) are taken as the command line takes them.
 pub fn parse_args<A: clap::Args>(
     args: impl IntoIterator<Item = impl Into<std::ffi::OsString> + Clone>,
 ) -> Result<A, clap::Error> {
     let command = A::augment_args(clap::Command::new("powerinfer").no_binary_name(true));
-    let mut matches = negative_numbers_are_values(command).try_get_matches_from(args)?;
+    // llama.cpp's multi-letter short flags, as the command line takes them.
+    let words = llama_flags(args.into_iter().map(Into::into))
+        .map_err(|e| clap::Error::raw(clap::error::ErrorKind::UnknownArgument, e))?;
+    let mut matches = negative_numbers_are_values(command).try_get_matches_from(words)?;
     A::from_arg_matches_mut(&mut matches)
 }
 
@@ -129,8 +133,8 @@ const LLAMA_SHORT: &[(&str, Result<&str, &str>)] = &[
     ("-hf", Ok("--hf-repo")),
     ("-hfr", Ok("--hf-repo")),
     ("-fa", Err("flash attention is not a switch here: attention always runs as one fused kernel; drop -fa")),
-    ("-ctk", Err("the KV cache is always F16 here; drop -ctk")),
-    ("-ctv", Err("the KV cache is always F16 here; drop -ctv")),
+    ("-ctk", Ok("--cache-type-k")),
+    ("-ctv", Ok("--cache-type-v")),
     ("-mli", Err("multi-line input is not supported; end each message with Enter")),
 ];
 
@@ -154,7 +158,8 @@ fn llama_flags(
 }
 
 /// The `powerinfer` command: parses the process's arguments, runs the subcommand, and returns
-/// the exit status (2 for a usage error, 1 for a failed command).
+/// the exit status (2 for a usage error, a subcommand's error that starts with the flag it
+/// refuses included; 1 for a failed command).
 pub fn main() -> ExitCode {
     exit_quietly_on_broken_pipe();
     let argv = match llama_flags(std::env::args_os()) {
@@ -185,6 +190,11 @@ pub fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // An error that names a flag first refuses what the flags asked for: a usage error.
+        Err(message) if message.starts_with("--") => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
         Err(message) => {
             eprintln!("error: {message}");
             ExitCode::FAILURE

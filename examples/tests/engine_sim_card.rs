@@ -19,7 +19,7 @@ use std::time::Duration;
 use powerinfer_cli::synth::{self, Family, Shape, SynthConfig, SynthOutputs};
 use powerinfer_cli::{cmd, parse_args};
 use powerinfer_engine::device::SimSpeed;
-use powerinfer_engine::{DeviceChoice, DeviceReport, Engine, EngineOptions, GpuIndexMode};
+use powerinfer_engine::{DeviceChoice, DeviceReport, Engine, EngineOptions, GpuIndexMode, KvType};
 use powerinfer_gguf::GgmlType;
 
 #[path = "support/engine.rs"]
@@ -288,4 +288,42 @@ fn a_resident_models_speed_on_the_card_is_what_plan_predicts() {
         (0.5..=2.0).contains(&ratio),
         "the card's clock gives {measured} tokens/s, plan --predict {predicted}"
     );
+}
+
+/// A quantized KV cache on the device: the device stores the rows it computes in the cache's
+/// type as the host does, so the greedy text is the CPU's, resident and with half the FFN; the
+/// placement counts the stores at their type, so a smaller cache leaves more of the budget to
+/// neuron rows.
+#[test]
+fn quantized_kv_stores_give_the_cpus_text_and_more_rows() {
+    let m = model(GgmlType::Q4_0, Family::Llama, 240);
+    // One budget for the three: everything at F16 but two thirds of the FFN.
+    let f16 = Engine::load(&m.path, defaults(None, None)).unwrap();
+    let budget = f16.device_report().peak_bytes - ffn_bytes(&f16) * 2 / 3;
+    drop(f16);
+    let mut rows = Vec::new();
+    for ty in [KvType::F16, KvType::Q8_0, KvType::Q4_0] {
+        let with = |mut o: EngineOptions| {
+            o.cache_type_k = ty;
+            o.cache_type_v = ty;
+            o
+        };
+        let mut cpu = common::opts(false);
+        cpu.ctx_len = 96;
+        let (want, _, _) = decode(&Engine::load(&m.path, with(cpu)).unwrap(), 16);
+        let e = Engine::load(&m.path, with(defaults(None, None))).unwrap();
+        let (got, _, _) = decode(&e, 16);
+        assert_eq!(got, want, "{ty}: greedy tokens, all resident");
+        let e = Engine::load(&m.path, with(defaults(Some(budget), None))).unwrap();
+        let (got, _, _) = decode(&e, 16);
+        assert_eq!(got, want, "{ty}: greedy tokens, part of the FFN");
+        let r = e.device_report();
+        eprintln!(
+            "{ty}: KV stores {} bytes, {} FFN rows at {budget} bytes",
+            r.kv_bytes, r.ffn_rows
+        );
+        rows.push((r.kv_bytes, r.ffn_rows));
+    }
+    assert!(rows[0].0 > rows[1].0 && rows[1].0 > rows[2].0, "{rows:?}");
+    assert!(rows[0].1 < rows[1].1 && rows[1].1 <= rows[2].1, "{rows:?}");
 }

@@ -72,7 +72,7 @@ fn a_misspelt_chat_template_is_refused_by_run_and_serve() {
     ]);
     for o in [run, serve] {
         let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(
             err.contains("--chat-template chatmll: neither a file nor a known name")
                 && err.contains("chatml,"),
@@ -170,7 +170,8 @@ fn vocabulary_and_context_limits_are_said() {
     let f = model();
     let o = run_cpu(&f.sparse, &["--logit-bias", "99999+5", "-n", "2"]);
     let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    // A flag's value that cannot be honoured: exit 2, the flag named.
+    assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
         err.contains("token id 99999 is outside the vocabulary of 512 tokens"),
         "{err}"

@@ -222,3 +222,61 @@ fn plan_predict_compares_static_and_balanced() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--gpu-bw"));
 }
+
+/// The KV cache's type in the budget: at the same budget a Q8_0 or Q4_0 cache weighs less than
+/// F16's (the plan's `kv_bytes`), so more neurons fit; `--predict` prints each type's neurons
+/// and speeds.
+#[test]
+fn a_smaller_kv_cache_buys_more_neurons() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    let m = model.to_str().unwrap();
+    cli::synth(&model, &["--shape", "tiny", "--layers", "3"]);
+    let at = |ty: &str| {
+        let (v, _) = plan(
+            m,
+            &[
+                "--vram-budget",
+                "0.005",
+                "--ctx",
+                "2048",
+                "-ctk",
+                ty,
+                "-ctv",
+                ty,
+            ],
+        );
+        let n: u64 = gpu_neurons(&v).iter().sum();
+        (v["kv_bytes"].as_u64().unwrap(), n)
+    };
+    let (f16, q8, q4) = (at("f16"), at("q8_0"), at("q4_0"));
+    // 3 layers of 128 values per position, K and V.
+    assert_eq!(f16.0, 2 * 3 * 2048 * 128 * 2);
+    assert_eq!(q8.0, 2 * 3 * 2048 * 128 / 32 * 34);
+    assert_eq!(q4.0, 2 * 3 * 2048 * 128 / 32 * 18);
+    assert!(f16.1 < q8.1 && q8.1 <= q4.1, "{f16:?} {q8:?} {q4:?}");
+    let p = predict(
+        m,
+        &[
+            "--vram-budget",
+            "0.005",
+            "--ctx",
+            "2048",
+            "--attended",
+            "2048",
+            "--cpu-bw",
+            "20",
+        ],
+    );
+    let rows = p["kv_types"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["type"].as_str().unwrap()).collect();
+    assert_eq!(names, ["f16", "q8_0", "q4_0"]);
+    let held: Vec<u64> = rows
+        .iter()
+        .map(|r| r["held_neurons"].as_u64().unwrap())
+        .collect();
+    assert!(held[0] < held[1] && held[1] <= held[2], "{held:?}");
+    let tps = |i: usize| rows[i]["static_tokens_per_s"].as_f64().unwrap();
+    // Fewer bytes read per attended position and more neurons on the GPU.
+    assert!(tps(0) < tps(1) && tps(1) <= tps(2), "{rows:?}");
+}

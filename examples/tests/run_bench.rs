@@ -182,11 +182,12 @@ fn closed_stdout_ends_quietly() {
     assert_eq!(out.status.code(), Some(141), "{err}");
 }
 
-/// `--rounds` with `--llama-bench`: every configuration and llama.cpp once per round, medians
-/// over the rounds, and ratios that are medians of the per-round ratios, for decoding and for
-/// the prompt. llama.cpp is stood in for by a script that prints `llama-bench`'s JSON (a
-/// prompt-processing and a text-generation test) with different speeds on each call (the order
-/// of the calls and the arguments are what the script records).
+/// `--rounds` with `--llama-bench`: every configuration and llama.cpp once per round (its
+/// text generation after a filled context of the prompt's length, then its prompt test: two
+/// calls), medians over the rounds, and ratios that are medians of the per-round ratios, for
+/// decoding and for the prompt. llama.cpp is stood in for by a script that prints
+/// `llama-bench`'s JSON (a prompt-processing and a text-generation test) with different speeds
+/// on each call (the order of the calls and the arguments are what the script records).
 #[cfg(unix)]
 #[test]
 fn bench_decode_rounds_pair_each_round_with_llama() {
@@ -200,7 +201,7 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
         &fake,
         format!(
             "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0)\nn=$((n + 1))\necho $n > {c}\n\
-             echo \"$*\" > {a}\n\
+             echo \"$*\" >> {a}\n\
              echo \"[{{\\\"n_prompt\\\": 2, \\\"n_gen\\\": 0, \\\"avg_ts\\\": $((n * 10))}}, \
              {{\\\"n_prompt\\\": 0, \\\"n_gen\\\": 2, \\\"avg_ts\\\": $((n * 100))}}]\"\n",
             c = count.display(),
@@ -216,7 +217,7 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
         &["--sparse-only", "--rounds", "3", "--llama-bench", s(&fake)],
     );
     assert_eq!(rows.len(), 2, "{rows:?}");
-    assert_eq!(std::fs::read_to_string(&count).unwrap().trim(), "3");
+    assert_eq!(std::fs::read_to_string(&count).unwrap().trim(), "6");
     let list = |r: &Json, k: &str| -> Vec<f64> {
         r[k].as_array()
             .unwrap_or_else(|| panic!("{k} in {r}"))
@@ -231,9 +232,10 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     // JSON numbers come back within an ulp or two (serde_json's default float parsing).
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(b.abs());
     let (sparse, dense) = (&rows[0], &rows[1]);
-    // llama.cpp ran once per round: 100, 200, 300 tok/s, in that order.
-    assert_eq!(list(dense, "llama_cpp_tps_rounds"), [100.0, 200.0, 300.0]);
-    assert_eq!(dense["llama_cpp_tps"].as_f64(), Some(200.0));
+    // llama.cpp's text generation ran first in each round (calls 1, 3, 5): 100, 300, 500 tok/s,
+    // in that order.
+    assert_eq!(list(dense, "llama_cpp_tps_rounds"), [100.0, 300.0, 500.0]);
+    assert_eq!(dense["llama_cpp_tps"].as_f64(), Some(300.0));
     // A row's figures `ours` by round against llama.cpp's `llama` (the only file llama.cpp
     // ran is every row's twin): their median, the per-round ratios `ratio`_rounds, and the
     // median of those as `ratio`.
@@ -251,24 +253,30 @@ fn bench_decode_rounds_pair_each_round_with_llama() {
     };
     for r in [sparse, dense] {
         assert_eq!(r["rounds"].as_u64(), Some(3));
-        check(r, "decode_tps", [100.0, 200.0, 300.0], "vs_llama_twin");
+        check(r, "decode_tps", [100.0, 300.0, 500.0], "vs_llama_twin");
     }
     assert!(close(
         dense["vs_llama_cpp"].as_f64().unwrap(),
         dense["vs_llama_twin"].as_f64().unwrap()
     ));
     assert!(sparse.get("vs_llama_cpp").is_none());
-    // The prompt: llama.cpp asked for a 2-token prompt test, which ran at 10, 20, 30 tok/s;
+    // The generation test after the 2-token prompt's depth; the prompt: llama.cpp asked for a
+    // 2-token prompt test from an empty cache, which ran at 20, 40, 60 tok/s (calls 2, 4, 6);
     // ours is the prompt's tokens over its time, compared round by round.
     let called = std::fs::read_to_string(&args).unwrap();
-    assert!(called.contains("-p 2 -n 2"), "{called}");
+    let calls: Vec<&str> = called.lines().collect();
+    assert_eq!(calls.len(), 6, "{called}");
+    for pair in calls.chunks(2) {
+        assert!(pair[0].contains("-p 0 -n 2 -d 2"), "{called}");
+        assert!(pair[1].contains("-p 2 -n 0 -d 0"), "{called}");
+    }
     assert_eq!(
         list(dense, "llama_cpp_prompt_tps_rounds"),
-        [10.0, 20.0, 30.0]
+        [20.0, 40.0, 60.0]
     );
     for r in [sparse, dense] {
         assert_eq!(r["prompt_tokens"].as_u64(), Some(2));
-        check(r, "prompt_tps", [10.0, 20.0, 30.0], "prompt_vs_llama_twin");
+        check(r, "prompt_tps", [20.0, 40.0, 60.0], "prompt_vs_llama_twin");
     }
     assert!(sparse.get("prompt_vs_llama_cpp").is_none());
 }

@@ -11,7 +11,7 @@ use crate::chat::ChatTemplate;
 use crate::device::DeviceReport;
 use crate::error::Result;
 use crate::exec::{Batch, EvalOptions, EvalOutput, ExecOptions, Executor};
-use crate::kv_cache::{KvCache, SeqId};
+use crate::kv_cache::{KvCache, KvType, SeqId};
 use crate::model::Model;
 use crate::schedule::placement::{self, Opened};
 use crate::schedule::{BalanceReport, DeviceOptions};
@@ -56,6 +56,11 @@ pub struct EngineOptions {
     pub axpy: AxpyCoefficients,
     /// A device beside the CPU (a GPU, or the simulated one) and what it holds.
     pub device: DeviceOptions,
+    /// The type the KV cache stores keys in (llama.cpp's `-ctk`; F16 by default). Q8_0 and
+    /// Q4_0 need heads of a multiple of 32 values.
+    pub cache_type_k: KvType,
+    /// The type the KV cache stores values in (`-ctv`).
+    pub cache_type_v: KvType,
 }
 
 impl Default for EngineOptions {
@@ -72,6 +77,8 @@ impl Default for EngineOptions {
             backend: None,
             axpy: AxpyCoefficients::Float,
             device: DeviceOptions::default(),
+            cache_type_k: KvType::F16,
+            cache_type_v: KvType::F16,
         }
     }
 }
@@ -99,6 +106,8 @@ pub struct Engine {
     load_time: Duration,
     /// Why no device runs anything although one was asked for.
     device_note: Option<String>,
+    /// The KV cache's types (K, V).
+    kv_types: (KvType, KvType),
 }
 
 impl std::fmt::Debug for Engine {
@@ -152,7 +161,12 @@ impl Engine {
             axpy: options.axpy,
         };
         let batch = options.batch.max(1);
-        let (hybrid, device_note) = match placement::open(&options.device, &model, ctx_len)? {
+        let kv_types = (options.cache_type_k, options.cache_type_v);
+        // A head size the types cannot hold is an error now, not at the first token.
+        let hp = &model.hparams;
+        KvCache::with_types(hp.n_layer, hp.n_head_kv, hp.head_dim(), ctx_len, kv_types)?;
+        let opened = placement::open(&options.device, &model, ctx_len, kv_types)?;
+        let (hybrid, device_note) = match opened {
             Opened::Device(d) => (
                 Some(placement::place(
                     &model,
@@ -160,7 +174,7 @@ impl Engine {
                     &options.device,
                     d,
                     batch,
-                    ctx_len,
+                    (ctx_len, kv_types),
                     &mm,
                     threshold,
                 )?),
@@ -170,6 +184,7 @@ impl Engine {
         };
         let exec = Executor::new(&model, &mm, exec_opts, options.repack, hybrid);
         Ok(Engine {
+            kv_types,
             device_note,
             tokenizer,
             exec,
@@ -265,10 +280,23 @@ impl Engine {
         self.load_time
     }
 
-    /// An empty KV cache sized for this model.
+    /// An empty KV cache sized for this model, of the types [`EngineOptions::cache_type_k`] and
+    /// [`EngineOptions::cache_type_v`] chose.
     pub fn new_cache(&self) -> KvCache {
         let hp = &self.model.hparams;
-        KvCache::new(hp.n_layer, hp.n_embd_kv(), self.ctx_len)
+        KvCache::with_types(
+            hp.n_layer,
+            hp.n_head_kv,
+            hp.head_dim(),
+            self.ctx_len,
+            self.kv_types,
+        )
+        .expect("the types were checked at load")
+    }
+
+    /// The types the KV cache stores keys and values in.
+    pub fn kv_types(&self) -> (KvType, KvType) {
+        self.kv_types
     }
 
     /// Makes room in sequence `seq` of `cache`: drops the `discard` positions after the first

@@ -1,9 +1,11 @@
-//! An F16 key/value cache for several sequences.
+//! A key/value cache for several sequences, its K and V rows each in a [`KvType`] (F16 by
+//! default; llama.cpp's `-ctk`/`-ctv`: F32, BF16, Q8_0, Q4_0).
 //!
-//! Each sequence has its own slot: per layer a K and a V array in the layout the attention
-//! kernel reads (`[ctx_len][n_kv_head][head_dim]`, see
-//! [`powerinfer_kernels_cpu::ops::attention`]) and its current position (the number of tokens
-//! stored). Memory for a slot is allocated when the sequence is added and grows with its
+//! Each sequence has its own slot: per layer a K and a V buffer in the layout the attention
+//! kernel reads ([`powerinfer_kernels_cpu::ops::kv`]: row-major F16, head-major blocks for the
+//! other types) and its current position (the number of tokens stored). Rows are converted
+//! to their type once, when they are stored; they move between a cache and a device's store
+//! bit for bit. Memory for a slot is allocated when the sequence is added and grows with its
 //! positions up to `ctx_len`.
 //!
 //! Where a device beside the CPU runs whole layers, those layers' rows of a sequence live in
@@ -15,7 +17,8 @@
 use std::sync::Arc;
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
+pub use powerinfer_kernels_cpu::ops::kv::KvType;
+use powerinfer_kernels_cpu::ops::kv::{KvBuf, KvView};
 
 use crate::error::{EngineError, Result};
 
@@ -47,10 +50,10 @@ pub(crate) struct OnDevice {
 /// One sequence's cached keys and values.
 #[derive(Debug)]
 struct Slot {
-    /// Per layer, `pos · n_embd_kv` keys (after RoPE).
-    k: Vec<Vec<f16>>,
-    /// Per layer, `pos · n_embd_kv` values.
-    v: Vec<Vec<f16>>,
+    /// Per layer, the keys (after RoPE): `pos` rows (more while an evaluation appends).
+    k: Vec<KvBuf>,
+    /// Per layer, the values.
+    v: Vec<KvBuf>,
     pos: usize,
     /// Renewed whenever rows already stored change or go (appending keeps it), so that a copy
     /// of a prefix elsewhere (a device's mirror) knows whether it still holds these rows.
@@ -81,25 +84,64 @@ pub struct KvCache {
     n_layer: usize,
     n_embd_kv: usize,
     ctx_len: usize,
+    /// An empty layer buffer of K and of V (their type and shape).
+    empty: (KvBuf, KvBuf),
     slots: Vec<Option<Slot>>,
 }
 
 impl KvCache {
-    /// An empty cache for `n_layer` layers of `n_embd_kv` values per token.
+    /// An empty F16 cache for `n_layer` layers of `n_embd_kv` values per token.
     pub fn new(n_layer: usize, n_embd_kv: usize, ctx_len: usize) -> KvCache {
+        let f16 = KvBuf::new(KvType::F16, 1, n_embd_kv.max(1)).expect("F16 holds any row");
         KvCache {
             n_layer,
             n_embd_kv,
             ctx_len,
+            empty: (f16.clone(), f16),
             slots: Vec::new(),
         }
+    }
+
+    /// An empty cache for `n_layer` layers of `n_kv_head` heads of `head_dim` values per
+    /// token, K stored as `types.0` and V as `types.1`.
+    ///
+    /// Errors: `head_dim` is not whole blocks of a type (a quantized type's blocks never span
+    /// two heads).
+    pub fn with_types(
+        n_layer: usize,
+        n_kv_head: usize,
+        head_dim: usize,
+        ctx_len: usize,
+        types: (KvType, KvType),
+    ) -> Result<KvCache> {
+        let buf = |ty: KvType, what: &str| {
+            KvBuf::new(ty, n_kv_head, head_dim)
+                .map_err(|e| EngineError::Invalid(format!("{what} cache: {e}")))
+        };
+        Ok(KvCache {
+            n_layer,
+            n_embd_kv: n_kv_head * head_dim,
+            ctx_len,
+            empty: (buf(types.0, "the K")?, buf(types.1, "the V")?),
+            slots: Vec::new(),
+        })
+    }
+
+    /// The types K and V are stored in.
+    pub fn types(&self) -> (KvType, KvType) {
+        (self.empty.0.ty(), self.empty.1.ty())
+    }
+
+    /// Bytes of one position's K and V rows over every layer.
+    pub fn bytes_per_position(&self) -> usize {
+        self.n_layer * (self.empty.0.row_bytes() + self.empty.1.row_bytes())
     }
 
     /// Adds an empty sequence and returns its id (reusing a removed sequence's id).
     pub fn add_sequence(&mut self) -> SeqId {
         let slot = Slot {
-            k: vec![Vec::new(); self.n_layer],
-            v: vec![Vec::new(); self.n_layer],
+            k: vec![self.empty.0.clone(); self.n_layer],
+            v: vec![self.empty.1.clone(); self.n_layer],
             pos: 0,
             stamp: new_stamp(),
             device: None,
@@ -130,7 +172,9 @@ impl KvCache {
         if let Some(d) = s.device.as_mut() {
             d.host_rows = 0;
         }
-        s.k.iter_mut().chain(s.v.iter_mut()).for_each(Vec::clear);
+        s.k.iter_mut()
+            .chain(s.v.iter_mut())
+            .for_each(|b| b.truncate(0));
         Ok(())
     }
 
@@ -150,18 +194,35 @@ impl KvCache {
         Ok(self.slot(seq)?.lost)
     }
 
-    /// Appends F16 rows read back from a device to layer `layer` of `seq` on the host.
-    pub(crate) fn append_f16(
+    /// Appends rows read back from a device (the canonical bytes of the cache's types) to
+    /// layer `layer` of `seq` on the host.
+    pub(crate) fn append_rows(
         &mut self,
         seq: SeqId,
         layer: usize,
-        k: &[f16],
-        v: &[f16],
+        k: &[u8],
+        v: &[u8],
     ) -> Result<()> {
         let s = self.slot_mut(seq)?;
-        s.k[layer].extend_from_slice(k);
-        s.v[layer].extend_from_slice(v);
+        s.k[layer].push_bytes(k).map_err(kv_error)?;
+        s.v[layer].push_bytes(v).map_err(kv_error)?;
         Ok(())
+    }
+
+    /// Rows `from .. from + n` of layer `layer` of `seq` (K, V), in the canonical bytes of the
+    /// cache's types (what a device's store takes).
+    pub(crate) fn rows(
+        &self,
+        seq: SeqId,
+        layer: usize,
+        from: usize,
+        n: usize,
+    ) -> Result<(Vec<u8>, Vec<u8>)> {
+        let s = self.slot(seq)?;
+        Ok((
+            s.k[layer].rows_bytes(from, n).map_err(kv_error)?,
+            s.v[layer].rows_bytes(from, n).map_err(kv_error)?,
+        ))
     }
 
     /// A new sequence with `src`'s position and host rows, and no device rows (the caller copies
@@ -252,23 +313,31 @@ impl KvCache {
     }
 
     /// Appends `k` and `v` (`n · n_embd_kv` values each, f32) to layer `layer` of `seq`,
-    /// converted to f16. The position advances only with [`advance`](Self::advance).
+    /// converted to the cache's types. The position advances only with
+    /// [`advance`](Self::advance).
     pub(crate) fn append(&mut self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
         let s = self.slot_mut(seq)?;
-        for (dst, src) in [(&mut s.k[layer], k), (&mut s.v[layer], v)] {
-            // Converted a slice at a time (half's vectorized F16C path where the CPU has it)
-            // rather than value by value.
-            let old = dst.len();
-            dst.resize(old + src.len(), f16::ZERO);
-            dst[old..].convert_from_f32_slice(src);
-        }
+        s.k[layer].push_f32(k).map_err(kv_error)?;
+        s.v[layer].push_f32(v).map_err(kv_error)?;
         Ok(())
     }
 
-    /// The filled K and V of `layer` of `seq` (including rows appended since the last advance).
-    pub(crate) fn layer(&self, seq: SeqId, layer: usize) -> Result<(&[f16], &[f16])> {
+    /// The filled K and V of `layer` of `seq` (including rows appended since the last advance),
+    /// as the attention reads them.
+    pub(crate) fn layer(&self, seq: SeqId, layer: usize) -> Result<(KvView<'_>, KvView<'_>)> {
         let s = self.slot(seq)?;
-        Ok((&s.k[layer], &s.v[layer]))
+        Ok((s.k[layer].view(), s.v[layer].view()))
+    }
+
+    /// Rows stored in `layer` of `seq` (including rows appended since the last advance).
+    pub(crate) fn layer_rows(&self, seq: SeqId, layer: usize) -> Result<usize> {
+        Ok(self.slot(seq)?.k[layer].len())
+    }
+
+    /// [`KvCache::layer`] of an F16 cache as f16 values (`None` for the other types).
+    pub(crate) fn layer_f16(&self, seq: SeqId, layer: usize) -> Result<Option<(&[f16], &[f16])>> {
+        let s = self.slot(seq)?;
+        Ok(s.k[layer].as_f16().zip(s.v[layer].as_f16()))
     }
 
     /// A new sequence holding a copy of `src`'s tokens (several continuations of one prompt
@@ -305,16 +374,15 @@ impl KvCache {
             )));
         }
         s.stamp = new_stamp();
-        let mut moved = Vec::new();
+        let _ = n;
+        let tail = s.pos - keep - discard;
         for (k, v) in s.k.iter_mut().zip(s.v.iter_mut()) {
-            k.drain(keep * n..(keep + discard) * n);
-            v.drain(keep * n..(keep + discard) * n);
-            let tail = &mut k[keep * n..];
-            moved.clear();
-            moved.resize(tail.len(), 0.0);
-            tail.convert_to_f32_slice(&mut moved);
+            k.remove(keep, discard).map_err(kv_error)?;
+            v.remove(keep, discard).map_err(kv_error)?;
+            // The moved keys re-rotated in f32 and stored again in the cache's type.
+            let mut moved = k.rows_f32(keep, tail).map_err(kv_error)?;
             rekey(&mut moved)?;
-            tail.convert_from_f32_slice(&moved);
+            k.overwrite_f32(keep, &moved).map_err(kv_error)?;
         }
         s.pos -= discard;
         Ok(())
@@ -331,10 +399,11 @@ impl KvCache {
         if let Some(d) = s.device.as_mut() {
             d.host_rows = d.host_rows.min(s.pos);
         }
-        let len = s.pos * w;
+        let _ = w;
+        let pos = s.pos;
         s.k.iter_mut()
             .chain(s.v.iter_mut())
-            .for_each(|r| r.truncate(len));
+            .for_each(|r| r.truncate(pos));
         Ok(())
     }
 
@@ -343,10 +412,11 @@ impl KvCache {
         let n = self.n_embd_kv;
         if let Ok(s) = self.slot_mut(seq) {
             s.stamp = new_stamp();
-            let len = s.pos * n;
+            let _ = n;
+            let pos = s.pos;
             s.k.iter_mut()
                 .chain(s.v.iter_mut())
-                .for_each(|r| r.truncate(len));
+                .for_each(|r| r.truncate(pos));
         }
     }
 
@@ -355,12 +425,18 @@ impl KvCache {
         let n_embd_kv = self.n_embd_kv;
         let s = self.slot_mut(seq)?;
         s.pos += n;
+        let _ = n_embd_kv;
         debug_assert!(s.k.iter().enumerate().all(|(l, k)| match &s.device {
-            Some(d) if d.layers[l] => k.len() == d.host_rows * n_embd_kv,
-            _ => k.len() == s.pos * n_embd_kv,
+            Some(d) if d.layers[l] => k.len() == d.host_rows,
+            _ => k.len() == s.pos,
         }));
         Ok(())
     }
+}
+
+/// A KV buffer's error as the engine's.
+fn kv_error(e: powerinfer_kernels_cpu::KernelError) -> EngineError {
+    EngineError::Invalid(format!("KV cache: {e}"))
 }
 
 #[cfg(test)]
@@ -379,7 +455,7 @@ mod tests {
         c.advance(a, 2).unwrap();
         assert_eq!(c.pos(a).unwrap(), 2);
         assert_eq!(c.pos(b).unwrap(), 0);
-        let (k, v) = c.layer(a, 1).unwrap();
+        let (k, v) = c.layer_f16(a, 1).unwrap().unwrap();
         assert_eq!((k.len(), v[0].to_f32()), (8, 2.0));
         assert!(c.reserve(a, 1).is_ok());
         assert!(matches!(
@@ -411,7 +487,7 @@ mod tests {
         c.advance(a, 5).unwrap();
         let b = c.fork(a).unwrap();
         assert_eq!(c.pos(b).unwrap(), 5);
-        assert_eq!(c.layer(b, 1).unwrap(), c.layer(a, 1).unwrap());
+        assert_eq!(c.layer_f16(b, 1).unwrap(), c.layer_f16(a, 1).unwrap());
         // Keep 1 position, drop 2: positions 0, 3, 4 remain; the moved keys are negated here.
         c.shift(a, 1, 2, |k| {
             k.iter_mut().for_each(|x| *x = -*x);
@@ -419,12 +495,43 @@ mod tests {
         })
         .unwrap();
         assert_eq!(c.pos(a).unwrap(), 3);
-        let (k, v) = c.layer(a, 1).unwrap();
+        let (k, v) = c.layer_f16(a, 1).unwrap().unwrap();
         let k: Vec<f32> = k.iter().map(|x| x.to_f32()).collect();
         let v: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
         assert_eq!(k, [10.0, 11.0, -16.0, -17.0, -18.0, -19.0]);
         assert_eq!(v, [-10.0, -11.0, -16.0, -17.0, -18.0, -19.0]);
         assert_eq!(c.pos(b).unwrap(), 5, "the fork is untouched");
         assert!(c.shift(a, 2, 2, |_| Ok(())).is_err());
+    }
+
+    /// A quantized cache stores rows in its type (half F16's bytes for Q8_0) and moves them
+    /// as F16 does: a fork copies them bit for bit, a shift drops whole rows and stores the
+    /// re-keyed ones in the type again; a head size that is not whole blocks is refused.
+    #[test]
+    fn quantized_caches_fork_and_shift_whole_rows() {
+        assert!(KvCache::with_types(1, 2, 48, 8, (KvType::Q8_0, KvType::F16)).is_err());
+        let mut c = KvCache::with_types(2, 2, 32, 8, (KvType::Q8_0, KvType::Q4_0)).unwrap();
+        assert_eq!(c.types(), (KvType::Q8_0, KvType::Q4_0));
+        assert_eq!(c.bytes_per_position(), 2 * (2 * 34 + 2 * 18));
+        let a = c.add_sequence();
+        for l in 0..2 {
+            let k: Vec<f32> = (0..5 * 64).map(|i| (i % 13) as f32 - 6.0).collect();
+            let v: Vec<f32> = k.iter().map(|x| 0.5 * x).collect();
+            c.append(a, l, &k, &v).unwrap();
+        }
+        c.advance(a, 5).unwrap();
+        let b = c.fork(a).unwrap();
+        assert_eq!(c.rows(b, 1, 0, 5).unwrap(), c.rows(a, 1, 0, 5).unwrap());
+        let before = c.rows(a, 0, 0, 5).unwrap();
+        c.shift(a, 1, 2, |_| Ok(())).unwrap();
+        assert_eq!(c.pos(a).unwrap(), 3);
+        let after = c.rows(a, 0, 0, 3).unwrap();
+        let (kr, vr) = (34 * 2, 18 * 2);
+        // Rows 0, 3, 4 remain; an unchanged key stored again in its type is the same bits.
+        assert_eq!(after.0[..kr], before.0[..kr]);
+        assert_eq!(after.0[kr..], before.0[3 * kr..]);
+        assert_eq!(after.1[vr..], before.1[3 * vr..]);
+        assert!(c.rows(a, 0, 0, 4).is_err());
+        assert_eq!(c.pos(b).unwrap(), 5, "the fork is untouched");
     }
 }

@@ -57,7 +57,7 @@ pub use device::{DeviceChoice, DeviceReport};
 pub use engine::{Engine, EngineOptions};
 pub use error::{EngineError, Result};
 pub use exec::{Batch, EvalOptions, EvalOutput, Logits, Segment};
-pub use kv_cache::{KvCache, SeqId};
+pub use kv_cache::{KvCache, KvType, SeqId};
 pub use model::{Arch, Hparams, Model};
 pub use observer::FfnObserver;
 /// The kernels' choices that [`EngineOptions`] takes, re-exported so that a user needs no

@@ -16,7 +16,7 @@
 //! its rows in `ffn_up`, `ffn_gate` (if any) and `ffn_down_t`: `n_embd` elements each, in that
 //! tensor's type ([`powerinfer_gguf::GgmlType::bytes_for`]).
 
-use powerinfer_gguf::GgufFile;
+use powerinfer_gguf::{GgmlType, GgufFile};
 
 use crate::error::{PlacementError, Result};
 
@@ -44,6 +44,29 @@ pub struct DenseTensor {
     pub layer: Option<usize>,
     /// Bytes of its data.
     pub bytes: u64,
+}
+
+/// The types a KV cache stores K and V in (ggml's: F16, Q8_0, Q4_0, ...), for its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvTypes {
+    /// Keys.
+    pub k: GgmlType,
+    /// Values.
+    pub v: GgmlType,
+}
+
+impl KvTypes {
+    /// Both F16 (the default of llama.cpp, PowerInfer and this project).
+    pub const F16: KvTypes = KvTypes {
+        k: GgmlType::F16,
+        v: GgmlType::F16,
+    };
+
+    /// Bytes of `n` values of K and of V together.
+    pub fn pair_bytes(&self, n: u64) -> u64 {
+        let of = |ty: GgmlType| ty.bytes_for(n).unwrap_or(u64::MAX);
+        of(self.k).saturating_add(of(self.v))
+    }
 }
 
 /// The shape facts the accounting needs.
@@ -257,18 +280,38 @@ impl VramBudget {
     /// Bytes of the whole f16 KV cache (K and V) for `n_ctx` tokens:
     /// `2 · n_layer · n_ctx · n_embd_gqa · 2`. Saturates instead of overflowing.
     pub fn kv_bytes(&self, n_ctx: u64) -> u64 {
-        2u64.saturating_mul(self.kv_chunk_bytes(n_ctx))
+        self.kv_bytes_of(n_ctx, KvTypes::F16)
     }
 
-    fn kv_chunk_bytes(&self, n_ctx: u64) -> u64 {
-        (self.shape.n_layer as u64)
+    /// Bytes of the whole KV cache for `n_ctx` tokens, K and V of `types`.
+    pub fn kv_bytes_of(&self, n_ctx: u64, types: KvTypes) -> u64 {
+        let (k, v) = self.kv_chunks(n_ctx, types);
+        k.saturating_add(v)
+    }
+
+    /// Bytes of the K cache and of the V cache for `n_ctx` tokens.
+    fn kv_chunks(&self, n_ctx: u64, types: KvTypes) -> (u64, u64) {
+        let values = (self.shape.n_layer as u64)
             .saturating_mul(n_ctx)
-            .saturating_mul(self.shape.n_embd_gqa)
-            .saturating_mul(2)
+            .saturating_mul(self.shape.n_embd_gqa);
+        let of = |ty: GgmlType| ty.bytes_for(values).unwrap_or(u64::MAX);
+        (of(types.k), of(types.v))
     }
 
-    /// Splits `budget_bytes` (see the module documentation for the order).
+    /// Splits `budget_bytes` (see the module documentation for the order), the KV cache F16.
     pub fn plan(&self, budget_bytes: u64, n_ctx: u64, scratch_bytes: u64) -> VramPlan {
+        self.plan_with(budget_bytes, n_ctx, scratch_bytes, KvTypes::F16)
+    }
+
+    /// [`VramBudget::plan`] with the KV cache's K and V of `types`: a smaller cache leaves more
+    /// of the budget to neuron rows.
+    pub fn plan_with(
+        &self,
+        budget_bytes: u64,
+        n_ctx: u64,
+        scratch_bytes: u64,
+        types: KvTypes,
+    ) -> VramPlan {
         let mut left = budget_bytes;
         let mut dense_gpu_bytes = 0u64;
         let mut dense_gpu_count = 0usize;
@@ -282,13 +325,13 @@ impl VramBudget {
         }
         let dense_total_bytes = self.dense.iter().map(|t| t.bytes).sum();
         let dense_complete = dense_gpu_count == self.dense.len();
-        let kv_total_bytes = self.kv_bytes(n_ctx);
+        let kv_total_bytes = self.kv_bytes_of(n_ctx, types);
         let mut kv_gpu_bytes = 0;
         let mut scratch = 0;
         let mut ffn_budget_bytes = 0;
         if dense_complete {
-            let chunk = self.kv_chunk_bytes(n_ctx);
-            for _ in 0..2 {
+            let (k, v) = self.kv_chunks(n_ctx, types);
+            for chunk in [k, v] {
                 if chunk <= left {
                     left -= chunk;
                     kv_gpu_bytes += chunk;

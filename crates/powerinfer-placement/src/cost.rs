@@ -21,7 +21,7 @@
 //! GPU only its hottest held neurons, as many as make the two sides finish together: the
 //! run-time balancer's fixed point).
 
-use crate::budget::{DenseClass, VramBudget};
+use crate::budget::{DenseClass, KvTypes, VramBudget};
 use crate::split::GpuSplit;
 
 /// Figures of the machine.
@@ -49,6 +49,8 @@ pub struct Workload {
     pub batch: usize,
     /// KV cache positions each token attends to.
     pub context: usize,
+    /// The KV cache's types (what a position's K and V rows weigh).
+    pub kv: KvTypes,
 }
 
 /// Which of the held neurons the GPU computes.
@@ -182,7 +184,7 @@ pub fn predict(
             slot.1 += bytes;
         }
     }
-    let kv_bytes = 2.0 * work.context as f64 * shape.n_embd_gqa as f64 * 2.0;
+    let kv_bytes = work.kv.pair_bytes(work.context as u64 * shape.n_embd_gqa) as f64;
     let layers = (0..shape.n_layer)
         .map(|l| {
             let (g_bytes, c_bytes, g_mats) = attn[l];
@@ -349,6 +351,7 @@ mod tests {
             Workload {
                 batch: 1,
                 context: 0,
+                kv: KvTypes::F16,
             },
             Policy::Static,
         );
@@ -370,6 +373,7 @@ mod tests {
             Workload {
                 batch: 2,
                 context: 0,
+                kv: KvTypes::F16,
             },
             Policy::Static,
         );
@@ -392,6 +396,7 @@ mod tests {
         let w = Workload {
             batch: 1,
             context: 0,
+            kv: KvTypes::F16,
         };
         let s = predict(&b, 0, &split, &p, &hw(), w, Policy::Static);
         let d = predict(&b, 0, &split, &p, &hw(), w, Policy::Balanced);

@@ -28,7 +28,7 @@ pub mod lifecycle;
 pub mod solver;
 pub mod split;
 
-pub use budget::{DenseClass, DenseTensor, ModelShape, VramBudget, VramPlan};
+pub use budget::{DenseClass, DenseTensor, KvTypes, ModelShape, VramBudget, VramPlan};
 pub use cost::{
     activation_probabilities, predict, Hardware, LayerCost, Policy, StepCost, Workload,
 };

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use powerinfer_gguf::{GgufFile, GpuIndex};
 use powerinfer_predictor::stats::{ActivationStats, SAFETENSORS_FILE_NAME};
 
+use crate::budget::KvTypes;
 use crate::budget::{VramBudget, VramPlan};
 use crate::error::{PlacementError, Result};
 use crate::solver::{solve, solve_balanced, Method, Problem};
@@ -29,6 +30,8 @@ pub struct PlanOptions {
     pub budget_bytes: u64,
     /// Context length the KV cache is sized for.
     pub n_ctx: u64,
+    /// The KV cache's types (what it weighs in the budget).
+    pub kv: KvTypes,
     /// Scratch reserve in bytes.
     pub scratch_bytes: u64,
     /// Neuron group size (a positive multiple of 32).
@@ -136,7 +139,7 @@ pub fn plan_model_with(model: &Path, budget: VramBudget, o: &PlanOptions) -> Res
             )));
         }
     }
-    let vram = budget.plan(o.budget_bytes, o.n_ctx, o.scratch_bytes);
+    let vram = budget.plan_with(o.budget_bytes, o.n_ctx, o.scratch_bytes, o.kv);
     let all_cpu = |source| ModelPlan {
         split: GpuSplit::all_cpu(&budget.shape.n_ff),
         budget: budget.clone(),
@@ -182,6 +185,7 @@ pub fn plan_model_with(model: &Path, budget: VramBudget, o: &PlanOptions) -> Res
         stats_digest: stats_digest(&stats.layers),
         model_size,
         model_mtime,
+        kv_types: format!("{}/{}", o.kv.k.name(), o.kv.v.name()),
     };
     let path = gpuidx_path(model);
     let reason = if o.reset {

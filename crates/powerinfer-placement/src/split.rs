@@ -166,6 +166,9 @@ pub struct Provenance {
     pub model_size: u64,
     /// Model file modification time, nanoseconds since the Unix epoch (0 if unknown).
     pub model_mtime: u64,
+    /// The KV cache's types the budget was split with (`K/V`, ggml's names; an index written
+    /// before there were types holds none and was split with `F16/F16`).
+    pub kv_types: String,
 }
 
 /// Provenance key prefix.
@@ -198,6 +201,7 @@ impl Provenance {
         md.insert(k("stats_digest"), Value::U64(self.stats_digest));
         md.insert(k("model_size"), Value::U64(self.model_size));
         md.insert(k("model_mtime"), Value::U64(self.model_mtime));
+        md.insert(k("kv_types"), Value::String(self.kv_types.clone()));
         md
     }
 
@@ -213,6 +217,10 @@ impl Provenance {
             stats_digest: u("stats_digest")?,
             model_size: u("model_size")?,
             model_mtime: u("model_mtime")?,
+            kv_types: match md.get(&format!("{KEY_PREFIX}kv_types")) {
+                Some(v) => v.as_str()?.to_string(),
+                None => "F16/F16".to_string(),
+            },
         })
     }
 }
@@ -300,5 +308,6 @@ fn differences(a: &Provenance, b: &Provenance) -> Vec<&'static str> {
     chk(a.stats_digest == b.stats_digest, "statistics");
     chk(a.model_size == b.model_size, "model size");
     chk(a.model_mtime == b.model_mtime, "model time");
+    chk(a.kv_types == b.kv_types, "KV cache types");
     d
 }

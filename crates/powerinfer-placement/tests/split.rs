@@ -16,6 +16,7 @@ fn provenance() -> Provenance {
         stats_digest: 7,
         model_size: 1234,
         model_mtime: 99,
+        kv_types: "Q8_0/Q8_0".into(),
     }
 }
 
@@ -75,11 +76,15 @@ fn write_read_and_staleness() {
     let changed = Provenance {
         stats_digest: 8,
         model_mtime: 100,
+        kv_types: "F16/F16".into(),
         ..prov.clone()
     };
     let e = check_cached(&path, &changed, 960, &widths).unwrap_err();
     assert!(
-        e.contains("stale") && e.contains("statistics") && e.contains("model time"),
+        e.contains("stale")
+            && e.contains("statistics")
+            && e.contains("model time")
+            && e.contains("KV cache types"),
         "{e}"
     );
     let e = check_cached(&path, &prov, 960, &[64, 64]).unwrap_err();

@@ -54,6 +54,9 @@ pub struct Args {
     /// The device beside the CPU.
     #[command(flatten)]
     device: super::device::DeviceArgs,
+    /// The KV cache's types.
+    #[command(flatten)]
+    cache: super::CacheTypes,
 }
 
 /// What decoding N continuations produced.
@@ -167,6 +170,7 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     let mut o = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut o)?;
+    a.cache.apply(&mut o)?;
     // The prompt's sequence and its continuations keep their KV rows on a device together.
     o.device.kv_sequences = a.parallel + 1;
     o.ctx_len = prompt.len() + a.n_predict + 1;

@@ -53,6 +53,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use powerinfer_engine::tokenizer::Tokenizer;
+use powerinfer_engine::KvType;
 use powerinfer_engine::{AxpyCoefficients, Batch, Engine, EvalOptions};
 use powerinfer_gguf::{FileKind, GgufFile};
 use powerinfer_kernels_cpu::ThreadPool;
@@ -135,6 +136,9 @@ pub struct DecodeArgs {
     /// The device beside the CPU (sparse rows; with `--ffn-resident`, the hybrid rows).
     #[command(flatten)]
     device: super::device::DeviceArgs,
+    /// The KV cache's types.
+    #[command(flatten)]
+    cache: super::CacheTypes,
 }
 
 /// One measurement of a round.
@@ -345,6 +349,7 @@ impl ByteModel {
 fn hybrid_budget(path: &Path, a: &DecodeArgs, frac: f64) -> Result<u64, String> {
     let mut probe = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut probe)?;
+    a.cache.apply(&mut probe)?;
     probe.ctx_len = (a.prompt + a.tokens + 8).max(64);
     probe.batch = 64;
     budget_for(path, &probe, frac)
@@ -378,6 +383,7 @@ fn measure(path: &Path, a: &DecodeArgs, mode: Mode) -> Result<Row, String> {
             opts.device.vram_budget = Some(hybrid_budget(path, a, frac)?);
         }
     }
+    a.cache.apply(&mut opts)?;
     opts.ctx_len = (a.prompt + a.tokens + 8).max(64);
     opts.batch = 64;
     opts.mmap = !a.no_mmap;
@@ -509,26 +515,66 @@ struct LlamaRun {
     pp: Option<f64>,
 }
 
-/// llama.cpp's text generation test on `path` and, for prompts of more than one token, its
-/// prompt processing test of `a.prompt` tokens.
+/// llama.cpp's text generation test on `path` after a prompt of `a.prompt` tokens (its KV
+/// cache filled to that depth first, `-d`, as our decode runs after the prompt) and, for
+/// prompts of more than one token, its prompt processing test of `a.prompt` tokens; the KV
+/// cache's types as ours (`-ctk`/`-ctv`, with flash attention for a quantized V, which
+/// llama.cpp needs).
 fn llama_bench(
     bin: &Path,
     path: &Path,
     a: &DecodeArgs,
     threads: usize,
 ) -> Result<LlamaRun, String> {
-    let pp = if a.prompt > 1 { a.prompt } else { 0 };
+    let depth = if a.prompt > 1 { a.prompt } else { 0 };
+    let tests = run_llama_bench(bin, path, a, threads, (0, a.tokens, depth))?;
+    let tg = speed(&tests, |_, gen| gen > 0)
+        .ok_or_else(|| "llama-bench printed no text-generation result".to_string())?;
+    let pp = if depth > 0 {
+        let tests = run_llama_bench(bin, path, a, threads, (a.prompt, 0, 0))?;
+        speed(&tests, |prompt, gen| prompt > 0 && gen == 0)
+    } else {
+        None
+    };
+    Ok(LlamaRun { tg, pp })
+}
+
+/// The tokens/s of the first of llama-bench's `tests` whose prompt and generated token
+/// counts `want` takes.
+fn speed(tests: &[serde_json::Value], want: fn(u64, u64) -> bool) -> Option<f64> {
+    tests
+        .iter()
+        .find(|r| {
+            want(
+                r["n_prompt"].as_u64().unwrap_or(0),
+                r["n_gen"].as_u64().unwrap_or(0),
+            )
+        })
+        .and_then(|r| r["avg_ts"].as_f64())
+}
+
+/// One `llama-bench` run of `(prompt tokens, generated tokens, depth)`: its JSON tests.
+fn run_llama_bench(
+    bin: &Path,
+    path: &Path,
+    a: &DecodeArgs,
+    threads: usize,
+    (pp, tg, depth): (usize, usize, usize),
+) -> Result<Vec<serde_json::Value>, String> {
     let out = Command::new(bin)
         .arg("-m")
         .arg(path)
-        .arg("-p")
-        .arg(pp.to_string())
-        .arg("-n")
-        .arg(a.tokens.to_string())
-        .arg("-t")
-        .arg(threads.to_string())
-        .arg("-r")
-        .arg(a.repeats.max(1).to_string())
+        .args(["-p", &pp.to_string(), "-n", &tg.to_string()])
+        .args(["-d", &depth.to_string()])
+        .args(["-t", &threads.to_string()])
+        .args(["-r", &a.repeats.max(1).to_string()])
+        .args(["-ctk", a.cache.k.name(), "-ctv", a.cache.v.name()])
+        // llama.cpp quantizes V only with flash attention.
+        .args(if a.cache.v == KvType::F16 {
+            &[][..]
+        } else {
+            &["-fa", "on"][..]
+        })
         .args(["-o", "json"])
         .output()
         .map_err(|e| format!("{}: {e}", bin.display()))?;
@@ -544,26 +590,7 @@ fn llama_bench(
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
         .map_err(|e| format!("llama-bench output is not JSON: {e}"))?;
-    let tests = v.as_array().map(Vec::as_slice).unwrap_or_default();
-    let speed = |want: fn(u64, u64) -> bool| {
-        tests
-            .iter()
-            .find(|r| {
-                want(
-                    r["n_prompt"].as_u64().unwrap_or(0),
-                    r["n_gen"].as_u64().unwrap_or(0),
-                )
-            })
-            .and_then(|r| r["avg_ts"].as_f64())
-    };
-    let tg = speed(|_, gen| gen > 0)
-        .ok_or_else(|| "llama-bench printed no text-generation result".to_string())?;
-    let pp = if pp > 0 {
-        speed(|prompt, gen| prompt > 0 && gen == 0)
-    } else {
-        None
-    };
-    Ok(LlamaRun { tg, pp })
+    Ok(v.as_array().cloned().unwrap_or_default())
 }
 
 /// The text PowerInfer's `main` is given: our prompt's tokens after BOS, decoded (`main` adds
@@ -626,6 +653,11 @@ fn powerinfer_main(
             .args(["-c", &(a.prompt + a.tokens + 64).to_string()])
             .args(["--temp", "0", "--ignore-eos", "--seed", "1"])
             .args(["--vram-budget", &format!("{vram_gib:.4}")])
+            // Only when asked for: its default is F16, as ours.
+            .args(match (a.cache.k, a.cache.v) {
+                (KvType::F16, KvType::F16) => vec![],
+                (k, v) => vec!["-ctk", k.name(), "-ctv", v.name()],
+            })
             .output()
             .map_err(|e| format!("{}: {e}", bin.display()))?;
         let err = String::from_utf8_lossy(&out.stderr);

@@ -315,6 +315,7 @@ pub fn run(a: ScheduleArgs) -> Result<(), String> {
         Workload {
             batch: 1,
             context: PROMPT + a.tokens / 2,
+            kv: powerinfer_placement::KvTypes::F16,
         },
     )?;
     let ffn_gain = median(

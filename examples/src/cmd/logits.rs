@@ -10,6 +10,9 @@ pub struct Args {
     /// The model.
     #[command(flatten)]
     pub model: super::model::ModelArgs,
+    /// The KV cache's types.
+    #[command(flatten)]
+    pub cache: super::CacheTypes,
     /// Token ids, separated by spaces or commas.
     #[arg(long)]
     pub tokens: String,
@@ -40,6 +43,7 @@ pub fn run(args: Args) -> Result<(), String> {
     }
     let mut options = super::engine_options(args.threads, args.sparse_threshold);
     options.dense = args.dense;
+    args.cache.apply(&mut options)?;
     options.ctx_len = tokens.len().max(1);
     let engine = super::load_engine(&args.model.path()?, options)?;
     let logits = engine

@@ -33,7 +33,7 @@ use std::fmt::Display;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
 
-use powerinfer_engine::{Engine, EngineOptions};
+use powerinfer_engine::{DeviceChoice, Engine, EngineOptions, KvType};
 
 /// The one-line error for `error`, which happened on the file `path`: the path said once (the
 /// libraries' I/O errors already start with it), and a folder given for a file named as one.
@@ -101,6 +101,37 @@ pub fn write_stdout(write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Res
 pub fn json_line(out: &mut dyn Write, value: &serde_json::Value) -> io::Result<()> {
     serde_json::to_writer(&mut *out, value).map_err(io::Error::from)?;
     writeln!(out)
+}
+
+/// The KV cache's types (llama.cpp's `-ctk`/`-ctv`), on every command that evaluates.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct CacheTypes {
+    /// The type the KV cache stores keys in: f16 (default), f32, bf16, q8_0 (half of f16's
+    /// bytes), q4_0 (heads must be a multiple of 32 values for q8_0 and q4_0).
+    #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
+    pub k: powerinfer_engine::KvType,
+    /// The type the KV cache stores values in (as `--cache-type-k`).
+    #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
+    pub v: powerinfer_engine::KvType,
+}
+
+impl CacheTypes {
+    /// Sets `o`'s cache types (after its device): a CUDA device keeps F16 KV stores only, so
+    /// another type with `--gpu cuda` is refused (with `--gpu auto` the engine then leaves the
+    /// GPU out and says so).
+    pub fn apply(&self, o: &mut EngineOptions) -> Result<(), String> {
+        o.cache_type_k = self.k;
+        o.cache_type_v = self.v;
+        let quantized = (self.k, self.v) != (KvType::F16, KvType::F16);
+        match o.device.choice {
+            DeviceChoice::Cuda(n) if quantized => Err(format!(
+                "--cache-type-k {} --cache-type-v {} with --gpu cuda:{n}: the CUDA device keeps \
+                 its KV stores in F16 only (other types run on the CPU or --gpu sim)",
+                self.k, self.v
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Engine options with the environment variables PowerInfer and earlier versions of this tool

@@ -47,6 +47,9 @@ pub struct Args {
     /// The device beside the CPU.
     #[command(flatten)]
     device: super::device::DeviceArgs,
+    /// The KV cache's types.
+    #[command(flatten)]
+    cache: super::CacheTypes,
 }
 
 /// The result of scoring a text.
@@ -149,6 +152,7 @@ pub fn run(args: Args) -> Result<(), String> {
     let text = std::fs::read_to_string(&args.file).map_err(|e| super::file_error(&args.file, e))?;
     let mut o = super::engine_options(args.threads, args.sparse_threshold);
     args.device.apply(&mut o)?;
+    args.cache.apply(&mut o)?;
     o.dense = args.dense;
     o.ctx_len = args.ctx.max(2);
     o.batch = args.batch.clamp(1, args.ctx.max(1));

@@ -18,11 +18,12 @@
 use std::io::{self, Write};
 use std::path::PathBuf;
 
+use powerinfer_engine::KvType;
 use powerinfer_placement::cost::{self, Hardware, Policy, StepCost, Workload};
 use powerinfer_placement::lifecycle::read_stats;
 use powerinfer_placement::{
-    activation_probabilities, plan_model, solve, IndexSource, ModelPlan, PlanOptions, Problem,
-    VramBudget,
+    activation_probabilities, plan_model, solve, IndexSource, KvTypes, ModelPlan, PlanOptions,
+    Problem, VramBudget,
 };
 use serde_json::json;
 
@@ -41,6 +42,9 @@ pub struct Args {
     /// Context length the KV cache is sized for.
     #[arg(long, default_value_t = 512)]
     pub ctx: u64,
+    /// The KV cache's types (a smaller cache leaves more of the budget to neuron rows).
+    #[command(flatten)]
+    pub cache: super::CacheTypes,
     /// Neurons per group (a multiple of 32).
     #[arg(long, default_value_t = 256)]
     pub group: usize,
@@ -134,6 +138,7 @@ pub fn plan(args: &Args) -> Result<ModelPlan, String> {
     let opts = PlanOptions {
         budget_bytes: bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?,
         n_ctx: args.ctx,
+        kv: kv_types(&args.cache),
         scratch_bytes: bytes_of(args.scratch_mib, (1u64 << 20) as f64, "--scratch-mib")?,
         group: args.group,
         balanced: args.balanced,
@@ -322,7 +327,7 @@ pub(crate) fn prediction(
             .map_or_else(|| PathBuf::from("activation"), |p| p.join("activation")),
     };
     let stats = read_stats(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let vram = budget.plan(budget_bytes, ctx, 0);
+    let vram = budget.plan_with(budget_bytes, ctx, 0, work.kv);
     let sol = solve(&Problem {
         stats: &stats.layers,
         neuron_bytes: &budget.shape.neuron_bytes,
@@ -347,13 +352,23 @@ pub(crate) fn prediction(
     })
 }
 
-/// What `plan --predict` found: the cost model's decode step for both policies.
+/// What `plan --predict` found: the cost model's decode step for both policies, and per KV
+/// cache type (F16, Q8_0, Q4_0).
 pub struct Predicted {
     model: PathBuf,
     budget: u64,
     hw: Hardware,
     work: Workload,
     p: Prediction,
+    by_type: Vec<(KvType, Prediction)>,
+}
+
+/// The cost model's types of `c`.
+fn kv_types(c: &super::CacheTypes) -> KvTypes {
+    KvTypes {
+        k: c.k.ggml(),
+        v: c.v.ggml(),
+    }
 }
 
 /// The cost model's prediction for the placement `args` ask for (`--predict`; nothing
@@ -364,6 +379,7 @@ pub fn predict(args: &Args) -> Result<Predicted, String> {
     let work = Workload {
         batch: args.batch.max(1),
         context: args.attended,
+        kv: kv_types(&args.cache),
     };
     let budget = bytes_of(args.vram_budget, (1u64 << 30) as f64, "--vram-budget")?;
     let model = args.model.path()?;
@@ -375,12 +391,23 @@ pub fn predict(args: &Args) -> Result<Predicted, String> {
         &hw,
         work,
     )?;
+    let mut by_type = Vec::new();
+    for ty in [KvType::F16, KvType::Q8_0, KvType::Q4_0] {
+        let kv = KvTypes {
+            k: ty.ggml(),
+            v: ty.ggml(),
+        };
+        let w = Workload { kv, ..work };
+        let pt = prediction(&model, args.activation.as_deref(), budget, args.ctx, &hw, w)?;
+        by_type.push((ty, pt));
+    }
     Ok(Predicted {
         model,
         budget,
         hw,
         work,
         p,
+        by_type,
     })
 }
 
@@ -401,6 +428,11 @@ impl Predicted {
             "cpu_gbps": hw.cpu_bandwidth / 1e9, "gpu_gbps": hw.gpu_bandwidth / 1e9,
             "link_gbps": hw.link_bandwidth / 1e9,
             "static": row("static", &p.fixed), "balanced": row("balanced", &p.balanced),
+            "kv_types": self.by_type.iter().map(|(ty, pt)| json!({
+                "type": ty.name(), "held_neurons": pt.held,
+                "static_tokens_per_s": pt.fixed.tokens_per_s(),
+                "balanced_tokens_per_s": pt.balanced.tokens_per_s(),
+            })).collect::<Vec<_>>(),
         })
     }
 
@@ -442,5 +474,18 @@ impl Predicted {
             "balanced / static: {:.2}x",
             p.balanced.tokens_per_s() / p.fixed.tokens_per_s()
         );
+        println!(
+            "{:<10} {:>12} {:>14} {:>14}",
+            "KV cache", "GPU neurons", "static tok/s", "balanced tok/s"
+        );
+        for (ty, pt) in &self.by_type {
+            println!(
+                "{:<10} {:>12} {:>14.2} {:>14.2}",
+                ty.name(),
+                pt.held,
+                pt.fixed.tokens_per_s(),
+                pt.balanced.tokens_per_s()
+            );
+        }
     }
 }

@@ -174,6 +174,9 @@ pub struct Args {
     /// The device beside the CPU.
     #[command(flatten)]
     pub device: super::device::DeviceArgs,
+    /// The KV cache's types.
+    #[command(flatten)]
+    pub cache: super::CacheTypes,
 }
 
 /// A finite number.
@@ -331,6 +334,7 @@ impl Args {
     fn options(&self, dense: bool) -> Result<EngineOptions, String> {
         let mut o = super::engine_options(self.threads, self.sparse_threshold);
         self.device.apply(&mut o)?;
+        self.cache.apply(&mut o)?;
         o.dense = dense;
         o.ctx_len = self.ctx_size;
         o.batch = self.batch_size as usize;
@@ -573,6 +577,11 @@ fn json(run: &Run, extra: &[(&str, serde_json::Value)]) -> String {
     v.to_string()
 }
 
+/// Bytes of one sequence's KV cache at the engine's full context.
+fn kv_bytes(engine: &Engine) -> u64 {
+    (engine.new_cache().bytes_per_position() * engine.ctx_len()) as u64
+}
+
 /// Runs `powerinfer run`.
 pub fn run(args: Args) -> Result<(), String> {
     // Read before the model loads, so that a wrong path or template name fails at once.
@@ -620,6 +629,10 @@ pub fn run(args: Args) -> Result<(), String> {
             extra.push(("prompt_profile", prompt_profile_json(p)));
         }
         extra.push(("device", super::device::json(&engine.device_report())));
+        let (tk, tv) = engine.kv_types();
+        extra.push(("kv_type_k", tk.name().into()));
+        extra.push(("kv_type_v", tv.name().into()));
+        extra.push(("kv_bytes", kv_bytes(&engine).into()));
         if let (true, Some(b)) = (args.stats, engine.balance_report()) {
             extra.push(("schedule", super::device::balance_json(&b)));
         }
@@ -632,6 +645,12 @@ pub fn run(args: Args) -> Result<(), String> {
         if let (Some(p), Some(bw)) = (&run.profile, bw) {
             let timeline = super::device::timeline(&engine.device_report());
             print_profile(p, bw, &timeline);
+            let (tk, tv) = engine.kv_types();
+            eprintln!(
+                "KV cache: K {tk}, V {tv}: {} for {} positions",
+                super::human_bytes(kv_bytes(&engine)),
+                engine.ctx_len()
+            );
             super::device::print_split(p);
             if let Some(m) = memory {
                 eprintln!("{}", m.describe(bw));

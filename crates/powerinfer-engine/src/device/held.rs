@@ -1,8 +1,8 @@
 //! What a device holds beside its programs: the shapes of its KV stores and scratch, a layer's
 //! hot neuron rows to upload or swap, and the tables of ids its implementations keep.
 
-use half::f16;
 use powerinfer_kernels_cpu::ffn::FfnAct;
+use powerinfer_kernels_cpu::ops::kv::KvType;
 use powerinfer_kernels_cpu::Weights;
 
 use super::op::KvId;
@@ -27,13 +27,23 @@ pub(crate) struct ScratchShape {
 }
 
 /// The shape of one sequence's KV store: `layers` layers of `positions` K and V rows of
-/// `n_kv_head` heads of `head_dim` F16 values each.
+/// `n_kv_head` heads of `head_dim` values each, K of `types.0` and V of `types.1`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct KvShape {
     pub(crate) layers: usize,
     pub(crate) positions: usize,
     pub(crate) n_kv_head: usize,
     pub(crate) head_dim: usize,
+    pub(crate) types: (KvType, KvType),
+}
+
+impl KvShape {
+    /// Bytes of the store.
+    pub(crate) fn bytes(&self) -> u64 {
+        let row = self.n_kv_head * self.head_dim;
+        (self.layers * self.positions * (self.types.0.bytes_of(row) + self.types.1.bytes_of(row)))
+            as u64
+    }
 }
 
 /// Bytes a hot slice of `k` of a layer's `n_ff` neurons holds beside its rows: each matrix's
@@ -75,8 +85,9 @@ pub(crate) fn free_entry<T>(table: &mut [Option<T>], id: usize, what: &str) -> R
     }
 }
 
-/// K and V rows of a KV store read back to the host.
-pub(crate) type KvRows = (Vec<f16>, Vec<f16>);
+/// K and V rows of a KV store, as they cross the link: the canonical bytes of the store's
+/// types (row-major, [`powerinfer_kernels_cpu::ops::kv`]), bit for bit.
+pub(crate) type KvRows = (Vec<u8>, Vec<u8>);
 
 /// The error of a KV store id a device does not know.
 pub(crate) fn unknown_kv(kv: KvId) -> EngineError {

@@ -36,7 +36,6 @@ pub(crate) mod sim;
 
 use std::time::Duration;
 
-use half::f16;
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::Weights;
 
@@ -106,8 +105,9 @@ pub(crate) trait Device: Send + Sync {
 
     /// A KV store for one sequence, of shape `s`.
     fn alloc_kv(&self, s: KvShape) -> Result<KvId>;
-    /// Copies host rows into layer `layer` of `kv` from position `start` (queued).
-    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()>;
+    /// Copies host rows (the canonical bytes of the store's types) into layer `layer` of `kv`
+    /// from position `start` (queued).
+    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[u8], v: &[u8]) -> Result<()>;
     /// Copies rows `start .. start + n` of layer `layer` of `kv` to the host (waits).
     fn read_kv(&self, kv: KvId, layer: usize, start: usize, n: usize) -> Result<KvRows>;
     /// Copies the first `n` positions of every layer of `from` into `to` (queued).

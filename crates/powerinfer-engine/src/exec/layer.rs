@@ -1,15 +1,14 @@
 //! The attention half of a layer.
 //!
-//! `llama`/`bamboo`: RMSNorm → Q/K/V products → RoPE (mode 0) → append K/V to the F16 cache →
+//! `llama`/`bamboo`: RMSNorm → Q/K/V products → RoPE (mode 0) → append K/V to the cache →
 //! causal attention (GQA) → `attn_output`. `opt`: LayerNorm, biases on every product, no RoPE.
 //! `falcon`: LayerNorm (`attn_norm_2` for the attention where the layer has one), fused QKV,
 //! NeoX RoPE.
 
 use std::time::Instant;
 
-use powerinfer_kernels_cpu::ops::attention::{
-    attention_block, attention_part, merge_parts, AttentionPart,
-};
+use powerinfer_kernels_cpu::ops::attention::{attention_part, merge_parts, AttentionPart};
+use powerinfer_kernels_cpu::ops::attention_kv::{attention_kv_with, kv_bytes_read};
 use powerinfer_kernels_cpu::ops::rope::rope_block;
 
 use super::step::{add_bias, norm, LayerRun, Step};
@@ -118,12 +117,18 @@ pub(crate) fn attention(
             &b.v[s0 * nkv..][..n * nkv],
         )?;
         let (q_s, out_s) = (&b.q[s0 * ne..][..n * ne], &mut b.heads[s0 * ne..][..n * ne]);
-        if let (Some(a), Some(d), Some(o)) = (split.as_deref_mut(), mirror, bal_opts) {
-            let n_pos = cache.layer(sg.seq, l)?.0.len() / nkv;
+        // The attention split (F16 caches only: the load refuses it for others).
+        let split_f16 = cache.layer_f16(sg.seq, l)?.is_some();
+        if let (Some(a), Some(d), Some(o), true) =
+            (split.as_deref_mut(), mirror, bal_opts, split_f16)
+        {
+            let n_pos = cache.layer_rows(sg.seq, l)?;
             let s = a.device_positions(l, n_pos);
             if s > 0 {
                 a.sync(d, cache, sg.seq, l, s)?;
-                let (kc, vc) = cache.layer(sg.seq, l)?;
+                let Some((kc, vc)) = cache.layer_f16(sg.seq, l)? else {
+                    unreachable!("an F16 cache")
+                };
                 kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
                 let job = AttentionJob {
                     layer: l,
@@ -151,8 +156,8 @@ pub(crate) fn attention(
             }
         }
         let (kc, vc) = cache.layer(sg.seq, l)?;
-        kv_bytes += ((kc.len() + vc.len()) * 2) as u64;
-        attention_block(mm.pool(), q_s, kc, vc, n, &step.ap, out_s)?;
+        kv_bytes += kv_bytes_read(kc.ty(), vc.ty(), kc.n_pos(nkv), nkv) as u64;
+        attention_kv_with(mm.backend(), mm.pool(), q_s, kc, vc, n, &step.ap, out_s)?;
     }
     laps.lap(OpKind::Attention, || kv_bytes);
     product(mm, &mats.wo, &b.heads, t, &mut b.tmp)?;

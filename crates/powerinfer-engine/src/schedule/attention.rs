@@ -15,7 +15,7 @@ use std::time::Duration;
 use crate::kv_cache::{KvCache, SeqId};
 
 use crate::device::AttentionDevice;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 /// Fewest positions attended before a layer splits them (below, the device's launch and
 /// copies cost more than the positions).
@@ -133,7 +133,11 @@ impl AttentionSplit {
         if state.mirrored >= s {
             return Ok(());
         }
-        let (k, v) = cache.layer(seq, layer)?;
+        let Some((k, v)) = cache.layer_f16(seq, layer)? else {
+            return Err(EngineError::Invalid(
+                "the attention split mirrors F16 KV caches only".into(),
+            ));
+        };
         let row = cache.row_len();
         let (a, b) = (state.mirrored * row, s * row);
         let took = device.write_mirror(layer, state.mirrored, &k[a..b], &v[a..b])?;

@@ -11,10 +11,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use half::f16;
-
 use crate::device::{Device, KvId, KvShape};
 use crate::error::{EngineError, Result};
+use crate::kv_cache::KvType;
 use crate::kv_cache::{KvCache, OnDevice, SeqId};
 
 /// Source of [`KvStores`] identities.
@@ -46,19 +45,27 @@ impl KvStores {
         }
     }
 
-    /// Bytes of `n` stores of `layers` layers of `positions` rows of `row` F16 values (K and V).
-    pub(crate) fn bytes(n: usize, layers: usize, positions: usize, row: usize) -> u64 {
-        4 * (n * layers * positions * row) as u64
+    /// Bytes of `n` stores of `layers` layers of `positions` rows of `row` values, K and V of
+    /// `types`.
+    pub(crate) fn bytes(
+        n: usize,
+        layers: usize,
+        positions: usize,
+        row: usize,
+        types: (KvType, KvType),
+    ) -> u64 {
+        (n * layers * positions * (types.0.bytes_of(row) + types.1.bytes_of(row))) as u64
     }
 
     /// `n` stores for the layers `held` says, of `positions` rows of `n_kv_head` heads of
-    /// `head_dim` values.
+    /// `head_dim` values, K and V of `types`.
     pub(crate) fn new(
         device: &dyn Device,
         held: Vec<bool>,
         n: usize,
         positions: usize,
         (n_kv_head, head_dim): (usize, usize),
+        types: (KvType, KvType),
     ) -> Result<KvStores> {
         let mut layer_of = Vec::with_capacity(held.len());
         let mut k = 0;
@@ -78,6 +85,7 @@ impl KvStores {
                         positions,
                         n_kv_head,
                         head_dim,
+                        types,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -152,8 +160,8 @@ impl KvStores {
         };
         for (l, s) in self.layer_of.iter().enumerate() {
             if let (Some(s), true) = (s, pos > 0) {
-                let (k, v) = cache.layer(seq, l)?;
-                device.write_kv(self.stores[i], *s, 0, k, v)?;
+                let (k, v) = cache.rows(seq, l, 0, pos)?;
+                device.write_kv(self.stores[i], *s, 0, &k, &v)?;
             }
         }
         self.lend(&mut leases[i], i, cache, seq, pos)?;
@@ -230,8 +238,8 @@ impl KvStores {
         if n > 0 {
             for (l, s) in self.layer_of.iter().enumerate() {
                 if let Some(s) = s {
-                    let (k, v): (Vec<f16>, Vec<f16>) = device.read_kv(store, *s, from, n)?;
-                    cache.append_f16(seq, l, &k, &v)?;
+                    let (k, v) = device.read_kv(store, *s, from, n)?;
+                    cache.append_rows(seq, l, &k, &v)?;
                 }
             }
         }

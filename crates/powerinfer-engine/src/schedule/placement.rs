@@ -27,7 +27,7 @@ use std::sync::Mutex;
 
 use powerinfer_kernels_cpu::{MatMul, Weights};
 use powerinfer_placement::{
-    activation_probabilities, plan_model_with, IndexSource, PlanOptions, VramBudget,
+    activation_probabilities, plan_model_with, IndexSource, KvTypes, PlanOptions, VramBudget,
 };
 
 use super::attention::AttentionSplit;
@@ -45,6 +45,7 @@ use crate::device::{
     hot_slice_overhead, BufId, Device, DeviceChoice, DeviceReport, HotSpec, MatId, ScratchShape,
 };
 use crate::error::{EngineError, Result};
+use crate::kv_cache::KvType;
 use crate::model::{Ffn, Layer, Model, Norm, Qkv, TensorRef};
 
 /// Neurons per placement group (PowerInfer's solver batch).
@@ -62,7 +63,12 @@ pub(crate) enum Opened {
 }
 
 /// Opens the device of `opts` for `model`.
-pub(crate) fn open(opts: &DeviceOptions, model: &Model, ctx_len: usize) -> Result<Opened> {
+pub(crate) fn open(
+    opts: &DeviceOptions,
+    model: &Model,
+    ctx_len: usize,
+    types: (KvType, KvType),
+) -> Result<Opened> {
     match opts.choice {
         DeviceChoice::None => Ok(Opened::Cpu(None)),
         DeviceChoice::Sim => {
@@ -70,9 +76,9 @@ pub(crate) fn open(opts: &DeviceOptions, model: &Model, ctx_len: usize) -> Resul
             // budget would be there (90% less 256 MiB).
             let budget = match (opts.vram_budget, opts.sim.speed) {
                 (Some(b), _) => b,
-                (None, Some(card)) => everything(model, opts, ctx_len)
+                (None, Some(card)) => everything(model, opts, ctx_len, types)
                     .min((card.memory / 10 * 9).saturating_sub(256 << 20)),
-                (None, None) => everything(model, opts, ctx_len),
+                (None, None) => everything(model, opts, ctx_len, types),
             };
             let sim = SimDevice::new(budget, &opts.sim, opts.graphs)?;
             Ok(Opened::Device(Box::new(sim)))
@@ -81,6 +87,12 @@ pub(crate) fn open(opts: &DeviceOptions, model: &Model, ctx_len: usize) -> Resul
             Ok(d) => Ok(Opened::Device(Box::new(d))),
             Err(e) => Err(EngineError::NoGpu(format!("cuda:{n}: {e}"))),
         },
+        DeviceChoice::Auto if types != (KvType::F16, KvType::F16) => {
+            Ok(Opened::Cpu(Some(format!(
+            "a {}/{} KV cache: a CUDA device keeps F16 KV stores only; everything runs on the CPU",
+            types.0, types.1
+        ))))
+        }
         DeviceChoice::Auto => match CudaDevice::open(0, opts.vram_budget, opts.graphs) {
             Ok(d) => Ok(Opened::Device(Box::new(d))),
             Err(e) => Ok(Opened::Cpu(Some(format!(
@@ -97,7 +109,7 @@ pub(crate) fn work_tokens(batch: usize) -> usize {
 
 /// Bytes the simulated device needs to hold everything it could hold of `model`: the work
 /// buffers, the KV stores, every matrix, norm and bias, and the bucket entry of every neuron.
-fn everything(model: &Model, opts: &DeviceOptions, ctx_len: usize) -> u64 {
+fn everything(model: &Model, opts: &DeviceOptions, ctx_len: usize, types: (KvType, KvType)) -> u64 {
     let hp = &model.hparams;
     let mats: u64 = model.matrices().map(|t| t.info.n_bytes()).sum();
     let embd =
@@ -109,6 +121,7 @@ fn everything(model: &Model, opts: &DeviceOptions, ctx_len: usize) -> u64 {
         model.layers.len(),
         ctx_len,
         hp.n_embd_kv(),
+        types,
     );
     work_bytes(model, work_tokens(DEVICE_TOKENS))
         + kv
@@ -347,7 +360,7 @@ pub(crate) fn place(
     opts: &DeviceOptions,
     device: Box<dyn Device>,
     batch: usize,
-    ctx_len: usize,
+    (ctx_len, types): (usize, (KvType, KvType)),
     mm: &MatMul<'_>,
     threshold: f32,
 ) -> Result<Hybrid> {
@@ -418,7 +431,12 @@ pub(crate) fn place(
     h.report.work_bytes = need;
     // The attention split's KV mirror (for layers attended on the host).
     let mut notes = Vec::new();
-    if opts.balance.attention_split {
+    if opts.balance.attention_split && types != (KvType::F16, KvType::F16) {
+        notes.push(format!(
+            "no attention split: it mirrors F16 KV caches, these are {}/{}",
+            types.0, types.1
+        ));
+    } else if opts.balance.attention_split {
         let reserved = match h.device.attention() {
             Some(a) => a.reserve_kv(n_layer, ctx_len, model.hparams.n_embd_kv()),
             None => Err(EngineError::Device(format!(
@@ -451,7 +469,7 @@ pub(crate) fn place(
     // 2. Whole layers, with their KV share.
     let kv_n = opts.kv_sequences.max(1);
     let kv_row = model.hparams.n_embd_kv();
-    let kv_layer = KvStores::bytes(kv_n, 1, ctx_len, kv_row);
+    let kv_layer = KvStores::bytes(kv_n, 1, ctx_len, kv_row, types);
     let order: Vec<usize> = if model.is_sparse() {
         (0..n_layer).collect()
     } else {
@@ -495,10 +513,10 @@ pub(crate) fn place(
     }
     let resident = held.iter().filter(|&&x| x).count();
     let heads = (model.hparams.n_head_kv, model.hparams.head_dim());
-    h.kv = KvStores::new(h.device.as_ref(), held, kv_n, ctx_len, heads)?;
+    h.kv = KvStores::new(h.device.as_ref(), held, kv_n, ctx_len, heads, types)?;
     h.report.layers = resident;
     h.report.kv_bytes = if resident > 0 {
-        KvStores::bytes(kv_n, resident, ctx_len, kv_row)
+        KvStores::bytes(kv_n, resident, ctx_len, kv_row, types)
     } else {
         0
     };
@@ -761,6 +779,7 @@ fn place_sparse(
         &PlanOptions {
             budget_bytes: left,
             n_ctx: 0,
+            kv: KvTypes::F16,
             scratch_bytes: 0,
             group: GROUP,
             balanced,

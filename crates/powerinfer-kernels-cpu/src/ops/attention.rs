@@ -91,7 +91,7 @@ impl AttentionParams {
         self.n_kv_head * self.head_dim
     }
 
-    fn validate(&self) -> Result<(), KernelError> {
+    pub(super) fn validate(&self) -> Result<(), KernelError> {
         if self.n_head == 0 || self.n_kv_head == 0 || self.head_dim == 0 {
             return Err(KernelError::Shape(format!(
                 "attention: n_head {}, n_kv_head {} and head_dim {} must be positive",
@@ -180,7 +180,7 @@ pub fn attention_block_with(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn attention_block_isa(
+pub(super) fn attention_block_isa(
     isa: Isa,
     pool: &ThreadPool,
     q: &[f32],
@@ -669,7 +669,7 @@ fn attend_group(
 /// Σ `a[i]·b[i]` in f32 with eight partial sums (which the compiler keeps in vector registers),
 /// combined by a fixed tree, then the tail in order.
 #[inline]
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let ac = a.chunks_exact(8);
     let bc = b.chunks_exact(8);
@@ -688,7 +688,7 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 
 /// AVX2 `q · k` (callers check `isa.is_avx2()`; the scalar path widens rows in bulk instead).
 #[inline]
-fn dot_f32_f16(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
+pub(super) fn dot_f32_f16(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
         // SAFETY: `is_avx2()` is only true for an available AVX2 backend (AVX2, FMA, F16C);
@@ -736,7 +736,7 @@ fn dots8(isa: Isa, q: &[f32], tile: &[f32], scale: f32) -> [f32; 8] {
 /// AVX2 `acc += w[r] · tile[r]` over the tile's first `w.len()` rows, in order (callers check
 /// `isa.is_avx2()` and `d % 8 == 0`).
 #[inline]
-fn axpy_tile(isa: Isa, acc: &mut [f32], w: &[f32], tile: &[f32]) {
+pub(super) fn axpy_tile(isa: Isa, acc: &mut [f32], w: &[f32], tile: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
         // SAFETY: `is_avx2()` is only true for an available AVX2 backend (AVX2, FMA, F16C);
@@ -773,7 +773,7 @@ fn axpy4_f16(isa: Isa, acc: &mut [f32], a: [f32; 4], v: [&[f16]; 4]) {
 
 /// AVX2 `acc += a · v` (callers check `isa.is_avx2()`).
 #[inline]
-fn axpy_f16(isa: Isa, acc: &mut [f32], a: f32, v: &[f16]) {
+pub(super) fn axpy_f16(isa: Isa, acc: &mut [f32], a: f32, v: &[f16]) {
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
         // SAFETY: `is_avx2()` is only true for an available AVX2 backend (AVX2, FMA, F16C);

@@ -23,8 +23,10 @@
 
 pub mod activation;
 pub mod attention;
+pub mod attention_kv;
 mod exp;
 mod isa;
+pub mod kv;
 pub mod norm;
 pub mod rope;
 pub mod softmax;
@@ -32,5 +34,7 @@ pub mod softmax;
 mod x86;
 #[cfg(all(target_arch = "x86_64", powerinfer_avx512))]
 mod x86_512;
+#[cfg(target_arch = "x86_64")]
+mod x86_kv;
 
 pub(crate) use crate::error::check_len;

@@ -189,3 +189,64 @@ pub fn attention_block(
     }
     out
 }
+
+/// Causal attention over KV caches of any type ([`crate::ops::attention_kv::attention_kv`]):
+/// `k` and `v` are the caches' exact values (dequantized, row-major
+/// `[n_pos][n_kv_head][head_dim]`) and `k_ty` K's type, which fixes the queries the scores
+/// multiply: per head quantized as the activation of a `k_ty` matrix
+/// ([`super::matmul::quantize_activation`]: 8-bit blocks for Q8_0 and Q4_0) or exact (F16, F32,
+/// BF16 caches). Token `t` attends to rows `0..=n_pos − n_tokens + t`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_kv(
+    q: &[f32],
+    k_ty: powerinfer_gguf::GgmlType,
+    k: &[f64],
+    v: &[f64],
+    n_tokens: usize,
+    n_head: usize,
+    n_kv_head: usize,
+    head_dim: usize,
+    scale: f64,
+) -> Vec<f64> {
+    let kv_row = n_kv_head * head_dim;
+    let n_pos = k.len() / kv_row;
+    let p0 = n_pos - n_tokens;
+    let q_len = n_head * head_dim;
+    let group = n_head / n_kv_head;
+    let exact = matches!(
+        k_ty,
+        powerinfer_gguf::GgmlType::F16
+            | powerinfer_gguf::GgmlType::F32
+            | powerinfer_gguf::GgmlType::BF16
+    );
+    let mut out = vec![0f64; n_tokens * q_len];
+    for t in 0..n_tokens {
+        let n = p0 + t + 1;
+        for h in 0..n_head {
+            let off = (h / group) * head_dim;
+            let qh = &q[t * q_len + h * head_dim..][..head_dim];
+            let qh: Vec<f64> = if exact {
+                qh.iter().map(|&x| f64::from(x)).collect()
+            } else {
+                super::matmul::quantize_activation(k_ty, qh)
+            };
+            let s: Vec<f64> = (0..n)
+                .map(|p| {
+                    let kh = &k[p * kv_row + off..][..head_dim];
+                    scale * qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            let oh = &mut out[t * q_len + h * head_dim..][..head_dim];
+            for (p, &wp) in w.iter().enumerate() {
+                let vh = &v[p * kv_row + off..][..head_dim];
+                for (o, &x) in oh.iter_mut().zip(vh) {
+                    *o += wp / sum * x;
+                }
+            }
+        }
+    }
+    out
+}

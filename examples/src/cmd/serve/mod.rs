@@ -72,6 +72,9 @@ pub struct Args {
     /// The device beside the CPU.
     #[command(flatten)]
     device: super::device::DeviceArgs,
+    /// The KV cache's types.
+    #[command(flatten)]
+    cache: super::CacheTypes,
 }
 
 /// The chat page.
@@ -146,6 +149,7 @@ pub fn run(a: Args) -> Result<(), String> {
     let template_source = super::chat::template_source(a.chat_template.as_deref())?;
     let mut o = super::engine_options(a.threads, a.sparse_threshold);
     a.device.apply(&mut o)?;
+    a.cache.apply(&mut o)?;
     // Every sequence decoded at once keeps its KV rows on a device.
     o.device.kv_sequences = a.parallel;
     o.ctx_len = a.ctx_size;

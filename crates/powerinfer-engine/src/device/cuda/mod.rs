@@ -11,8 +11,8 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use half::f16;
 use powerinfer_gguf::GgmlType;
+use powerinfer_kernels_cpu::ops::kv::KvType;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::{
     CudaError, DeviceTensor, Gpu, GpuSlice, LayerKv, NoGpu, PinnedBuffer,
@@ -341,6 +341,12 @@ impl Device for CudaDevice {
     }
 
     fn alloc_kv(&self, sh: KvShape) -> Result<KvId> {
+        if sh.types != (KvType::F16, KvType::F16) {
+            return Err(EngineError::Invalid(format!(
+                "a {}/{} KV cache: the CUDA device keeps its KV stores in F16 only",
+                sh.types.0, sh.types.1
+            )));
+        }
         let s = self.gpu.stream();
         let store = (0..sh.layers)
             .map(|_| LayerKv::new(&self.gpu, s, sh.positions, sh.n_kv_head, sh.head_dim))
@@ -351,14 +357,19 @@ impl Device for CudaDevice {
         Ok(KvId(st.kvs.len() - 1))
     }
 
-    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()> {
+    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[u8], v: &[u8]) -> Result<()> {
         let mut st = self.state();
         let cache = kv_layer_mut(&mut st.kvs, kv, layer)?;
-        let bits = |x: &[f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
+        // F16 stores: the canonical bytes are the f16 values, little-endian.
+        let bits = |x: &[u8]| {
+            (x.chunks_exact(2))
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect::<Vec<u16>>()
+        };
         cache
             .write(self.gpu.stream(), start, &bits(k), &bits(v))
             .map_err(cuda)?;
-        self.traffic.moved(4 * k.len() as u64);
+        self.traffic.moved((k.len() + v.len()) as u64);
         Ok(())
     }
 
@@ -368,8 +379,12 @@ impl Device for CudaDevice {
         let (k, v) = cache.read(self.gpu.stream(), start, n).map_err(cuda)?;
         self.traffic.waited();
         self.traffic.moved(4 * k.len() as u64);
-        let half = |x: Vec<u16>| x.into_iter().map(f16::from_bits).collect::<Vec<f16>>();
-        Ok((half(k), half(v)))
+        let bytes = |x: Vec<u16>| {
+            x.into_iter()
+                .flat_map(u16::to_le_bytes)
+                .collect::<Vec<u8>>()
+        };
+        Ok((bytes(k), bytes(v)))
     }
 
     fn copy_kv(&self, from: KvId, to: KvId, n: usize) -> Result<()> {

@@ -1,13 +1,10 @@
 //! The simulated device's interpreter: each op of a program on the device's memory, with the
 //! CPU kernels (so a layer computed here gives the CPU's bits), and what it cost.
 
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use powerinfer_kernels_cpu::ffn::{activate, token_ffn, FfnAct, NeuronRows, TokenBufs};
 use powerinfer_kernels_cpu::ops::activation::{add, relu};
-use powerinfer_kernels_cpu::ops::attention::{
-    attention_block, attention_part, AttentionParams, AttentionPart,
-};
+use powerinfer_kernels_cpu::ops::attention::{attention_part, AttentionParams, AttentionPart};
+use powerinfer_kernels_cpu::ops::attention_kv::{attention_kv_with, kv_bytes_read};
 use powerinfer_kernels_cpu::ops::norm::{layer_norm, rms_norm};
 use powerinfer_kernels_cpu::ops::rope::rope_block;
 use powerinfer_kernels_cpu::MatMul;
@@ -15,8 +12,8 @@ use powerinfer_predictor::predictor::Predictor;
 
 use super::clock::Cost;
 use super::memory::{
-    buf, bytes_of, hot_mut, io, mat, put_rows, span, span_mut, span_vec, DevHot, DevMat, Memory,
-    NewRows,
+    buf, bytes_of, hot_mut, io, mat, put_rows_f32, span, span_mut, span_vec, DevHot, DevMat,
+    Memory, NewRows,
 };
 use super::stream::{StepState, Stream};
 use crate::device::{
@@ -188,29 +185,25 @@ impl Stream {
             .as_ref()
             .ok_or_else(|| EngineError::Device("no KV mirror reserved".into()))?
             .kv;
-        let row = kv.row;
-        if layer >= kv.k.len() || n > kv.positions || row != params.kv_row_len() {
+        let row = params.kv_row_len();
+        let rows = (kv.k.get(layer).and_then(|b| b.as_f16()))
+            .zip(kv.v.get(layer).and_then(|b| b.as_f16()));
+        let Some((k, v)) = rows.filter(|(k, _)| n * row <= k.len()) else {
             return Err(EngineError::Device(format!(
-                "attention over {n} positions of layer {layer}: the mirror has {} layers of {} \
-                 positions of {row} values",
+                "attention over {n} positions of layer {layer}: the mirror has {} layers of \
+                 {} positions of {row} values",
                 kv.k.len(),
                 kv.positions
             )));
-        }
+        };
         let mut part = AttentionPart::default();
-        attention_part(
-            q,
-            &kv.k[layer][..n * row],
-            &kv.v[layer][..n * row],
-            params,
-            &mut part,
-        )?;
+        attention_part(q, &k[..n * row], &v[..n * row], params, &mut part)?;
         let out = part.max.len() + part.sum.len() + part.acc.len();
         Ok((
             part,
             Cost {
                 launches: 1,
-                read: 2 * bytes_of::<f16>(n * row),
+                read: 4 * (n * row) as u64,
                 copied: bytes_of::<f32>(q.len() + out),
                 copies: 2,
             },
@@ -391,34 +384,25 @@ fn attention(mm: &MatMul<'_>, mem: &mut Memory, st: &StepState, a: &AttentionOp)
     let (n, kf) = (a.n, span(&mem.bufs, a.k)?);
     let vf = span(&mem.bufs, a.v)?;
     let store = mem.kvs.get_mut(a.kv.0).ok_or_else(|| unknown_kv(a.kv))?;
-    let row = store.row;
-    if kf.len() != n * row || vf.len() != n * row {
-        return Err(EngineError::Device(format!(
-            "KV rows of {} values for {n} rows of {row}",
-            kf.len()
-        )));
-    }
-    let mut kh = vec![f16::ZERO; kf.len()];
-    let mut vh = vec![f16::ZERO; vf.len()];
-    kh.convert_from_f32_slice(kf);
-    vh.convert_from_f32_slice(vf);
-    put_rows(store, a.layer, pos, &kh, &vh)?;
-    let written = 4 * (n * row) as u64;
-    let (layer, len) = (a.layer, pos + a.n);
+    // Converted to the store's types here, as the host's cache converts its rows.
+    put_rows_f32(store, a.layer, pos, kf, vf)?;
+    let (k, v) = (&store.k[a.layer], &store.v[a.layer]);
+    let written = (k.row_bytes() + v.row_bytes()) as u64 * n as u64;
+    let len = pos + n;
+    let read = kv_bytes_read(k.ty(), v.ty(), len, k.row_values()) as u64;
+    let (kview, vview) = (k.view(), v.view());
     let qv = span(&mem.bufs, a.q)?.to_vec();
-    let store = mem.kvs.get(a.kv.0).ok_or_else(|| unknown_kv(a.kv))?;
-    if layer >= store.k.len() || len > store.positions || a.n > len {
-        return Err(EngineError::Device(format!(
-            "attention over {len} positions of layer {layer} of a store of {} layers and {} \
-             positions",
-            store.k.len(),
-            store.positions
-        )));
-    }
-    let (kc, vc) = (&store.k[layer][..len * row], &store.v[layer][..len * row]);
-    let read = 4 * (len * row) as u64;
     let out = span_mut(&mut mem.bufs, a.out)?;
-    attention_block(mm.pool(), &qv, kc, vc, a.n, &a.params, out)?;
+    attention_kv_with(
+        mm.backend(),
+        mm.pool(),
+        &qv,
+        kview,
+        vview,
+        n,
+        &a.params,
+        out,
+    )?;
     Ok(Cost {
         launches: 2,
         ..one(written + read)

@@ -1,13 +1,13 @@
 //! The simulated device's memory: every matrix, hot slice, buffer and KV store a separate
 //! allocation held against the budget, and the checked views the interpreter reads and writes.
 
-use half::f16;
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ffn::FfnAct;
+use powerinfer_kernels_cpu::ops::kv::KvBuf;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::{MemoryBudget, Reservation};
 
-use crate::device::{entry_mut, BufId, HotId, MatId, Span};
+use crate::device::{entry_mut, BufId, HotId, KvRows, KvShape, MatId, Span};
 use crate::error::{EngineError, Result};
 
 /// A matrix in device memory.
@@ -38,12 +38,12 @@ pub(super) struct DevHot {
     pub(super) _held: Reservation,
 }
 
-/// One sequence's K and V rows, per layer.
+/// One sequence's K and V rows, per layer, in the store's types (charged at `positions`
+/// rows from the start, as a GPU allocates them).
 pub(super) struct DevKv {
     pub(super) positions: usize,
-    pub(super) row: usize,
-    pub(super) k: Vec<Vec<f16>>,
-    pub(super) v: Vec<Vec<f16>>,
+    pub(super) k: Vec<KvBuf>,
+    pub(super) v: Vec<KvBuf>,
     pub(super) _held: Reservation,
 }
 
@@ -91,25 +91,21 @@ pub(super) fn budget_error(e: powerinfer_kernels_cuda::BudgetError) -> EngineErr
     }
 }
 
-/// A zeroed KV store held against `budget`.
-pub(super) fn new_kv(
-    budget: &MemoryBudget,
-    layers: usize,
-    positions: usize,
-    row: usize,
-) -> Result<DevKv> {
-    let values = layers
-        .checked_mul(positions)
-        .and_then(|v| v.checked_mul(row))
-        .ok_or_else(|| EngineError::Device("KV store size overflows".into()))?;
-    let held = budget
-        .try_reserve(2 * bytes_of::<f16>(values))
-        .map_err(budget_error)?;
+/// A store of `shape`, its bytes held against `budget`.
+pub(super) fn new_kv(budget: &MemoryBudget, shape: KvShape) -> Result<DevKv> {
+    let held = budget.try_reserve(shape.bytes()).map_err(budget_error)?;
+    let buf = |ty| {
+        KvBuf::new(ty, shape.n_kv_head, shape.head_dim)
+            .map_err(|e| EngineError::Device(format!("KV store: {e}")))
+    };
     Ok(DevKv {
-        positions,
-        row,
-        k: vec![vec![f16::ZERO; positions * row]; layers],
-        v: vec![vec![f16::ZERO; positions * row]; layers],
+        positions: shape.positions,
+        k: (0..shape.layers)
+            .map(|_| buf(shape.types.0))
+            .collect::<Result<_>>()?,
+        v: (0..shape.layers)
+            .map(|_| buf(shape.types.1))
+            .collect::<Result<_>>()?,
         _held: held,
     })
 }
@@ -215,54 +211,98 @@ pub(super) fn io<'b>(
     Ok((got, o))
 }
 
-/// Writes K and V rows (whole rows) into layer `layer` of `kv` from position `from`.
+/// The layer's two buffers of `kv`, ready to take rows from position `from` on: rows past it
+/// are dropped (what a rolled-back evaluation left), a gap before it is an error.
+fn rows_from(
+    kv: &mut DevKv,
+    layer: usize,
+    from: usize,
+    rows: usize,
+) -> Result<(&mut KvBuf, &mut KvBuf)> {
+    let (positions, layers) = (kv.positions, kv.k.len());
+    let (Some(k), Some(v)) = (kv.k.get_mut(layer), kv.v.get_mut(layer)) else {
+        return Err(EngineError::Device(format!(
+            "KV rows of layer {layer} outside the store ({layers} layers)"
+        )));
+    };
+    if from + rows > positions || from > k.len() {
+        return Err(EngineError::Device(format!(
+            "KV rows {from}..{} of layer {layer}: the store holds {} of {positions} positions",
+            from + rows,
+            k.len()
+        )));
+    }
+    k.truncate(from);
+    v.truncate(from);
+    Ok((k, v))
+}
+
+/// Stores rows (the canonical bytes of the store's types) in layer `layer` of `kv` from
+/// position `from`.
 pub(super) fn put_rows(
     kv: &mut DevKv,
     layer: usize,
     from: usize,
-    k: &[f16],
-    v: &[f16],
+    k: &[u8],
+    v: &[u8],
 ) -> Result<()> {
-    let row = kv.row;
-    if k.len() != v.len() || row == 0 || k.len() % row != 0 {
+    let rb = (
+        kv.k.first().map(KvBuf::row_bytes),
+        kv.v.first().map(KvBuf::row_bytes),
+    );
+    let rows = match rb {
+        (Some(a), Some(b)) if a > 0 && k.len() % a == 0 && v.len() == k.len() / a * b => {
+            k.len() / a
+        }
+        _ => {
+            return Err(EngineError::Device(format!(
+                "KV rows of {} and {} bytes for the store's rows",
+                k.len(),
+                v.len()
+            )))
+        }
+    };
+    let (kb, vb) = rows_from(kv, layer, from, rows)?;
+    kb.push_bytes(k).map_err(kv_error)?;
+    vb.push_bytes(v).map_err(kv_error)
+}
+
+/// Stores rows given in f32 (converted to the store's types, as the host's cache converts
+/// them) in layer `layer` of `kv` from position `from`.
+pub(super) fn put_rows_f32(
+    kv: &mut DevKv,
+    layer: usize,
+    from: usize,
+    k: &[f32],
+    v: &[f32],
+) -> Result<()> {
+    let row = kv.k.first().map_or(0, KvBuf::row_values);
+    if row == 0 || k.len() % row != 0 || v.len() != k.len() {
         return Err(EngineError::Device(format!(
             "KV rows of {} and {} values for rows of {row}",
             k.len(),
             v.len()
         )));
     }
-    let rows = k.len() / row;
-    if layer >= kv.k.len() || from + rows > kv.positions {
-        return Err(EngineError::Device(format!(
-            "KV rows {from}..{} of layer {layer} outside the store ({} layers, {} positions)",
-            from + rows,
-            kv.k.len(),
-            kv.positions
-        )));
-    }
-    kv.k[layer][from * row..][..k.len()].copy_from_slice(k);
-    kv.v[layer][from * row..][..v.len()].copy_from_slice(v);
-    Ok(())
+    let (kb, vb) = rows_from(kv, layer, from, k.len() / row)?;
+    kb.push_f32(k).map_err(kv_error)?;
+    vb.push_f32(v).map_err(kv_error)
 }
 
-/// Rows `from .. from + n` of layer `layer` of `kv`.
-pub(super) fn take_rows(
-    kv: &DevKv,
-    layer: usize,
-    from: usize,
-    n: usize,
-) -> Result<(Vec<f16>, Vec<f16>)> {
-    let row = kv.row;
-    if layer >= kv.k.len() || from + n > kv.positions {
+/// Rows `from .. from + n` of layer `layer` of `kv`, in the canonical bytes of its types.
+pub(super) fn take_rows(kv: &DevKv, layer: usize, from: usize, n: usize) -> Result<KvRows> {
+    let (Some(k), Some(v)) = (kv.k.get(layer), kv.v.get(layer)) else {
         return Err(EngineError::Device(format!(
-            "KV rows {from}..{} of layer {layer} outside the store ({} layers, {} positions)",
-            from + n,
-            kv.k.len(),
-            kv.positions
+            "KV rows of layer {layer} outside the store ({} layers)",
+            kv.k.len()
         )));
-    }
+    };
     Ok((
-        kv.k[layer][from * row..(from + n) * row].to_vec(),
-        kv.v[layer][from * row..(from + n) * row].to_vec(),
+        k.rows_bytes(from, n).map_err(kv_error)?,
+        v.rows_bytes(from, n).map_err(kv_error)?,
     ))
+}
+
+fn kv_error(e: powerinfer_kernels_cpu::KernelError) -> EngineError {
+    EngineError::Device(format!("KV store: {e}"))
 }

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use half::f16;
 use powerinfer_gguf::GgmlType;
 use powerinfer_kernels_cpu::ops::attention::AttentionPart;
+use powerinfer_kernels_cpu::ops::kv::KvType;
 use powerinfer_kernels_cpu::Weights;
 use powerinfer_kernels_cuda::MemoryBudget;
 
@@ -415,19 +416,14 @@ impl Device for SimDevice {
     }
 
     fn alloc_kv(&self, s: KvShape) -> Result<KvId> {
-        let kv = new_kv(
-            &self.budget,
-            s.layers,
-            s.positions,
-            s.n_kv_head * s.head_dim,
-        )?;
+        let kv = new_kv(&self.budget, s)?;
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
         mem.kvs.push(kv);
         Ok(KvId(mem.kvs.len() - 1))
     }
 
-    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<()> {
-        self.traffic.moved(2 * bytes_of::<f16>(k.len()));
+    fn write_kv(&self, kv: KvId, layer: usize, start: usize, k: &[u8], v: &[u8]) -> Result<()> {
+        self.traffic.moved((k.len() + v.len()) as u64);
         self.send(Cmd::KvWrite {
             kv,
             layer,
@@ -447,7 +443,7 @@ impl Device for SimDevice {
             reply,
         })?;
         let (k, v) = self.answer(&answer)?;
-        self.traffic.moved(2 * bytes_of::<f16>(k.len()));
+        self.traffic.moved((k.len() + v.len()) as u64);
         Ok((k, v))
     }
 
@@ -568,7 +564,14 @@ impl AttentionDevice for SimDevice {
     fn reserve_kv(&self, n_layer: usize, positions: usize, kv_row: usize) -> Result<()> {
         let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
         mem.mirror = None;
-        let kv = new_kv(&self.budget, n_layer, positions, kv_row)?;
+        let shape = KvShape {
+            layers: n_layer,
+            positions,
+            n_kv_head: 1,
+            head_dim: kv_row,
+            types: (KvType::F16, KvType::F16),
+        };
+        let kv = new_kv(&self.budget, shape)?;
         mem.mirror = Some(Mirror { kv });
         Ok(())
     }
@@ -576,11 +579,12 @@ impl AttentionDevice for SimDevice {
     fn write_mirror(&self, layer: usize, start: usize, k: &[f16], v: &[f16]) -> Result<Duration> {
         self.traffic.moved(2 * bytes_of::<f16>(k.len()));
         let (reply, answer) = channel();
+        let bytes = |x: &[f16]| x.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>();
         self.send(Cmd::MirrorWrite {
             layer,
             start,
-            k: k.to_vec(),
-            v: v.to_vec(),
+            k: bytes(k),
+            v: bytes(v),
             reply,
         })?;
         self.answer(&answer)

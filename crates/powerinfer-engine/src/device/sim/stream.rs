@@ -6,7 +6,6 @@ use std::sync::mpsc::{Receiver, RecvError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use half::f16;
 use powerinfer_kernels_cpu::ops::attention::{AttentionParams, AttentionPart};
 use powerinfer_kernels_cpu::{MatMul, ThreadPool};
 
@@ -48,8 +47,8 @@ pub(super) enum Cmd {
         kv: KvId,
         layer: usize,
         start: usize,
-        k: Vec<f16>,
-        v: Vec<f16>,
+        k: Vec<u8>,
+        v: Vec<u8>,
     },
     KvRead {
         kv: KvId,
@@ -77,8 +76,8 @@ pub(super) enum Cmd {
     MirrorWrite {
         layer: usize,
         start: usize,
-        k: Vec<f16>,
-        v: Vec<f16>,
+        k: Vec<u8>,
+        v: Vec<u8>,
         /// The copy's time on the timeline.
         reply: Sender<Answer<Duration>>,
     },
@@ -254,7 +253,7 @@ impl Stream {
                 let mut mem = self.memory.write().unwrap_or_else(|e| e.into_inner());
                 let store = mem.kvs.get_mut(kv.0).ok_or_else(|| unknown_kv(kv))?;
                 put_rows(store, layer, from, &k, &v)?;
-                done(Cost::copy(2 * bytes_of::<f16>(k.len())))
+                done(Cost::copy((k.len() + v.len()) as u64))
             }
             Cmd::KvRead {
                 kv,
@@ -267,7 +266,7 @@ impl Stream {
                 let got = (mem.kvs.get(kv.0))
                     .ok_or_else(|| unknown_kv(kv))
                     .and_then(|s| take_rows(s, layer, from, n));
-                let bytes = (got.as_ref()).map_or(0, |(k, _)| 2 * bytes_of::<f16>(k.len()));
+                let bytes = (got.as_ref()).map_or(0, |(k, v)| (k.len() + v.len()) as u64);
                 Ok((Cost::copy(bytes), Some(Reply::Kv(reply, got))))
             }
             Cmd::KvCopy { from, to, n } => done(self.kv_copy(from, to, n)?),
@@ -294,7 +293,7 @@ impl Stream {
                     None => Err(EngineError::Device("no KV mirror reserved".into())),
                 };
                 let cost = match r {
-                    Ok(()) => Cost::copy(2 * bytes_of::<f16>(k.len())),
+                    Ok(()) => Cost::copy((k.len() + v.len()) as u64),
                     Err(_) => Cost::default(),
                 };
                 Ok((cost, Some(Reply::Took(reply, r))))
@@ -362,7 +361,7 @@ impl Stream {
         let mut read = 0;
         for l in 0..layers {
             let (k, v) = take_rows(&mem.kvs[from.0], l, 0, n)?;
-            read += 2 * bytes_of::<f16>(k.len());
+            read += (k.len() + v.len()) as u64;
             put_rows(&mut mem.kvs[to.0], l, 0, &k, &v)?;
         }
         Ok(Cost {

@@ -7,7 +7,10 @@ plus <out>.json with metadata.
 Usage:
   LLAMA_CPP_LIB_PATH=/tmp/llama/build/bin PYTHONPATH=/tmp/llama/llama_cpp_python-0.3.36 \
     /tmp/llama/venv/bin/python /tmp/llama/golden.py MODEL.gguf OUT.logits.bin \
-    --tokens "1 2 3 4 5 6 7 8" [--kv f32|f16] [--threads 2]
+    --tokens "1 2 3 4 5 6 7 8" [--kv f32|f16|q8_0|q4_0] [--threads 2]
+
+A quantized KV cache (q8_0, q4_0: K and V both) runs with flash attention on, which llama.cpp
+needs to quantize V; f16 and f32 with it off.
 """
 import argparse
 import json
@@ -21,7 +24,7 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--tokens", default="1 2 3 4 5 6 7 8")
-    ap.add_argument("--kv", default="f16", choices=["f16", "f32"])
+    ap.add_argument("--kv", default="f16", choices=["f16", "f32", "q8_0", "q4_0"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=64)
     args = ap.parse_args()
@@ -29,7 +32,13 @@ def main() -> int:
     import llama_cpp
     from llama_cpp import Llama
 
-    kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[args.kv]
+    kv = {
+        "f16": llama_cpp.GGML_TYPE_F16,
+        "f32": llama_cpp.GGML_TYPE_F32,
+        "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+        "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+    }[args.kv]
+    flash_attn = args.kv in ("q8_0", "q4_0")
     tokens = [int(t) for t in args.tokens.split()]
     llm = Llama(
         model_path=args.model,
@@ -41,7 +50,7 @@ def main() -> int:
         logits_all=True,
         type_k=kv,
         type_v=kv,
-        flash_attn=False,
+        flash_attn=flash_attn,
         verbose=False,
     )
     llm.eval(tokens)
@@ -55,7 +64,7 @@ def main() -> int:
         "n_tokens": len(tokens),
         "kv_type": args.kv,
         "threads": args.threads,
-        "flash_attn": False,
+        "flash_attn": flash_attn,
         "layout": "row-major [n_tokens][n_vocab] little-endian f32",
         "all_finite": finite,
         "argmax_per_pos": [int(i) for i in logits.argmax(axis=1)],
